@@ -111,6 +111,16 @@ def attention_variants(task: str) -> dict[str, list[str]]:
     }
 
 
+def merge(parts: list[dict[str, list[dict]]], order: list[str]) -> dict[str, list[dict]]:
+    """One results dict from several: the seeds of a run name are concatenated; names keep the grid's order."""
+    merged: dict[str, list[dict]] = {}
+    for part in parts:
+        for name, runs in part.items():
+            merged.setdefault(name, []).extend(runs)
+    rank = {name: i for i, name in enumerate(order)}
+    return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank))))
+
+
 def summarise(task: str, results: dict[str, list[dict]]) -> str:
     """The table; "within 1 %" compares the task's metric (recall: accuracy, whose loss goes to 0; text: loss)."""
     _, small, large, metric = TASKS[task]
@@ -173,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 3 runs, a few steps")
     parser.add_argument("--attention", action="store_true", help="compare attention variants instead of growth")
     parser.add_argument("--out", default=str(REPO / "docs"))
-    parser.add_argument("--from-json", help="re-render the table and plots from a results JSON of an earlier run")
+    parser.add_argument("--from-json", nargs="+", help="re-render the table and plots from the results JSONs of "
+                        "earlier runs, merged run by run (e.g. parallel invocations with different --only); pass "
+                        "the same --text/--override as those runs so that the table's header names them")
     parser.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides for every run, e.g. --trainer.max_epochs=4")
     args = parser.parse_args(argv)
 
@@ -195,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     if args.from_json:
-        results, runs = json.loads(Path(args.from_json).read_text()), {}
+        results, runs = merge([json.loads(Path(p).read_text()) for p in args.from_json], order=list(runs)), {}
     with tempfile.TemporaryDirectory() as logs:
         for name, overrides in runs.items():
             for seed in seeds:

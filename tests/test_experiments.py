@@ -1,0 +1,46 @@
+"""scripts/experiments.py: the smoke run writes its table, results and plots; results of parallel invocations merge."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import experiments  # noqa: E402
+
+
+def test_quick_run_writes_table_json_and_plots(tmp_path):
+    # The timeout only guards against a hang; --quick trains 3 tiny runs.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "experiments.py"), "--quick", "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((tmp_path / "experiments_recall.json").read_text())
+    assert list(results) == ["static d_head 1", "static d_head 15", "grow natural/append"]
+    grown = results["grow natural/append"][0]
+    assert grown["final"]["d_head"] == [15]
+    assert [e["epoch"] for e in grown["events"]] == [1, 2]
+    assert results["static d_head 1"][0]["final"]["d_head"] == [1]
+    table = (tmp_path / "experiments_recall.md").read_text()
+    assert all(f"| {name} | 1 |" in table for name in results)
+    assert (tmp_path / "experiments_recall_acc_vs_flops.png").stat().st_size > 0
+    assert (tmp_path / "experiments_recall_d_head.png").stat().st_size > 0
+
+
+def fake_run(loss: float, flops: float = 1.0) -> dict:
+    point = {"step": 10, "flops": flops, "loss": loss, "acc": 1 - loss, "d_head": [2]}
+    return {"params": 5, "seconds": 1.0, "flops": flops, "final": point, "curve": [point], "events": []}
+
+
+def test_results_of_parallel_invocations_merge_seed_by_seed_in_grid_order():
+    order = list(experiments.variants("text"))
+    first = {"grow pinv/append": [fake_run(1.0)], "static d_head 16": [fake_run(2.0)]}
+    second = {"grow pinv/append": [fake_run(3.0)], "static d_head 2": [fake_run(4.0)]}
+    merged = experiments.merge([first, second], order)
+    assert list(merged) == ["static d_head 2", "static d_head 16", "grow pinv/append"]
+    assert [r["final"]["loss"] for r in merged["grow pinv/append"]] == [1.0, 3.0]
+    table = experiments.summarise("text", merged)
+    assert "| grow pinv/append | 2 | 5 | 2.000 ± 1.414 |" in table
