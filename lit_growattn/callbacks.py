@@ -251,24 +251,27 @@ class GrowAttentionCallback(Callback):
         if epoch in self.grow_at_epochs and epoch not in self._done_epochs():
             self._grow(trainer, pl_module, epoch)
 
+    def _skip(self, trainer: L.Trainer, epoch: int, reason: str) -> None:
+        warnings.warn(f"growth at epoch {epoch} skipped: {reason}; training continues with the current sizes")
+        self._finish(trainer, {"epoch": epoch, "skipped": True})
+
     def _grow(self, trainer: L.Trainer, pl_module: L.LightningModule, epoch: int) -> None:
         start = time.perf_counter()
         forms = self._forms(pl_module)
         if self._stats is None:
             # Only possible when resuming from a checkpoint that predates the callback's state.
-            warnings.warn(f"no statistics were gathered before epoch {epoch}; skipping this growth")
-            self._finish(trainer, {"epoch": epoch, "skipped": True})
-            return
+            return self._skip(trainer, epoch, "no statistics were gathered before this epoch")
         if not self._reduced:
             self._close_window(trainer)  # a window cut short (e.g. a shorter resumed epoch)
         device = forms[0][1].w_q.device  # statistics restored from a checkpoint arrive on the CPU
         stats = growth.unflatten_stats(growth.flatten_stats(self._stats).to(device), self._stats)
+        if not all(s.instances > 0 for s in stats):
+            # Under a 16-mixed GradScaler every step of a short window can overflow (its pairs are dropped).
+            return self._skip(trainer, epoch, "no finite statistics were captured in its window")
         try:
             plan = self._plan(forms, stats, epoch)
         except growth.NonFiniteStatistics as err:
-            warnings.warn(f"growth at epoch {epoch} skipped: {err}; training continues with the current sizes")
-            self._finish(trainer, {"epoch": epoch, "skipped": True})
-            return
+            return self._skip(trainer, epoch, str(err))
         # α = 0 keeps the function (new pairs with zero fan-in), so its loss is the current one: no forward for it.
         moving = [a for a in self.alphas if a > 0 or self.method == "random"]
         losses = self._losses(trainer, pl_module, forms, [None] + [{n: plan.trial(n, a) for n, _ in forms} for a in moving])

@@ -9,6 +9,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -321,6 +322,48 @@ def test_nonfinite_statistics_skip_the_growth_and_training_goes_on(tmp_path, mon
     assert module.model.head_sizes() == [2, 2]
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert "growth/skipped" in scalar_tags(tmp_path)
+
+
+# -- 16-mixed: the GradScaler's factor is taken out of the statistics, overflowed steps are dropped -----
+class WindowRecorder(GrowAttentionCallback):
+    """The statistics handed to the growth (means and how many instances and steps they hold)."""
+
+    def _plan(self, forms, stats, epoch):
+        self.seen = [(s.means(), int(s.instances), float(s.weight)) for s in stats]
+        return super()._plan(forms, stats, epoch)
+
+
+def _window_run(tmp_path, init_scale=None, batches=4):
+    L.seed_everything(0)
+    data = recall_data(batch_size=16, examples=16 * batches)
+    recorder = WindowRecorder(grow_at_epochs=[1], grow_by=2, method="gradient", stats_batches=batches)
+    plugins = [] if init_scale is None else [
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
+    module = tiny_module(data, dropout=0.0)
+    trainer(tmp_path, [recorder], max_epochs=2, plugins=plugins).fit(module, data)
+    return recorder, module
+
+
+def test_16_mixed_statistics_are_unscaled(tmp_path):
+    reference, _ = _window_run(tmp_path / "fp32")
+    scaled, module = _window_run(tmp_path / "fp16", init_scale=2.0**12)
+    for (ref, _, _), (got, instances, weight) in zip(reference.seen, scaled.seen):
+        assert (instances, weight) == (64, 4.0)  # no step overflowed at this scale
+        # fp16 rounding moves single entries; a scale left in would be off by the factor 4096.
+        assert (got.n - ref.n).norm() < 0.01 * ref.n.norm()
+    assert module.model.head_sizes() == [4, 4]
+
+
+def test_16_mixed_overflowed_steps_are_dropped_not_poisoning(tmp_path):
+    # Starting at 2^30 the scaler overflows and halves its scale for several steps before the gradients fit.
+    recorder, module = _window_run(tmp_path / "partial", init_scale=2.0**30, batches=24)
+    for means, instances, weight in recorder.seen:
+        assert 0 < weight < 24 and instances == 16 * weight
+        assert all(torch.isfinite(m).all() for m in means if m is not None)
+    assert module.model.head_sizes() == [4, 4]
+    # A window made only of overflowed steps leaves nothing to grow from: the growth is skipped, training goes on.
+    recorder, module = _window_run(tmp_path / "all", init_scale=2.0**60, batches=2)
+    assert recorder.history == [{"epoch": 1, "skipped": True}] and module.model.head_sizes() == [2, 2]
 
 
 # -- every attention variant grows ---------------------------------------------------------------------
