@@ -16,6 +16,7 @@ With capture off the form runs plain SDPA and costs nothing extra.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
@@ -31,11 +32,17 @@ def augment(x: Tensor, bias: bool) -> Tensor:
     return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1) if bias else x
 
 
+@functools.lru_cache(maxsize=16)
+def _future(s: int, device: torch.device) -> Tensor:
+    """(s, s) True above the diagonal: built once per length, not on every statistics step."""
+    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+
+
 def causal_scores(q: Tensor, k: Tensor) -> Tensor:
     """Explicit scores q·kᵀ (b, h, s, s) with -inf above the diagonal."""
     s = q @ k.transpose(-1, -2)
-    causal = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-    return s.masked_fill(~causal, float("-inf"))
+    # In place: the product's backward needs q and k, not s, and a second (b, h, s, s) map is what costs here.
+    return s.masked_fill_(_future(s.shape[-1], s.device), float("-inf"))
 
 
 class QKForm(nn.Module):
