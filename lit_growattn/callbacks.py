@@ -308,7 +308,7 @@ class GrowAttentionCallback(Callback):
         )
         return growth.GrowthPlan.build(
             dict(forms), stats, method=self.method, grow_by=grow_by, dynamic_rank=self.dynamic_rank,
-            max_d_head=self._max_d, same_size=_layer_of, mode=self.mode, temperature=self.temperature,
+            max_d_head=self._max_d, group_of=_layer_of, mode=self.mode, temperature=self.temperature,
             truncation=self.truncation, line_search=self.line_search,
             # Random columns of the baselines: the same draw on every rank, and on a resumed run.
             generator=torch.Generator().manual_seed(epoch),

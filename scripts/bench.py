@@ -378,7 +378,7 @@ def growth_compute_seconds(forms, stats, method: str, alphas: list[float], grow_
     reduced = growth.unflatten_stats(growth.flatten_stats(stats), stats)
     plan = growth.GrowthPlan.build(
         dict(forms), reduced, method=method, grow_by=grow_by, dynamic_rank=cb.dynamic_rank,
-        max_d_head=forms[0][1].w_q.shape[1], same_size=_layer_of, mode=cb.mode, temperature=cb.temperature,
+        max_d_head=forms[0][1].w_q.shape[1], group_of=_layer_of, mode=cb.mode, temperature=cb.temperature,
         truncation=cb.truncation, line_search=cb.line_search, generator=torch.Generator().manual_seed(1),
     )
     for alpha in alphas:

@@ -14,7 +14,6 @@ from lit_growattn.growth import (
     GrowthPlan,
     candidate_steps,
     choose_step,
-    evaluate_steps,
 )
 
 F64 = torch.float64
@@ -247,7 +246,7 @@ def line_searched_loss(p, plan, alphas):
         p.form.w_q, p.form.w_k, p.form.log_tau = originals
         return loss
 
-    best = alphas[choose_step(evaluate_steps(loss_at, alphas), alphas)]
+    best = alphas[choose_step([float(loss_at(a)) for a in alphas], alphas)]
     grown = plan.grow("f", best)
     with torch.no_grad():
         return p.loss(p.installed(grown)), grown
@@ -313,7 +312,7 @@ def test_plan_shares_sizes_memoises_and_full_rank_trial_is_untruncated():
     forms = {f"blocks.{i // 2}.f{i}": p.form for i, p in enumerate(problems)}
     plan = GrowthPlan.build(
         forms, [p.stats("gradient") for p in problems], method="gradient", grow_by=None, dynamic_rank=0.5,
-        max_d_head=9, same_size=lambda name: name.split(".")[1], line_search="full_rank",
+        max_d_head=9, group_of=lambda name: name.split(".")[1], line_search="full_rank",
     )
     assert plan.d_new["blocks.0.f0"] == plan.d_new["blocks.0.f1"] and all(2 < d <= 9 for d in plan.d_new.values())
     assert plan.grow("blocks.1.f2", 0.5) is plan.grow("blocks.1.f2", 0.5)
@@ -342,7 +341,7 @@ def test_plan_on_a_gpt_keeps_the_logits_at_zero_step():
         for xa, gx in f.take_captured():
             s.update(xa, gx, 1.0)
     stats = unflatten_stats(flatten_stats(stats), stats)
-    plan = GrowthPlan.build(forms, stats, method="natural", grow_by=2, same_size=lambda n: n.split(".")[1])
+    plan = GrowthPlan.build(forms, stats, method="natural", grow_by=2, group_of=lambda n: n.split(".")[1])
     with torch.no_grad():
         before = model(idx)
         for name, f in forms.items():

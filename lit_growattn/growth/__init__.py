@@ -11,7 +11,7 @@ from lit_growattn.growth.factorize import MODES, TEMPERATURES, TRUNCATIONS, Carr
 from lit_growattn.growth.plan import GrowthPlan
 from lit_growattn.growth.solvers import BASELINES, DIRECTIONS, METHODS, direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
-from lit_growattn.growth.step_size import LINE_SEARCHES, candidate_steps, choose_step, evaluate_steps
+from lit_growattn.growth.step_size import LINE_SEARCHES, candidate_steps, choose_step
 
 __all__ = [
     "BASELINES",
@@ -31,7 +31,6 @@ __all__ = [
     "candidate_steps",
     "choose_step",
     "direction",
-    "evaluate_steps",
     "flatten_stats",
     "unflatten_stats",
 ]

@@ -54,7 +54,7 @@ class GrowthPlan:
         grow_by: int | Mapping[str, int] | None = 1,
         dynamic_rank: float | None = None,
         max_d_head: int | None = None,
-        same_size: Callable[[str], Hashable] | None = None,
+        group_of: Callable[[str], Hashable] | None = None,
         mode: str = "append",
         temperature: str = "keep",
         truncation: str = "euclidean",
@@ -66,7 +66,7 @@ class GrowthPlan:
 
         New columns p per form: `grow_by` (one int or per name); with `dynamic_rank` set, `FormGrowth.rank`
         with that threshold, `grow_by` then only caps it (None: no cap). Always d + p ≤ max_d_head ≤ e′.
-        Forms with equal `same_size(name)` (e.g. the layer) get the same p, the largest, since they share d_head.
+        Forms with equal `group_of(name)` (e.g. the layer) get the same p, the largest, since they share d_head.
         Raises NonFiniteStatistics (from the means) when the statistics hold NaN/inf.
         """
         if len(stats) != len(forms):
@@ -87,10 +87,10 @@ class GrowthPlan:
                 d_new[name] = g.d_head + g.rank(dynamic_rank, limit)
             else:
                 d_new[name] = max(limit, g.d_head)
-        if same_size is not None:
+        if group_of is not None:
             groups: dict[Hashable, list[str]] = {}
             for name in growths:
-                groups.setdefault(same_size(name), []).append(name)
+                groups.setdefault(group_of(name), []).append(name)
             for names in groups.values():
                 if len({growths[n].d_head for n in names}) > 1:
                     raise ValueError(f"forms {names} must share d_head to grow together")

@@ -121,10 +121,6 @@ class FormStats:
             setattr(self, name, getattr(self, name).to(device))
         return self
 
-    def reset(self) -> None:
-        for t in self.tensors():
-            t.zero_()
-
     def __add__(self, other: FormStats) -> FormStats:
         if self.names != other.names or any(a.shape != b.shape for a, b in zip(self.tensors(), other.tensors())):
             raise ValueError("cannot add statistics of forms with different shapes or methods")

@@ -8,7 +8,7 @@ installed with a full-rank factorisation (head size e′), and truncates only wi
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -19,11 +19,6 @@ LINE_SEARCHES = ("low_rank", "full_rank")
 def candidate_steps(k_max: int = 4, include_zero: bool = True) -> list[float]:
     """[0,] 1, 1/2, …, 2^-k_max: 0 keeps the function (the growth can never raise the loss it is rated on)."""
     return [0.0] * include_zero + [2.0**-k for k in range(k_max + 1)]
-
-
-def evaluate_steps(loss_at: Callable[[float], float | Tensor], alphas: Sequence[float]) -> Tensor:
-    """The losses (n,) float64 of `loss_at(α)` for each candidate, e.g. install the growth, evaluate, restore."""
-    return torch.tensor([float(loss_at(a)) for a in alphas], dtype=torch.float64)
 
 
 def choose_step(losses: Sequence[float] | Tensor, alphas: Sequence[float]) -> int:
