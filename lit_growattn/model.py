@@ -70,7 +70,8 @@ class GPT(nn.Module):
         matmuls, plus the score and value products of a causal map, (s+1)/2 keys per query on average."""
         weights = sum(p.numel() for name, p in self.named_parameters() if name != "wpe.weight")
         per_query = sum(
-            f.n_head * f.d_head + self.cfg.n_head * self.cfg.value_head_size for forms in self.qk_forms() for f in forms
+            m.n_head * m.d_head + self.cfg.n_head * self.cfg.value_head_size
+            for block in self.blocks for m in getattr(block.attn, "score_maps", block.attn.qk_forms)()
         )
         return 6.0 * weights + 3.0 * (seq_len + 1) * per_query
 

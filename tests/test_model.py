@@ -62,6 +62,23 @@ def test_per_layer_head_sizes_and_resize_for_grown_checkpoints():
     torch.testing.assert_close(module(idx), grown(idx))
 
 
+def test_flops_count_the_weights_and_every_softmax_map_grown_or_not():
+    seq_len, n_layer, n_head, d_head, d_v = 16, 2, 4, 3, 8
+
+    def attention_flops(attention, **args):
+        cfg = GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=32, d_head=d_head, d_v=d_v, block_size=seq_len,
+                        attention=attention, attention_args=args)
+        model = GPT(cfg)
+        weights = sum(p.numel() for name, p in model.named_parameters() if name != "wpe.weight")
+        return model.flops_per_token(seq_len) - 6 * weights
+
+    # Per layer and query: scores q·k over (s+1)/2 keys on average, then the same for the values; × 3 for training.
+    one_map = n_layer * 3 * (seq_len + 1) * (n_head * d_head + n_head * d_v)
+    assert attention_flops("mha") == one_map
+    assert attention_flops("dint") == 2 * one_map
+    assert attention_flops("lowrank_dint", rank=2) == 2 * one_map  # its low-rank map does not grow, it still costs
+
+
 def test_weight_decay_never_on_temperatures():
     module = GrowAttentionLM(n_layer=1, n_embd=16, n_head=2, d_head=2, bias=True)
     decay, no_decay = module.parameter_groups()

@@ -2,8 +2,9 @@
 
 A variant is an nn.Module built as `cls(cfg: GPTConfig, layer_idx: int, **cfg.attention_args)`, mapping
 (b, s, e) → (b, s, e) with a causal mask, and exposing `qk_forms()`: the growable query/key bilinear forms it
-owns (every softmax map that growth may widen goes through a `QKForm`). `attention_maps(x)`, optional, gives
-the explicit maps for analysis (entropy); training never calls it.
+owns (every softmax map that growth may widen goes through a `QKForm`). A variant with a softmax map that does
+not grow also exposes `score_maps()`, every map (each with `n_head` and `d_head`), so that FLOPs count it.
+`attention_maps(x)`, optional, gives the explicit maps for analysis (entropy); training never calls it.
 """
 
 from __future__ import annotations

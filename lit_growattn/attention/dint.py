@@ -36,8 +36,11 @@ class DenoisedAttention(nn.Module):
         lam = lambda_init_for(layer_idx) if lambda_init is None else lambda_init
         self.lam = nn.Parameter(torch.full((h,), float(lam)))
 
+    def score_maps(self) -> list[nn.Module]:
+        return [self.qk, self.qk2]
+
     def qk_forms(self) -> list[QKForm]:
-        return [form for form in (self.qk, self.qk2) if isinstance(form, QKForm)]
+        return [form for form in self.score_maps() if isinstance(form, QKForm)]
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape

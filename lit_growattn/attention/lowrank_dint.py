@@ -42,6 +42,14 @@ class LowRankQK(nn.Module):
         self.up_k = _uniform(n_head, rank, d_head, fan_in=rank)
         self.log_tau = nn.Parameter(torch.full((n_head,), -0.5 * math.log(d_head * d2_ratio)))
 
+    @property
+    def n_head(self) -> int:
+        return self.up_q.shape[0]
+
+    @property
+    def d_head(self) -> int:
+        return self.up_q.shape[-1]
+
     def queries_keys(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """X (b, s, e) → τQ2, K2, each (b, h, s, d)."""
         xa = augment(x, self.bias)
