@@ -118,9 +118,9 @@ def test_mqar_train_order_depends_on_seed_and_epoch_only():
     assert len(orders[0]) == len(orders[1]) == 128 and sorted(orders[0] + orders[1]) == list(range(256))
 
 
-def write_text(tmp_path, name="corpus.txt"):
+def write_text(tmp_path, name="corpus.txt", seed=0):
     """900 bytes below 128 then 100 bytes from 128 up (not valid UTF-8), so each split is recognisable."""
-    rng = random.Random(0)
+    rng = random.Random(seed)
     data = bytes(rng.randrange(128) for _ in range(900)) + bytes(rng.randrange(128, 256) for _ in range(100))
     path = tmp_path / name
     path.write_bytes(data)
@@ -154,10 +154,13 @@ def test_text_several_files_and_extra_val_sets(tmp_path):
     path, data = write_text(tmp_path)
     extra = tmp_path / "extra.bin"
     extra.write_bytes(bytes(range(256)) * 2)
-    dm = TextDataModule(path=[str(path), str(path)], block_size=16, val_paths={"extra": str(extra)})
+    second, second_data = write_text(tmp_path, "second.txt", seed=1)
+    dm = TextDataModule(path=[str(path), str(second)], block_size=16, val_paths={"extra": str(extra)})
     assert dm.val_names == ["", "extra"]
     dm.setup("fit")
-    assert len(dm.train_set.data) == 1800
+    # Each file's tail is held out, not only the last file's.
+    assert bytes(dm.train_set.data.tolist()) == data[:900] + second_data[:900]
+    assert bytes(dm.val_sets[0].data.tolist()) == data[900:] + second_data[900:]
     loaders = dm.val_dataloader()
     assert len(loaders) == 2
     x = torch.cat([b[0] for b in loaders[1]])

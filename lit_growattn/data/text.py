@@ -50,18 +50,16 @@ def _check_file(path: str, flag: str) -> int:
     return size
 
 
-def _read(paths: list[str]) -> torch.Tensor:
-    data = bytearray()
-    for path in paths:
-        with open(path, "rb") as f:
-            data += f.read()
-    return torch.frombuffer(data, dtype=torch.uint8)
+def _read(path: str) -> torch.Tensor:
+    with open(path, "rb") as f:
+        return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
 
 
 class TextDataModule(BaseDataModule):
     """Byte-level text: random training windows, consecutive validation windows.
 
-    The last `val_fraction` of the bytes is held out. Validation walks it in consecutive windows
+    The last `val_fraction` of the bytes of each file is held out (so every file is validated on).
+    Validation walks the held-out bytes in consecutive windows
     (every byte predicted once); each file in `val_paths` is evaluated whole the same way, as its
     own loader named by its key. Training draws `samples_per_epoch` windows at random offsets,
     the same ones for the same (seed, epoch).
@@ -115,7 +113,7 @@ class TextDataModule(BaseDataModule):
         self.num_workers = num_workers
 
         if self.paths is not None:
-            self._split_sizes(sum(_check_file(p, "--data.path") for p in self.paths))
+            self._held_out([_check_file(p, "--data.path") for p in self.paths])
         for name, val_path in self.val_paths.items():
             if not name:
                 raise ValueError('val_paths names must be non-empty: "" is the held-out split of the training text')
@@ -140,12 +138,13 @@ class TextDataModule(BaseDataModule):
                 f"{num_bytes} bytes: use block_size <= {num_bytes - 1} or more text"
             )
 
-    def _split_sizes(self, num_bytes: int) -> tuple[int, int]:
-        num_val = int(num_bytes * self.val_fraction)
-        what = f"of the {num_bytes} bytes with val_fraction={self.val_fraction}"
-        self._check_block_fits(num_bytes - num_val, f"the training split {what}")
-        self._check_block_fits(num_val, f"the validation split {what}")
-        return num_bytes - num_val, num_val
+    def _held_out(self, sizes: list[int]) -> list[int]:
+        """Held-out bytes per file (or hub dataset), checked to leave a window's worth on both sides in total."""
+        num_val = [int(n * self.val_fraction) for n in sizes]
+        what = f"of the {sum(sizes)} bytes with val_fraction={self.val_fraction}"
+        self._check_block_fits(sum(sizes) - sum(num_val), f"the training split {what}")
+        self._check_block_fits(sum(num_val), f"the validation split {what}")
+        return num_val
 
     def _load_hf(self) -> torch.Tensor:
         from datasets import load_dataset
@@ -163,11 +162,12 @@ class TextDataModule(BaseDataModule):
             self._load_hf()  # download once, on one process; setup reads the cache on every rank
 
     def setup(self, stage: str | None = None) -> None:
-        data = self._load_hf() if self.hf_dataset is not None else _read(self.paths)
-        num_train, _ = self._split_sizes(len(data))
-        self.train_set = _Windows(data[:num_train], self.block_size, stride=1)
-        self.val_sets = [_Windows(data[num_train:], self.block_size, stride=self.block_size)]
-        self.val_sets += [_Windows(_read([p]), self.block_size, stride=self.block_size) for p in self.val_paths.values()]
+        texts = [self._load_hf()] if self.hf_dataset is not None else [_read(p) for p in self.paths]
+        cuts = [len(t) - n for t, n in zip(texts, self._held_out([len(t) for t in texts]))]
+        self.train_set = _Windows(torch.cat([t[:c] for t, c in zip(texts, cuts)]), self.block_size, stride=1)
+        held_out = torch.cat([t[c:] for t, c in zip(texts, cuts)])
+        self.val_sets = [_Windows(held_out, self.block_size, stride=self.block_size)]
+        self.val_sets += [_Windows(_read(p), self.block_size, stride=self.block_size) for p in self.val_paths.values()]
 
     def train_dataloader(self) -> DataLoader:
         world_size, rank = self._replicas()
