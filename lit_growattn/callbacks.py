@@ -14,6 +14,7 @@ between the window and the growth point grows from the same statistics, and neve
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from typing import Literal
@@ -50,6 +51,8 @@ class GrowAttentionCallback(Callback):
         line_search: low_rank (loss after truncation) | full_rank (seed 002's λ_FR, gradient method).
         line_search_batches: batches kept from the window for the step-size evaluations (default min(2, stats_batches)).
         layers: layers to grow (default all).
+        layers_per_step: statistics of only this many of those layers per statistics step, taken in turn
+            (round-robin; DESIGN §4), to make statistics steps cheaper on deep models (default: all every step).
         capture: how statistics steps get G·X′: extend (SDPA zero-extension) | explicit (score map) | auto.
         new_second_moment: Adam second moments of new columns: mean (of the old ones) | zero.
     """
@@ -69,6 +72,7 @@ class GrowAttentionCallback(Callback):
         line_search: Literal["low_rank", "full_rank"] = "low_rank",
         line_search_batches: int | None = None,
         layers: list[int] | None = None,
+        layers_per_step: int | None = None,
         capture: Literal["auto", "extend", "explicit"] = "auto",
         new_second_moment: Literal["mean", "zero"] = "mean",
     ):
@@ -102,6 +106,8 @@ class GrowAttentionCallback(Callback):
             raise ValueError(f"method {method!r} adds random columns and needs mode='append', got mode={mode!r}")
         if stats_batches <= 0:
             raise ValueError(f"stats_batches must be positive, got {stats_batches}")
+        if layers_per_step is not None and layers_per_step <= 0:
+            raise ValueError(f"layers_per_step must be positive (or None for all layers), got {layers_per_step}")
         if line_search_batches is None:
             line_search_batches = min(2, stats_batches)
         if not 0 < line_search_batches <= stats_batches:
@@ -118,7 +124,8 @@ class GrowAttentionCallback(Callback):
         self.grow_by, self.dynamic_rank, self.max_d_head = grow_by, dynamic_rank, max_d_head
         self.method, self.mode, self.temperature, self.truncation = method, mode, temperature, truncation
         self.stats_batches, self.line_search, self.line_search_batches = stats_batches, line_search, line_search_batches
-        self.layers, self.capture, self.new_second_moment = layers, capture, new_second_moment
+        self.layers, self.layers_per_step = layers, layers_per_step
+        self.capture, self.new_second_moment = capture, new_second_moment
         # State that survives checkpoints.
         self.history: list[dict] = []
         self._stats: list[growth.FormStats] | None = None
@@ -155,6 +162,13 @@ class GrowAttentionCallback(Callback):
             raise ValueError(
                 f"max_d_head={max_d} must lie between the current head size ({current}) and the form's input size "
                 f"({e_in}: the bilinear form has rank ≤ {e_in})"
+            )
+        turns = math.ceil(len(layers) / min(self.layers_per_step or len(layers), len(layers)))
+        if self.stats_batches < turns:
+            raise ValueError(
+                f"stats_batches={self.stats_batches} with layers_per_step={self.layers_per_step} leaves layers without "
+                f"statistics: {len(layers)} growing layers need at least {turns} statistics batches; raise "
+                "stats_batches or layers_per_step"
             )
         self._layers, self._max_d = layers, max_d
         if trainer.max_epochs is not None and trainer.max_epochs >= 0:
@@ -195,11 +209,17 @@ class GrowAttentionCallback(Callback):
             dtype = torch.float64 if forms[0][1].w_q.dtype == torch.float64 else torch.float32
             self._stats = [growth.FormStats.empty_like(form, self.method, dtype=dtype) for _, form in forms]
         mode = self._capture_mode(batch[0], forms[0][1])
-        for _, form in forms:
-            form.capture = mode
+        active = self._layers_in_turn(batch_idx - (trainer.num_training_batches - self.stats_batches))
+        for name, form in forms:
+            form.capture = mode if _layer_of(name) in active else None
         self._capturing = True
         if batch_idx >= trainer.num_training_batches - self.line_search_batches:
             self._eval_batches.append(tuple(t.detach().clone() for t in batch))
+
+    def _layers_in_turn(self, window_step: int) -> set[int]:
+        """The layers captured at this step of the window: all of them, or the next `layers_per_step` in turn."""
+        per_step = min(self.layers_per_step or len(self._layers), len(self._layers))
+        return {self._layers[(window_step * per_step + j) % len(self._layers)] for j in range(per_step)}
 
     def _capture_mode(self, inputs: Tensor, form: QKForm) -> str:
         if self.capture != "auto":

@@ -366,6 +366,34 @@ def test_16_mixed_overflowed_steps_are_dropped_not_poisoning(tmp_path):
     assert recorder.history == [{"epoch": 1, "skipped": True}] and module.model.head_sizes() == [2, 2]
 
 
+# -- round-robin layers: each statistics step captures only some layers ---------------------------------
+def _round_robin_run(tmp_path, stats_batches, layers_per_step):
+    L.seed_everything(0)
+    data = recall_data(batch_size=16, examples=64)
+    recorder = WindowRecorder(grow_at_epochs=[1], grow_by=2, method="natural", stats_batches=stats_batches,
+                              layers_per_step=layers_per_step)
+    module = tiny_module(data, dropout=0.0)
+    trainer(tmp_path, [recorder], max_epochs=2, precision="64-true").fit(module, data)
+    return recorder, module
+
+
+def test_round_robin_captures_each_layer_on_its_own_steps(tmp_path):
+    # Window of 2 steps, one layer per step: layer 0 from the second-to-last batch, layer 1 from the last.
+    turns, module = _round_robin_run(tmp_path / "turns", stats_batches=2, layers_per_step=1)
+    every, _ = _round_robin_run(tmp_path / "every", stats_batches=1, layers_per_step=None)
+    assert [(instances, weight) for _, instances, weight in turns.seen] == [(16, 1.0), (16, 1.0)]
+    layer_1_turn, layer_1_last = turns.seen[1][0], every.seen[1][0]
+    torch.testing.assert_close(layer_1_turn.n, layer_1_last.n, rtol=1e-9, atol=0)
+    torch.testing.assert_close(layer_1_turn.c, layer_1_last.c, rtol=1e-9, atol=0)
+    assert not torch.allclose(turns.seen[0][0].n, every.seen[0][0].n)  # layer 0 saw the batch before
+    assert module.model.head_sizes() == [4, 4]
+
+
+def test_round_robin_window_too_short_for_every_layer_fails_at_setup(tmp_path):
+    with pytest.raises(ValueError, match="2 growing layers need at least 2 statistics batches"):
+        _round_robin_run(tmp_path, stats_batches=1, layers_per_step=1)
+
+
 # -- every attention variant grows ---------------------------------------------------------------------
 class PreservationProbe(GrowAttentionCallback):
     """Model outputs on a fixed batch just before and just after the growth event."""
