@@ -19,6 +19,7 @@ HEADLINE = (
     "explicit_step_cost_ratio_pinv",
     "stats_vs_naive_cost_ratio_pinv",
     "auto_step_cost_ratio",
+    "round_robin_step_cost_ratio",
     "growth_event_seconds",
     "growth_event_full_seconds",
     "growth_event_epoch_share",
