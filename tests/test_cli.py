@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_growattn.cli import main
 from lit_growattn.module import GrowAttentionLM
@@ -22,6 +23,17 @@ def test_mqar_fit_writes_checkpoint_and_tensorboard_tags(tmp_path, tiny_cli_args
     assert expected <= tags, expected - tags
     module = GrowAttentionLM.load_from_checkpoint(ckpts[-1])
     assert module.cfg.vocab_size == 128 and module.cfg.block_size == 64
+
+
+def test_step_scalars_follow_the_logging_cadence(tmp_path, tiny_cli_args):
+    main(["fit", "--config", str(REPO / "configs/mqar.yaml"), *tiny_cli_args, "--trainer.log_every_n_steps=2",
+          "--data.init_args.num_train_examples=512", "--data.init_args.num_val_examples=128"])
+    (event_file,) = tmp_path.rglob("events.out.tfevents.*")
+    events = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in ("train/loss", "train/acc", "train/flops_seen", "attention/temperature/layer_1"):
+        assert [e.step for e in events.Scalars(tag)] == [1, 3], tag  # 4 steps, every second one
+    assert len(events.Scalars("compute/loss_vs_flops")) == 2
 
 
 def _text_fit(tmp_path, tiny_cli_args, path):
