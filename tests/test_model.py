@@ -107,3 +107,15 @@ def test_bad_model_config_fails_with_message(kwargs, message):
 def test_qkform_rejects_nonpositive_sizes():
     with pytest.raises(ValueError, match="must be positive"):
         QKForm(8, 2, 0)
+
+
+def test_explicit_capture_after_an_inference_mode_evaluation_at_the_same_length():
+    # Lightning validates under inference_mode; the causal mask cached there must still serve a training step.
+    form = QKForm(n_embd=8, n_head=2, d_head=3)
+    x, v = torch.randn(2, 13, 8), torch.randn(2, 2, 13, 4)
+    with torch.inference_mode():
+        form.scores(x)
+    form.capture = "explicit"
+    form.attend(x, v).sum().backward()
+    ((xa, gx),) = form.take_captured()
+    assert gx.shape == (2, 2, 13, 8) and form.w_q.grad is not None

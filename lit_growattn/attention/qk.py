@@ -35,7 +35,9 @@ def augment(x: Tensor, bias: bool) -> Tensor:
 @functools.lru_cache(maxsize=16)
 def _future(s: int, device: torch.device) -> Tensor:
     """(s, s) True above the diagonal: built once per length, not on every statistics step."""
-    return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
+    # Never an inference tensor (validation runs under inference_mode): a later training step saves it for backward.
+    with torch.inference_mode(False):
+        return torch.ones(s, s, dtype=torch.bool, device=device).triu(1)
 
 
 def causal_scores(q: Tensor, k: Tensor) -> Tensor:
