@@ -106,6 +106,8 @@ class GrowAttentionCallback(Callback):
             raise ValueError(f"method {method!r} adds random columns and needs mode='append', got mode={mode!r}")
         if stats_batches <= 0:
             raise ValueError(f"stats_batches must be positive, got {stats_batches}")
+        if layers is not None and (not layers or len(set(layers)) != len(layers)):
+            raise ValueError(f"layers must list each layer to grow once (0-based), got {layers}; leave it out to grow all")
         if layers_per_step is not None and layers_per_step <= 0:
             raise ValueError(f"layers_per_step must be positive (or None for all layers), got {layers_per_step}")
         if line_search_batches is None:
@@ -285,9 +287,16 @@ class GrowAttentionCallback(Callback):
             self._close_window(trainer)  # a window cut short (e.g. a shorter resumed epoch)
         device = forms[0][1].w_q.device  # statistics restored from a checkpoint arrive on the CPU
         stats = growth.unflatten_stats(growth.flatten_stats(self._stats).to(device), self._stats)
-        if not all(s.instances > 0 for s in stats):
-            # Under a 16-mixed GradScaler every step of a short window can overflow (its pairs are dropped).
+        # Under a 16-mixed GradScaler overflowed steps are dropped: a short window (or a layer's few round-robin
+        # turns) can end with nothing. Layers without statistics keep their size; the others still grow.
+        empty = sorted({_layer_of(name) for (name, _), st in zip(forms, stats) if not st.instances > 0})
+        if len(empty) == len(self._layers):
             return self._skip(trainer, epoch, "no finite statistics were captured in its window")
+        if empty:
+            warnings.warn(f"growth at epoch {epoch}: layers {empty} have no finite statistics (every step that "
+                          "captured them overflowed); they keep their size, the other layers grow")
+            kept = [i for i, (name, _) in enumerate(forms) if _layer_of(name) not in empty]
+            forms, stats = [forms[i] for i in kept], [stats[i] for i in kept]
         try:
             plan = self._plan(forms, stats, epoch)
         except growth.NonFiniteStatistics as err:

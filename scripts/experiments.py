@@ -117,6 +117,11 @@ def merge(parts: list[dict[str, list[dict]]], order: list[str]) -> dict[str, lis
     for part in parts:
         for name, runs in part.items():
             merged.setdefault(name, []).extend(runs)
+    for name, runs in merged.items():
+        seeds = [r["seed"] for r in runs if "seed" in r]
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"{name!r} has seeds {sorted(seeds)}: the same run is in two of the files (or a file "
+                             "written by an earlier merge is merged again)")
     rank = {name: i for i, name in enumerate(order)}
     return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank))))
 
@@ -215,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
                 cli_overrides = [*common, *overrides, *seeded]
                 if "--trainer.callbacks=null" in overrides:  # static runs have no growth options to override
                     cli_overrides = [o for o in cli_overrides if not o.startswith("--trainer.callbacks.")]
-                result = run(config, cli_overrides, logs)
+                result = {"seed": seed, **run(config, cli_overrides, logs)}
                 results.setdefault(name, []).append(result)
                 print(json.dumps({"run": name, "seed": seed, **{k: result[k] for k in ("seconds", "flops", "final")}}),
                       flush=True)

@@ -233,6 +233,9 @@ def test_resume_gives_the_uninterrupted_weights_and_grows_once(tmp_path, checkpo
         (dict(grow_at_epochs=[1], stats_batches=0), "stats_batches must be positive"),
         (dict(grow_at_epochs=[1], stats_batches=2, line_search_batches=3), "line_search_batches ≤ stats_batches"),
         (dict(grow_at_epochs=[1], dynamic_rank=1.5), "dynamic_rank is a fraction"),
+        (dict(grow_at_epochs=[1], layers=[]), "layers must list each layer to grow once"),
+        (dict(grow_at_epochs=[1], layers=[0, 0]), "layers must list each layer to grow once"),
+        (dict(grow_at_epochs=[1], layers_per_step=0), "layers_per_step must be positive"),
     ],
 )
 def test_bad_callback_arguments_fail_with_message(kwargs, message):
@@ -364,6 +367,20 @@ def test_16_mixed_overflowed_steps_are_dropped_not_poisoning(tmp_path):
     # A window made only of overflowed steps leaves nothing to grow from: the growth is skipped, training goes on.
     recorder, module = _window_run(tmp_path / "all", init_scale=2.0**60, batches=2)
     assert recorder.history == [{"epoch": 1, "skipped": True}] and module.model.head_sizes() == [2, 2]
+
+
+def test_16_mixed_layer_without_finite_statistics_keeps_its_size_and_the_others_grow(tmp_path, monkeypatch):
+    L.seed_everything(0)
+    data = recall_data(batch_size=16, examples=64)
+    module = tiny_module(data, dropout=0.0)
+    overflowing = module.model.blocks[0].attn.qk
+    record = QKForm._record
+    monkeypatch.setattr(QKForm, "_record", lambda self, xa, gx: record(self, xa, gx * float("inf") if self is overflowing else gx))
+    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=2)
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))]
+    with pytest.warns(UserWarning, match=r"layers \[0\] have no finite statistics"):
+        trainer(tmp_path, [grow], max_epochs=2, plugins=plugins).fit(module, data)
+    assert module.model.head_sizes() == [2, 4] and not grow.history[0]["skipped"]
 
 
 # -- round-robin layers: each statistics step captures only some layers ---------------------------------

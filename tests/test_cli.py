@@ -25,7 +25,10 @@ def test_mqar_fit_writes_checkpoint_and_tensorboard_tags(tmp_path, tiny_cli_args
     assert module.cfg.vocab_size == 128 and module.cfg.block_size == 64
 
 
-def test_step_scalars_follow_the_logging_cadence(tmp_path, tiny_cli_args):
+def test_step_scalars_follow_the_logging_cadence(tmp_path, tiny_cli_args, monkeypatch):
+    calls = []
+    log_step_scalars = GrowAttentionLM._log_step_scalars
+    monkeypatch.setattr(GrowAttentionLM, "_log_step_scalars", lambda self, *a: calls.append(1) or log_step_scalars(self, *a))
     main(["fit", "--config", str(REPO / "configs/mqar.yaml"), *tiny_cli_args, "--trainer.log_every_n_steps=2",
           "--data.init_args.num_train_examples=512", "--data.init_args.num_val_examples=128"])
     (event_file,) = tmp_path.rglob("events.out.tfevents.*")
@@ -34,6 +37,7 @@ def test_step_scalars_follow_the_logging_cadence(tmp_path, tiny_cli_args):
     for tag in ("train/loss", "train/acc", "train/flops_seen", "attention/temperature/layer_1"):
         assert [e.step for e in events.Scalars(tag)] == [1, 3], tag  # 4 steps, every second one
     assert len(events.Scalars("compute/loss_vs_flops")) == 2
+    assert len(calls) == 2  # the work is skipped on the other steps, not only their values
 
 
 def _text_fit(tmp_path, tiny_cli_args, path):

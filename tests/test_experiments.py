@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -44,3 +46,9 @@ def test_results_of_parallel_invocations_merge_seed_by_seed_in_grid_order():
     assert [r["final"]["loss"] for r in merged["grow pinv/append"]] == [1.0, 3.0]
     table = experiments.summarise("text", merged)
     assert "| grow pinv/append | 2 | 5 | 2.000 ± 1.414 |" in table
+
+
+def test_merging_the_same_seed_twice_is_refused():
+    part = {"grow pinv/append": [{"seed": 0, **fake_run(1.0)}]}
+    with pytest.raises(ValueError, match="the same run is in two of the files"):
+        experiments.merge([part, part], list(experiments.variants("text")))

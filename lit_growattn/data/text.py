@@ -50,6 +50,11 @@ def _check_file(path: str, flag: str) -> int:
     return size
 
 
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor; a single part stays a view (no copy of a large corpus)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _read(path: str) -> torch.Tensor:
     with open(path, "rb") as f:
         return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
@@ -58,7 +63,7 @@ def _read(path: str) -> torch.Tensor:
 class TextDataModule(BaseDataModule):
     """Byte-level text: random training windows, consecutive validation windows.
 
-    The last `val_fraction` of the bytes of each file is held out (so every file is validated on).
+    The last `val_fraction` of the bytes of each file is held out.
     Validation walks the held-out bytes in consecutive windows
     (every byte predicted once); each file in `val_paths` is evaluated whole the same way, as its
     own loader named by its key. Training draws `samples_per_epoch` windows at random offsets,
@@ -70,7 +75,7 @@ class TextDataModule(BaseDataModule):
         hf_split: Split of `hf_dataset` to load.
         hf_text_field: Column holding the text in `hf_dataset`; rows are joined with blank lines.
         block_size: Tokens per sequence.
-        val_fraction: Fraction of the bytes, taken from the end, held out for validation.
+        val_fraction: Fraction of each file's bytes, taken from its end, held out for validation.
         val_paths: Extra validation sets, name -> local file; logged as val/<name>/loss.
         batch_size: Sequences per batch, per device.
         samples_per_epoch: Training windows per epoch (None: training bytes // block_size).
@@ -164,8 +169,8 @@ class TextDataModule(BaseDataModule):
     def setup(self, stage: str | None = None) -> None:
         texts = [self._load_hf()] if self.hf_dataset is not None else [_read(p) for p in self.paths]
         cuts = [len(t) - n for t, n in zip(texts, self._held_out([len(t) for t in texts]))]
-        self.train_set = _Windows(torch.cat([t[:c] for t, c in zip(texts, cuts)]), self.block_size, stride=1)
-        held_out = torch.cat([t[c:] for t, c in zip(texts, cuts)])
+        self.train_set = _Windows(_join([t[:c] for t, c in zip(texts, cuts)]), self.block_size, stride=1)
+        held_out = _join([t[c:] for t, c in zip(texts, cuts)])
         self.val_sets = [_Windows(held_out, self.block_size, stride=self.block_size)]
         self.val_sets += [_Windows(_read(p), self.block_size, stride=self.block_size) for p in self.val_paths.values()]
 
