@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lit_growattn.growth.linalg import column_basis, project_out, psd_sqrt
+from lit_growattn.growth.linalg import column_basis, factored_score_energy, project_out, psd_sqrt
 from lit_growattn.growth.solvers import BASELINES, DIRECTIONS, METHODS, direction
 from lit_growattn.growth.stats import Moments
 
@@ -121,7 +121,9 @@ class FormGrowth:
     def direction(self, method: str) -> Tensor:
         """Normalised ΔM (h, e′, e′) of a direction method (see `solvers.direction`)."""
         if method not in self._directions:
-            self._directions[method] = direction(method, self.moments, self.m, self.rcond)
+            tau_q = self.log_tau.exp()[:, None, None] * self.w_q
+            m_energy = factored_score_energy(tau_q, self.w_k, self.moments.c)
+            self._directions[method] = direction(method, self.moments, m_energy, self.rcond)
         return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:

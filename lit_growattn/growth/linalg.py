@@ -51,3 +51,9 @@ def project_out(a: Tensor, left: Tensor, right: Tensor) -> Tensor:
 def score_energy(a: Tensor, c: Tensor) -> Tensor:
     """Σ_heads tr(aᵀ c a c) for a (h, e, e), c (e, e): ‖X a Xᵀ‖²_F summed over heads when c = XᵀX."""
     return (a * (c @ a @ c)).sum()
+
+
+def factored_score_energy(left: Tensor, right: Tensor, c: Tensor) -> Tensor:
+    """score_energy(left @ rightᵀ, c) for left, right (h, e, d) without the (h, e, e) product:
+    Σ_heads tr((Lᵀ c L)(Rᵀ c R)), d×d matrices only (d ≪ e before a growth)."""
+    return ((left.mT @ c @ left) * (right.mT @ c @ right)).sum()

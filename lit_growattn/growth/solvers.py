@@ -38,8 +38,9 @@ BASELINES: tuple[str, ...] = ("random", "zero")
 METHODS: tuple[str, ...] = (*DIRECTIONS, *BASELINES)
 
 
-def direction(method: str, mo: Moments, m: Tensor, rcond: float = 1e-6) -> Tensor:
-    """The normalised direction (h, e′, e′) of `method` for a form whose current bilinear form is m (h, e′, e′).
+def direction(method: str, mo: Moments, m_energy: Tensor, rcond: float = 1e-6) -> Tensor:
+    """The normalised direction (h, e′, e′) of `method` for a form whose current bilinear form M has the score
+    energy m_energy = Σ_heads tr(MᵀC̄MC̄) (`linalg.score_energy`, or `factored_score_energy` from W_Q, W_K).
 
     Scaled (one scalar per form) so that α = 1 moves the scores by their own RMS, summed over the heads:
     Σ_i ‖X_i ΔM X_iᵀ‖² = Σ_i tr(ΔMᵀC_iΔMC_i) is approximated by n·tr(ΔMᵀC̄ΔMC̄) (Kronecker factorisation,
@@ -50,7 +51,7 @@ def direction(method: str, mo: Moments, m: Tensor, rcond: float = 1e-6) -> Tenso
     if method not in DIRECTIONS:
         raise ValueError(f"method {method!r} has no direction; directions: {', '.join(DIRECTIONS)}")
     delta = DIRECTIONS[method](mo, rcond)
-    target, current = score_energy(m, mo.c), score_energy(delta, mo.c)
-    if target > 0 and current > 0:
-        delta = delta * (target / current).sqrt()
+    current = score_energy(delta, mo.c)
+    if m_energy > 0 and current > 0:
+        delta = delta * (m_energy / current).sqrt()
     return delta
