@@ -20,8 +20,13 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
+# `make bench BENCH_ARGS=` runs the full preset; `make experiments ARGS="--text ../shared/data/tinyshakespeare.txt"`.
+BENCH_ARGS ?= --quick
 bench: $(VENV)/.installed
-	$(PY) scripts/bench.py --quick
+	$(PY) scripts/bench.py $(BENCH_ARGS)
+
+experiments: $(VENV)/.installed
+	$(PY) scripts/experiments.py $(ARGS)
 
 clean:
 	rm -rf $(VENV)
