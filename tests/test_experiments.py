@@ -46,6 +46,9 @@ def test_results_of_parallel_invocations_merge_seed_by_seed_in_grid_order():
     assert [r["final"]["loss"] for r in merged["grow pinv/append"]] == [1.0, 3.0]
     table = experiments.summarise("text", merged)
     assert "| grow pinv/append | 2 | 5 | 2.000 ± 1.414 |" in table
+    # FLOPs to come within 1 % of the large model's final loss (2.0): one seed gets there (loss 1.0), one never.
+    assert "| 1 of 2 seeds reach it |" in table.splitlines()[-1]
+    assert "| 1 (1.00) | 1.00 |" in table.splitlines()[-2]  # the large model reaches its own final loss
 
 
 def test_merging_the_same_seed_twice_is_refused():
