@@ -62,6 +62,20 @@ def test_text_fit_on_tiny_shakespeare(tmp_path, tiny_cli_args):
     _text_fit(tmp_path, tiny_cli_args, SHAKESPEARE)
 
 
+@pytest.mark.parametrize("config, d_head", [("recall_grow.yaml", 1), ("mqar_grow.yaml", 2), ("text_grow.yaml", 2)])
+def test_growth_configs_grow_at_their_first_event(tmp_path, tiny_cli_args, config, d_head):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
+    data = {"mqar_grow.yaml": ["--data.init_args.num_train_examples=512", "--data.init_args.num_val_examples=128"],
+            "text_grow.yaml": [f"--data.init_args.path={corpus}"]}.get(config, [])
+    cli = main(["--config", str(REPO / "configs" / config), *tiny_cli_args, "--trainer.max_epochs=2",
+                "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2",
+                *data], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    grown = cli.model.model.head_sizes()
+    assert len(set(grown)) == 1 and grown[0] > d_head, grown
+
+
 def test_unknown_attention_fails_before_training(tmp_path, tiny_cli_args):
     with pytest.raises(ValueError, match="unknown attention 'flash9'; registered attentions: .*mha"):
         main(["fit", "--config", str(REPO / "configs/mqar.yaml"), *tiny_cli_args, "--model.init_args.attention=flash9"])
