@@ -165,14 +165,15 @@ class GrowAttentionCallback(Callback):
                 f"max_d_head={max_d} must lie between the current head size ({current}) and the form's input size "
                 f"({e_in}: the bilinear form has rank ≤ {e_in})"
             )
-        turns = math.ceil(len(layers) / min(self.layers_per_step or len(layers), len(layers)))
+        per_step = min(self.layers_per_step or len(layers), len(layers))
+        turns = math.ceil(len(layers) / per_step)
         if self.stats_batches < turns:
             raise ValueError(
                 f"stats_batches={self.stats_batches} with layers_per_step={self.layers_per_step} leaves layers without "
                 f"statistics: {len(layers)} growing layers need at least {turns} statistics batches; raise "
                 "stats_batches or layers_per_step"
             )
-        self._layers, self._max_d = layers, max_d
+        self._layers, self._per_step, self._max_d = layers, per_step, max_d
         if trainer.max_epochs is not None and trainer.max_epochs >= 0:
             for epoch in self.grow_at_epochs:
                 if epoch >= trainer.max_epochs:
@@ -194,10 +195,14 @@ class GrowAttentionCallback(Callback):
         chosen = {id(f) for i in self._layers for f in pl_module.model.qk_forms()[i]}
         return [(name, m) for name, m in pl_module.named_modules() if id(m) in chosen]
 
+    def _window_step(self, trainer: L.Trainer, batch_idx: int) -> int:
+        """Position of this batch in the statistics window at the end of the epoch (negative: before it)."""
+        return batch_idx - (trainer.num_training_batches - self.stats_batches)
+
     def _in_window(self, trainer: L.Trainer, batch_idx: int) -> bool:
         next_epoch = trainer.current_epoch + 1
         pending = next_epoch in self.grow_at_epochs and next_epoch not in self._done_epochs()
-        return pending and batch_idx >= trainer.num_training_batches - self.stats_batches
+        return pending and self._window_step(trainer, batch_idx) >= 0
 
     def _done_epochs(self) -> set[int]:
         return {event["epoch"] for event in self.history}
@@ -211,7 +216,7 @@ class GrowAttentionCallback(Callback):
             dtype = torch.float64 if forms[0][1].w_q.dtype == torch.float64 else torch.float32
             self._stats = [growth.FormStats.empty_like(form, self.method, dtype=dtype) for _, form in forms]
         mode = self._capture_mode(batch[0], forms[0][1])
-        active = self._layers_in_turn(batch_idx - (trainer.num_training_batches - self.stats_batches))
+        active = self._layers_in_turn(self._window_step(trainer, batch_idx))
         for name, form in forms:
             form.capture = mode if _layer_of(name) in active else None
         self._capturing = True
@@ -220,8 +225,8 @@ class GrowAttentionCallback(Callback):
 
     def _layers_in_turn(self, window_step: int) -> set[int]:
         """The layers captured at this step of the window: all of them, or the next `layers_per_step` in turn."""
-        per_step = min(self.layers_per_step or len(self._layers), len(self._layers))
-        return {self._layers[(window_step * per_step + j) % len(self._layers)] for j in range(per_step)}
+        n = len(self._layers)
+        return {self._layers[(window_step * self._per_step + j) % n] for j in range(self._per_step)}
 
     def _capture_mode(self, inputs: Tensor, form: QKForm) -> str:
         if self.capture != "auto":
@@ -246,7 +251,7 @@ class GrowAttentionCallback(Callback):
                         # Poison the sums rather than raise: after the all-reduce every rank sees the NaN and
                         # skips this growth together, and training goes on.
                         stats.weight.fill_(float("nan"))
-                    # With a GradScaler an overflow is routine (the optimizer skips that step too): drop the pair.
+                    # With a GradScaler an overflow is routine (the scaler skips that optimizer step): drop the pair.
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if not self._capturing:
