@@ -88,9 +88,10 @@ class QKForm(nn.Module):
 
     def queries_keys(self, xa: Tensor) -> tuple[Tensor, Tensor]:
         """X′ (b, s, e′) → τQ, K, each (b, h, s, d_head)."""
-        q = torch.einsum("bse,hed->bhsd", xa, self.w_q) * self.tau.to(xa.dtype)[:, None, None]
+        q = torch.einsum("bse,hed->bhsd", xa, self.w_q)
         k = torch.einsum("bse,hed->bhsd", xa, self.w_k)
-        return q, k
+        # τ in the queries' dtype: under autocast an fp32 τ would promote bf16 queries back to fp32.
+        return q * self.tau.to(q.dtype)[:, None, None], k
 
     def scores(self, x: Tensor) -> Tensor:
         """Explicit causal scores S (b, h, s, s) with -inf above the diagonal (evaluation and references only)."""
