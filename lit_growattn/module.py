@@ -160,6 +160,10 @@ class GrowAttentionLM(L.LightningModule):
         return names[dataloader_idx] if names else ""
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.trainer.precision == "16-true":
+            # Measured: fp16 weights and AdamW state without loss scaling turn the loss NaN within a few steps.
+            raise ValueError("precision='16-true' is not supported for training (fp16 weights without loss scaling "
+                             "diverge); use '16-mixed' or 'bf16-mixed', which keep fp32 weights")
         # Metrics must exist before the first `self.log` of a metric: Lightning looks up their attribute names once.
         names = getattr(self.trainer.datamodule, "val_names", None) or [""]
         for split in ("val", "test"):

@@ -47,3 +47,9 @@ def test_mixed_precision_growth_run_keeps_statistics_in_fp32(tmp_path, tiny_cli_
     # The model's own weights stay fp32 under a mixed precision (only the compute is in half).
     assert all(p.dtype == torch.float32 for p in cli.model.parameters())
     assert math.isfinite(cli.trainer.callback_metrics["val/loss"])
+
+
+def test_fp16_weights_are_refused_before_training(tmp_path, tiny_cli_args):
+    with pytest.raises(ValueError, match="precision='16-true' is not supported.*use '16-mixed'"):
+        main(["fit", "--config", str(REPO / "configs/mqar.yaml"), *tiny_cli_args, "--trainer.precision=16-true"])
+    assert not list(tmp_path.rglob("*.ckpt"))
