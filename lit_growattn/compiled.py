@@ -15,8 +15,8 @@ compiles again: at most 2 · n_layer compilations per growth event.
 from __future__ import annotations
 
 import torch
+import torch._dynamo.exc
 from torch import Tensor, nn
-from torch._dynamo.exc import FailOnRecompileLimitHit
 
 
 def parameter_signature(modules: nn.Module) -> tuple:
@@ -28,6 +28,9 @@ class CompiledBlocks:
     are). Used for training steps only; see `GPT.forward`."""
 
     def __init__(self, blocks: nn.ModuleList):
+        if torch.torch_version.TorchVersion(torch.__version__) < "2.6":
+            raise RuntimeError(f"compile: true needs torch ≥ 2.6 (dynamo's recompile limit that fails), found "
+                               f"{torch.__version__}; upgrade torch or set compile: false")
         self.blocks = blocks
         self.compiled = [torch.compile(block, dynamic=False, fullgraph=True) for block in blocks]
         self.signature = parameter_signature(blocks)
@@ -43,7 +46,7 @@ class CompiledBlocks:
             with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
                 for block in self.compiled:
                     x = block(x)
-        except FailOnRecompileLimitHit as err:
+        except torch._dynamo.exc.FailOnRecompileLimitHit as err:
             raise RuntimeError(
                 f"compile: the transformer blocks needed more than {limit} compiled graphs (one per layer and input "
                 "shape, two input shapes at most): feed batches of at most two shapes (fixed sequence length), or "

@@ -11,7 +11,8 @@ Statistics capture (DESIGN §4): on a statistics step the form records, per micr
 (X′, G·X′) with G = ∂L/∂S per head, from which N_i = X′ᵢᵀ Gᵢ X′ᵢ follows. Two paths behind one switch:
 - "extend": SDPA on Q̃ = [τQ | E], K̃ = [K | X′] with E = 0; E.grad = G X′ (memory b·h·s·e′).
 - "explicit": an explicit score map with a gradient hook (memory b·h·s²).
-With capture off the form runs plain SDPA and costs nothing extra.
+With capture off the form runs plain SDPA and costs nothing extra. Both SDPA paths go through
+`sdpa.causal_attention`, which pads the widths for the fused kernels (`sdpa_pad`).
 """
 
 from __future__ import annotations
