@@ -19,9 +19,11 @@ class GPTConfig:
     dropout: float = 0.0
     attention: str = "mha"
     attention_args: dict[str, Any] = field(default_factory=dict)  # extra arguments of the attention variant
+    sdpa_pad: str = "auto"  # pad attention head sizes for the fused SDPA kernels: auto | on | off
 
     def __post_init__(self) -> None:
         from lit_growattn.attention import attention_class
+        from lit_growattn.attention.sdpa import SDPA_PADS
 
         attention_class(self.attention)  # unknown names fail here, listing the registered ones
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -36,6 +38,8 @@ class GPTConfig:
             raise ValueError(f"d_v must be positive, got {self.d_v}")
         if self.d_v is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head}); set d_v explicitly")
+        if self.sdpa_pad not in SDPA_PADS:
+            raise ValueError(f"sdpa_pad must be one of {', '.join(SDPA_PADS)}, got {self.sdpa_pad!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_growattn.attention import QKForm, attention_class
+from lit_growattn.compiled import CompiledBlocks
 from lit_growattn.config import GPTConfig
 
 
@@ -49,6 +50,7 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # weight tying
         nn.init.normal_(self.wte.weight, std=0.02)
         nn.init.normal_(self.wpe.weight, std=0.02)
+        self.compiled: CompiledBlocks | None = None
 
     def forward(self, idx: Tensor) -> Tensor:
         """idx (b, s) token ids → logits (b, s, vocab)."""
@@ -57,9 +59,23 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {s} exceeds block_size {self.cfg.block_size}")
         pos = torch.arange(s, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        if self._runs_compiled():
+            x = self.compiled(x)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
+
+    def compile_blocks(self) -> None:
+        """Training steps run compiled blocks from now on (see `lit_growattn.compiled`)."""
+        self.compiled = CompiledBlocks(self.blocks)
+
+    def _runs_compiled(self) -> bool:
+        # Training steps only. Evaluation (and the growth line search) and statistics steps, whose capture hooks
+        # and side effects would break the graph, stay eager: they are a small share of the steps.
+        if self.compiled is None or not (self.training and torch.is_grad_enabled()):
+            return False
+        return not any(form.capture for forms in self.qk_forms() for form in forms)
 
     def qk_forms(self) -> list[list[QKForm]]:
         """The growable query/key forms, one list per layer."""

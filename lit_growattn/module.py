@@ -20,6 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 from lit_growattn.attention import QKForm
+from lit_growattn.attention.sdpa import SdpaPad
 from lit_growattn.config import GPTConfig
 from lit_growattn.model import GPT
 
@@ -42,6 +43,8 @@ class GrowAttentionLM(L.LightningModule):
         scheduler: LR scheduler callable; None → linear warmup then cosine decay to `min_lr_ratio`.
         warmup_steps, min_lr_ratio: the built-in schedule (used when `scheduler` is None).
         init_from: start from the weights of this checkpoint (a fresh run: optimizer, steps and schedule start anew).
+        sdpa_pad: pad attention head sizes to what the fused SDPA kernels accept (exact): auto (on CUDA only) | on | off.
+        compile: run training steps through `torch.compile`d transformer blocks, recompiled after each growth.
     """
 
     def __init__(
@@ -63,17 +66,21 @@ class GrowAttentionLM(L.LightningModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         init_from: str | None = None,
+        sdpa_pad: SdpaPad = "auto",
+        compile: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler", "init_from"])
         self.cfg = GPTConfig(
             vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
             d_head=d_head, d_v=d_v, bias=bias, dropout=dropout, attention=attention,
-            attention_args=dict(attention_args or {}),
+            attention_args=dict(attention_args or {}), sdpa_pad=sdpa_pad,
         )
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"need warmup_steps ≥ 0 and 0 ≤ min_lr_ratio ≤ 1, got {warmup_steps}, {min_lr_ratio}")
         self.model = GPT(self.cfg)
+        if compile:
+            self.model.compile_blocks()
         self._total_steps = 1  # set at train start; the schedule is only evaluated at step 0 before that
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
@@ -153,6 +160,10 @@ class GrowAttentionLM(L.LightningModule):
         return names[dataloader_idx] if names else ""
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.trainer.precision == "16-true":
+            # Measured: fp16 weights and AdamW state without loss scaling turn the loss NaN within a few steps.
+            raise ValueError("precision='16-true' is not supported for training (fp16 weights without loss scaling "
+                             "diverge); use '16-mixed' or 'bf16-mixed', which keep fp32 weights")
         # Metrics must exist before the first `self.log` of a metric: Lightning looks up their attribute names once.
         names = getattr(self.trainer.datamodule, "val_names", None) or [""]
         for split in ("val", "test"):

@@ -715,6 +715,10 @@ def main(argv: list[str] | None = None) -> None:
                              "steps with 4x the spread), which swamps the differences measured here")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     args = parser.parse_args(argv)
+    if args.accelerator == "gpu":  # fused kernels, bf16, grown vs static: scripts/bench_gpu.py
+        import bench_gpu
+
+        return bench_gpu.main([])
     if args.accelerator == "gpu" and not torch.cuda.is_available():
         parser.error("--accelerator gpu but CUDA is not available")
     if args.bf16 and args.accelerator != "gpu":

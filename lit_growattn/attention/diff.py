@@ -28,8 +28,8 @@ class DiffAttention(nn.Module):
             raise ValueError(f"diff attention pairs heads: n_head must be even, got {cfg.n_head}")
         h, dv, d = cfg.n_head // 2, 2 * cfg.value_head_size, cfg.head_size(layer_idx)
         self.n_head, self.d_v = h, dv
-        self.qk = QKForm(cfg.n_embd, h, d, cfg.bias)
-        self.qk2 = QKForm(cfg.n_embd, h, d, cfg.bias)
+        self.qk = QKForm(cfg.n_embd, h, d, cfg.bias, sdpa_pad=cfg.sdpa_pad)
+        self.qk2 = QKForm(cfg.n_embd, h, d, cfg.bias, sdpa_pad=cfg.sdpa_pad)
         self.v = nn.Linear(cfg.n_embd, h * dv, bias=cfg.bias)
         self.o = nn.Linear(h * dv, cfg.n_embd, bias=cfg.bias)
         self.lambda_init = lambda_init_for(layer_idx)

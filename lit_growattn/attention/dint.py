@@ -29,7 +29,7 @@ class DenoisedAttention(nn.Module):
         super().__init__()
         h, dv = cfg.n_head, cfg.value_head_size
         self.n_head, self.d_v = h, dv
-        self.qk = QKForm(cfg.n_embd, h, cfg.head_size(layer_idx), cfg.bias)
+        self.qk = QKForm(cfg.n_embd, h, cfg.head_size(layer_idx), cfg.bias, sdpa_pad=cfg.sdpa_pad)
         self.qk2 = qk2
         self.v = nn.Linear(cfg.n_embd, h * dv, bias=cfg.bias)
         self.o = nn.Linear(h * dv, cfg.n_embd, bias=cfg.bias)
@@ -60,5 +60,5 @@ class DintAttention(DenoisedAttention):
     """Args: lambda_init: initial λ of every head (None → DIFF's schedule in the layer index)."""
 
     def __init__(self, cfg: GPTConfig, layer_idx: int, lambda_init: float | None = None):
-        qk2 = QKForm(cfg.n_embd, cfg.n_head, cfg.head_size(layer_idx), cfg.bias)
+        qk2 = QKForm(cfg.n_embd, cfg.n_head, cfg.head_size(layer_idx), cfg.bias, sdpa_pad=cfg.sdpa_pad)
         super().__init__(cfg, layer_idx, qk2, lambda_init)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_growattn.attention.dint import DenoisedAttention
 from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.attention.sdpa import SdpaPad, causal_attention
 from lit_growattn.config import GPTConfig
 
 
@@ -32,10 +32,12 @@ class LowRankQK(nn.Module):
     """Causal scores τ·(X′ D_q U_q)(X′ D_k U_k)ᵀ per head, D: (e′, r), U: (r, d); the interface of a QKForm's
     `scores` and `attend`, without statistics capture."""
 
-    def __init__(self, n_embd: int, n_head: int, d_head: int, rank: int, bias: bool, d2_ratio: float):
+    def __init__(
+        self, n_embd: int, n_head: int, d_head: int, rank: int, bias: bool, d2_ratio: float, sdpa_pad: SdpaPad = "auto"
+    ):
         super().__init__()
         e_in = n_embd + int(bias)
-        self.bias = bias
+        self.bias, self.sdpa_pad = bias, sdpa_pad
         self.down_q = _uniform(n_head, e_in, rank, fan_in=n_embd)
         self.down_k = _uniform(n_head, e_in, rank, fan_in=n_embd)
         self.up_q = _uniform(n_head, rank, d_head, fan_in=rank)
@@ -62,7 +64,7 @@ class LowRankQK(nn.Module):
 
     def attend(self, x: Tensor, v: Tensor) -> Tensor:
         q, k = self.queries_keys(x)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+        return causal_attention(q, k, v, self.sdpa_pad)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # After growth the hparams record the layer's new d_head, but this map kept the width it was built with.
@@ -86,5 +88,5 @@ class LowRankDintAttention(DenoisedAttention):
     ):
         if rank < 1 or d2_ratio <= 0:
             raise ValueError(f"lowrank_dint needs rank ≥ 1 and d2_ratio > 0, got rank={rank}, d2_ratio={d2_ratio}")
-        qk2 = LowRankQK(cfg.n_embd, cfg.n_head, cfg.head_size(layer_idx), rank, cfg.bias, d2_ratio)
+        qk2 = LowRankQK(cfg.n_embd, cfg.n_head, cfg.head_size(layer_idx), rank, cfg.bias, d2_ratio, cfg.sdpa_pad)
         super().__init__(cfg, layer_idx, qk2, lambda_init)

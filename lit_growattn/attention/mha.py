@@ -13,7 +13,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         h, dv = cfg.n_head, cfg.value_head_size
         self.n_head, self.d_v = h, dv
-        self.qk = QKForm(cfg.n_embd, h, cfg.head_size(layer_idx), cfg.bias)
+        self.qk = QKForm(cfg.n_embd, h, cfg.head_size(layer_idx), cfg.bias, sdpa_pad=cfg.sdpa_pad)
         self.v = nn.Linear(cfg.n_embd, h * dv, bias=cfg.bias)
         self.o = nn.Linear(h * dv, cfg.n_embd, bias=cfg.bias)
 

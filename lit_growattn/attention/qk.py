@@ -11,7 +11,8 @@ Statistics capture (DESIGN §4): on a statistics step the form records, per micr
 (X′, G·X′) with G = ∂L/∂S per head, from which N_i = X′ᵢᵀ Gᵢ X′ᵢ follows. Two paths behind one switch:
 - "extend": SDPA on Q̃ = [τQ | E], K̃ = [K | X′] with E = 0; E.grad = G X′ (memory b·h·s·e′).
 - "explicit": an explicit score map with a gradient hook (memory b·h·s²).
-With capture off the form runs plain SDPA and costs nothing extra.
+With capture off the form runs plain SDPA and costs nothing extra. Both SDPA paths go through
+`sdpa.causal_attention`, which pads the widths for the fused kernels (`sdpa_pad`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lit_growattn.attention.sdpa import SdpaPad, causal_attention
 
 CaptureMode = Literal["extend", "explicit"]
 
@@ -48,11 +50,14 @@ def causal_scores(q: Tensor, k: Tensor) -> Tensor:
 
 
 class QKForm(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, d_head: int, bias: bool = False, tau_init: float | None = None):
+    def __init__(
+        self, n_embd: int, n_head: int, d_head: int, bias: bool = False, tau_init: float | None = None,
+        sdpa_pad: SdpaPad = "auto",
+    ):
         super().__init__()
         if n_head <= 0 or d_head <= 0:
             raise ValueError(f"n_head and d_head must be positive, got n_head={n_head}, d_head={d_head}")
-        self.n_embd, self.bias = n_embd, bias
+        self.n_embd, self.bias, self.sdpa_pad = n_embd, bias, sdpa_pad
         e_in = n_embd + int(bias)
         # nn.Linear's default init, U(-1/√fan_in, 1/√fan_in); the low-rank DINT scale (DESIGN §1) is derived from it.
         bound = 1.0 / math.sqrt(n_embd)
@@ -84,9 +89,10 @@ class QKForm(nn.Module):
 
     def queries_keys(self, xa: Tensor) -> tuple[Tensor, Tensor]:
         """X′ (b, s, e′) → τQ, K, each (b, h, s, d_head)."""
-        q = torch.einsum("bse,hed->bhsd", xa, self.w_q) * self.tau.to(xa.dtype)[:, None, None]
+        q = torch.einsum("bse,hed->bhsd", xa, self.w_q)
         k = torch.einsum("bse,hed->bhsd", xa, self.w_k)
-        return q, k
+        # τ in the queries' dtype: under autocast an fp32 τ would promote bf16 queries back to fp32.
+        return q * self.tau.to(q.dtype)[:, None, None], k
 
     def scores(self, x: Tensor) -> Tensor:
         """Explicit causal scores S (b, h, s, s) with -inf above the diagonal (evaluation and references only)."""
@@ -97,7 +103,7 @@ class QKForm(nn.Module):
         xa = self.augment(x)
         q, k = self.queries_keys(xa)
         if self.capture is None or not torch.is_grad_enabled():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+            return causal_attention(q, k, v, self.sdpa_pad)
         if self.capture == "extend":
             return self._attend_extended(xa, q, k, v)
         if self.capture == "explicit":
@@ -105,17 +111,12 @@ class QKForm(nn.Module):
         raise ValueError(f"unknown capture mode {self.capture!r}; use 'extend' or 'explicit'")
 
     def _attend_extended(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        b, h, s, d = q.shape
-        e_in = xa.shape[-1]
-        # SDPA's fast kernels want head sizes that are multiples of 8: pad with zero columns, which add 0 to S.
-        pad = -(d + e_in) % 8
-        ext = q.new_zeros(b, h, s, e_in + pad, requires_grad=True)
-        xk = F.pad(xa.detach().to(k.dtype), (0, pad)).unsqueeze(1).expand(b, h, s, e_in + pad)
+        b, h, s, e_in = *q.shape[:3], xa.shape[-1]
+        ext = q.new_zeros(b, h, s, e_in, requires_grad=True)
+        xk = xa.detach().to(k.dtype).unsqueeze(1).expand(b, h, s, e_in)
         xa_kept = xa.detach()
-        ext.register_hook(lambda grad: self._record(xa_kept, grad[..., :e_in]))
-        return F.scaled_dot_product_attention(
-            torch.cat([q, ext], dim=-1), torch.cat([k, xk], dim=-1), v, is_causal=True, scale=1.0
-        )
+        ext.register_hook(lambda grad: self._record(xa_kept, grad))
+        return causal_attention(torch.cat([q, ext], dim=-1), torch.cat([k, xk], dim=-1), v, self.sdpa_pad)
 
     def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         s = causal_scores(q, k)

@@ -1,0 +1,51 @@
+"""`compile: true`: compiled training with a growth event equals eager training, with a bounded number of graphs."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from lit_growattn.cli import main
+from lit_growattn.config import GPTConfig
+from lit_growattn.model import GPT
+
+from conftest import REPO
+
+
+def _fit(tmp_path, tiny_cli_args, *extra):
+    cli = main(["--config", str(REPO / "configs/mqar_grow.yaml"), *tiny_cli_args, "--trainer.max_epochs=2",
+                "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=1",
+                "--model.init_args.n_layer=1", "--model.init_args.n_embd=32", "--data.init_args.num_train_examples=128",
+                "--data.init_args.num_val_examples=32", "--data.init_args.batch_size=32", *extra], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return cli.model
+
+
+def test_compiled_growth_run_equals_eager_with_bounded_recompiles(tmp_path, tiny_cli_args):
+    eager = _fit(tmp_path / "eager", tiny_cli_args)
+    torch.compiler.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = _fit(tmp_path / "compiled", tiny_cli_args, "--model.init_args.compile=true")
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    assert compiled.model.head_sizes() == eager.model.head_sizes() == [4]
+    # One graph before the growth, one after it; the documented bound is 2 · n_layer per growth epoch.
+    assert compiled.model.compiled.resets == 1
+    assert graphs == 2, graphs
+    for (name, got), want in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def test_more_graphs_than_the_bound_fail_loudly(monkeypatch):
+    # Dynamo's default would warn once and run eagerly from then on; here a third batch shape is an error.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch.compiler.reset()
+    model = GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16, d_head=2, d_v=8))
+    model.compile_blocks()
+    for batch in (4, 3):
+        idx = torch.randint(0, 16, (batch, 8))
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    with pytest.raises(RuntimeError, match="more than 2 compiled graphs"):
+        model(torch.randint(0, 16, (2, 8)))
+    torch.compiler.reset()
