@@ -32,16 +32,16 @@ def short_report(error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    args = sys.argv[1:] if argv is None else argv
     try:
-        if argv[:1] == ["convert"]:
+        if args[:1] == ["convert"]:
             from lit_growattn.convert import main as convert
 
-            convert(argv[1:])
+            convert(args[1:])
         else:
             from lit_growattn.cli import main as cli
 
-            cli(argv)
+            cli(argv)  # None: LightningCLI reads sys.argv itself (and does not warn about it)
     except Exception as error:  # noqa: BLE001 - the command line's last resort; SystemExit passes through
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
             raise
