@@ -19,7 +19,8 @@ import lightning as L
 import torch
 import yaml
 
-from lit_growattn.module import GrowAttentionLM, read_checkpoint
+from lit_growattn.checkpoint import read_checkpoint
+from lit_growattn.module import GrowAttentionLM
 
 TARGETS = ("dint", "lowrank_dint")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 from typing import Any, Literal
 
 import lightning as L
@@ -22,32 +21,17 @@ from torchmetrics.text import Perplexity
 
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.lowrank_dint import LowRankQK
+from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
 from lit_growattn.model import GPT
 
 
-# The score maps whose head size a checkpoint may change, and the parameter whose last dimension holds it.
-HEAD_SIZE_PARAMETER: dict[type[nn.Module], str] = {QKForm: "w_q", LowRankQK: "up_q"}
 # The (h, e′, ·) tensors of the score maps; with `bias` the last row along e′ multiplies X′'s constant column.
 BIAS_ROW_PARAMETERS: dict[type[nn.Module], tuple[str, ...]] = {QKForm: ("w_q", "w_k"), LowRankQK: ("down_q", "down_k")}
 
 
 class TrainingDiverged(RuntimeError):
     """The training loss stayed non-finite, or a checkpoint would have stored non-finite weights."""
-
-
-def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint's content, loaded with `weights_only=True`: tensors and plain containers only, so a file from
-    elsewhere cannot run code. Checkpoints written by this project's CLI and by `convert` load this way."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise ValueError(
-            f"{path} holds Python objects beyond tensors and plain containers, which could run code when loaded, "
-            f"so it is refused ({str(error).splitlines()[0]}). If you trust the file, keep only what is needed: "
-            "torch.save({k: ckpt[k] for k in ('state_dict', 'hyper_parameters')}, new_path) after "
-            "ckpt = torch.load(path, weights_only=False)"
-        ) from error
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -126,12 +110,9 @@ class GrowAttentionLM(L.LightningModule):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown
-        # checkpoint has other Q/K widths than the hparams the module was built from: resize every score map to
-        # the checkpoint's shapes first, then record them, so checkpoints saved from now on describe their weights.
-        for name, module in self.named_modules():
-            width_key = f"{name}.{HEAD_SIZE_PARAMETER.get(type(module))}"
-            if width_key in state_dict:
-                module.resize(state_dict[width_key].shape[-1])
+        # checkpoint has other Q/K widths than the hparams the module was built from: resize to the checkpoint's
+        # shapes first, then record them, so that checkpoints saved from now on describe their weights.
+        resize_to_checkpoint(self, state_dict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self.model.head_sizes() != [self.cfg.head_size(i) for i in range(self.cfg.n_layer)]:
             self.record_head_sizes()
