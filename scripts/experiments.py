@@ -7,7 +7,9 @@
                                                            # at about equal parameter count
 
 Every run is the project's own CLI config (configs/recall_grow.yaml or configs/text_grow.yaml) with
-overrides, trained in this process. Writes docs/experiments_<task>.md (the table, also printed) and
+overrides, trained in this process; static runs keep the config's callbacks except growth (the attention
+analysis of text_grow.yaml included). Writes docs/experiments_<task>.md (the table, also printed), the results
+as docs/experiments_<task>.json (each run with its task, every validation set and the attention entropy) and
 docs/experiments_<task>_loss_vs_flops.png, docs/experiments_<task>_d_head.png.
 """
 
