@@ -20,6 +20,8 @@ HEAD_SIZE_PARAMETER: dict[type[nn.Module], str] = {QKForm: "w_q", LowRankQK: "up
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's content, loaded with `weights_only=True`: tensors and plain containers only, so a file from
     elsewhere cannot run code. Checkpoints written by this project's CLI and by `convert` load this way."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no checkpoint file at {str(path)!r}; give the path of a .ckpt file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:

@@ -65,6 +65,8 @@ def test_checkpoints_that_could_run_code_are_refused(tmp_path):
     with pytest.raises(ValueError, match="refused"):
         GrowAttentionLM(init_from=str(path))
     assert not marker.exists()
+    with pytest.raises(FileNotFoundError, match="no checkpoint file at"):
+        convert_checkpoint(tmp_path / "missing.ckpt", tmp_path / "out.ckpt", rank=2)
 
 
 # -- checkpoint callbacks ------------------------------------------------------------------------
