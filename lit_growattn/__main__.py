@@ -1,11 +1,54 @@
-import sys
+"""`python -m lit_growattn fit|validate|test …` (LightningCLI) and `python -m lit_growattn convert …`.
 
-from lit_growattn.cli import main
+An error is reported as the project's own message in a few lines, not as jsonargparse's and Lightning's
+wrappers around it; `LIT_GROWATTN_DEBUG=1` shows the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+DEBUG_ENV = "LIT_GROWATTN_DEBUG"
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The innermost exception: jsonargparse wraps a failing __init__ in "Does not validate against any of the
+    Union subtypes", raised from the original error."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def short_report(error: BaseException) -> str:
+    cause = root_cause(error)
+    where = traceback.extract_tb(cause.__traceback__)[-1] if cause.__traceback__ else None
+    lines = [f"error: {type(cause).__name__}: {cause}"]
+    if where is not None:
+        lines.append(f"  (raised at {where.filename}:{where.lineno})")
+    lines.append(f"  (full traceback: run again with {DEBUG_ENV}=1)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        if args[:1] == ["convert"]:
+            from lit_growattn.convert import main as convert
+
+            convert(args[1:])
+        else:
+            from lit_growattn.cli import main as cli
+
+            cli(argv)  # None: LightningCLI reads sys.argv itself (and does not warn about it)
+    except Exception as error:  # noqa: BLE001 - the command line's last resort; SystemExit passes through
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print(short_report(error), file=sys.stderr)
+        return 1
+    return 0
+
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["convert"]:
-        from lit_growattn.convert import main as convert
-
-        convert(sys.argv[2:])
-    else:
-        main()
+    sys.exit(main())

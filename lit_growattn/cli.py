@@ -1,8 +1,12 @@
-"""`python -m lit_growattn fit|validate|test|predict --config cfg.yaml` through LightningCLI."""
+"""`python -m lit_growattn fit|validate|test --config cfg.yaml` through LightningCLI."""
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+import os
+import shutil
+from pathlib import Path
+
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from lit_growattn.module import GrowAttentionLM
@@ -16,10 +20,56 @@ TRAINER_DEFAULTS = {
 
 
 class GrowAttentionCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # No `predict`: the data modules have no prediction data, and nothing would write the predictions.
+        commands = LightningCLI.subcommands()
+        del commands["predict"]
+        return commands
+
     def add_arguments_to_parser(self, parser) -> None:
         # The vocabulary and the longest sequence come from the data, so the model cannot disagree with it.
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.max_seq_len", "model.init_args.block_size", apply_on="instantiate")
+
+    def _instantiate_trainer(self, config: dict, callbacks: list[Callback]):
+        # The default `ModelCheckpoint(save_last=True)` only when the user configured none: Lightning refuses two
+        # stateful callbacks of one type, and a user who configures checkpointing wants exactly theirs.
+        configured = config.get("callbacks") or []
+        configured = configured if isinstance(configured, list) else [configured]
+        wanted = config.get("enable_checkpointing") is not False
+        if wanted and not any(isinstance(c, ModelCheckpoint) for c in [*configured, *callbacks]):
+            callbacks = [*callbacks, ModelCheckpoint(save_last=True)]
+        return super()._instantiate_trainer(config, callbacks)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            self._remove_logs_of_failed_start()
+            raise
+
+    def _remove_logs_of_failed_start(self) -> None:
+        """A run that fails before logging anything leaves no `version_N` folder behind (only its own files go)."""
+        trainer = self.trainer
+        if trainer.callback_metrics or not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            log_dir = Path(logger.log_dir) if logger.log_dir else None
+            if log_dir is not None and log_dir.is_dir() and _written_by_this_start(log_dir):
+                shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _written_by_this_start(log_dir: Path) -> bool:
+    """Whether log_dir holds only the config files and this process's (empty) event files: nothing from an earlier
+    run that used the same folder, and no checkpoint."""
+    pid = str(os.getpid())
+    for path in log_dir.rglob("*"):
+        name = path.name
+        own_events = name.startswith("events.out.tfevents.") and name.split(".")[-2] == pid  # …{host}.{pid}.{n}
+        if not (path.is_dir() or own_events or name in ("config.yaml", "hparams.yaml")):
+            return False
+    return True
 
 
 def main(args: list[str] | None = None, run: bool = True) -> GrowAttentionCLI:
@@ -28,8 +78,7 @@ def main(args: list[str] | None = None, run: bool = True) -> GrowAttentionCLI:
         GrowAttentionLM,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        # Callbacks here are appended to the ones a config lists (LightningCLI's rule for trainer_defaults).
-        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [ModelCheckpoint(save_last=True)]},
+        trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,

@@ -19,6 +19,7 @@ import lightning as L
 import torch
 import yaml
 
+from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.module import GrowAttentionLM
 
 TARGETS = ("dint", "lowrank_dint")
@@ -34,9 +35,10 @@ def convert_checkpoint(
     """
     if to not in TARGETS:
         raise ValueError(f"can convert mha to {' or '.join(TARGETS)}, not {to!r}")
-    # A Lightning checkpoint holds more than tensors (hparams, loop state): it is the user's own file.
-    ckpt = torch.load(src_path, map_location="cpu", weights_only=False)
-    hparams, state = dict(ckpt["hyper_parameters"]), ckpt["state_dict"]
+    ckpt = read_checkpoint(src_path)
+    # LightningCLI records how it built the model (`_class_path`, `_instantiator`): not arguments of the model.
+    hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}
+    state = ckpt["state_dict"]
     if hparams.get("attention", "mha") != "mha":
         raise ValueError(f"{src_path} is a {hparams['attention']!r} checkpoint; only mha can be converted")
     # d_head as stored, in case the run grew without recording it: both maps of a layer must share it.

@@ -21,8 +21,18 @@ from torchmetrics.text import Perplexity
 
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.sdpa import SdpaPad
+from lit_growattn.attention.lowrank_dint import LowRankQK
+from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
 from lit_growattn.model import GPT
+
+
+# The (h, e′, ·) tensors of the score maps; with `bias` the last row along e′ multiplies X′'s constant column.
+BIAS_ROW_PARAMETERS: dict[type[nn.Module], tuple[str, ...]] = {QKForm: ("w_q", "w_k"), LowRankQK: ("down_q", "down_k")}
+
+
+class TrainingDiverged(RuntimeError):
+    """The training loss stayed non-finite, or a checkpoint would have stored non-finite weights."""
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -45,6 +55,8 @@ class GrowAttentionLM(L.LightningModule):
         init_from: start from the weights of this checkpoint (a fresh run: optimizer, steps and schedule start anew).
         sdpa_pad: pad attention head sizes to what the fused SDPA kernels accept (exact): auto (on CUDA only) | on | off.
         compile: run training steps through `torch.compile`d transformer blocks, recompiled after each growth.
+        max_nonfinite_steps: stop with an error once the training loss has been NaN/inf for this many consecutive
+            steps (one alone is tolerated: a 16-mixed overflow, which the gradient scaler skips).
     """
 
     def __init__(
@@ -68,6 +80,7 @@ class GrowAttentionLM(L.LightningModule):
         init_from: str | None = None,
         sdpa_pad: SdpaPad = "auto",
         compile: bool = False,
+        max_nonfinite_steps: int = 10,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "scheduler", "init_from"])
@@ -78,6 +91,9 @@ class GrowAttentionLM(L.LightningModule):
         )
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"need warmup_steps ≥ 0 and 0 ≤ min_lr_ratio ≤ 1, got {warmup_steps}, {min_lr_ratio}")
+        if max_nonfinite_steps < 1:
+            raise ValueError(f"max_nonfinite_steps must be ≥ 1, got {max_nonfinite_steps}")
+        self._nonfinite_steps = 0
         self.model = GPT(self.cfg)
         if compile:
             self.model.compile_blocks()
@@ -100,18 +116,20 @@ class GrowAttentionLM(L.LightningModule):
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        # A grown checkpoint has wider Q/K tensors than the hparams it was created with: resize first.
-        for name, module in self.named_modules():
-            if isinstance(module, QKForm) and f"{name}.w_q" in state_dict:
-                module.resize(state_dict[f"{name}.w_q"].shape[-1])
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown
+        # checkpoint has other Q/K widths than the hparams the module was built from: resize to the checkpoint's
+        # shapes first, then record them, so that checkpoints saved from now on describe their weights.
+        resize_to_checkpoint(self, state_dict)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.model.head_sizes() != [self.cfg.head_size(i) for i in range(self.cfg.n_layer)]:
+            self.record_head_sizes()
+        return result
 
     def _load_weights(self, path: str) -> None:
         """Starts from the weights of a checkpoint (e.g. one made by `python -m lit_growattn convert`)."""
         if not os.path.isfile(path):
             raise FileNotFoundError(f"init_from={path!r} does not exist; give the path of a checkpoint file")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        self.load_state_dict(checkpoint["state_dict"])
+        self.load_state_dict(read_checkpoint(path)["state_dict"])
 
     def record_head_sizes(self) -> None:
         """Keeps hparams in step with the grown shapes, so `load_from_checkpoint` builds the right sizes."""
@@ -122,6 +140,7 @@ class GrowAttentionLM(L.LightningModule):
         inputs, labels = batch
         logits = self(inputs)
         loss = self.loss(logits, labels)
+        self._check_finite(loss, batch_idx)
         tokens = inputs.numel() * self.trainer.world_size
         self.tokens_seen += tokens
         self.flops_seen += tokens * self.model.flops_per_token(inputs.shape[1])
@@ -131,6 +150,31 @@ class GrowAttentionLM(L.LightningModule):
         if self.trainer._logger_connector.should_update_logs:
             self._log_step_scalars(logits, labels, loss)
         return loss
+
+    def _check_finite(self, loss: Tensor, batch_idx: int) -> None:
+        # One scalar read per step (the progress bar reads the loss every step anyway).
+        if torch.isfinite(loss):
+            self._nonfinite_steps = 0
+            return
+        self._nonfinite_steps += 1
+        if self._nonfinite_steps >= self.hparams.max_nonfinite_steps:
+            raise TrainingDiverged(
+                f"training diverged: the training loss has been non-finite for {self._nonfinite_steps} consecutive "
+                f"steps, the last {loss.item()} at step {self.trainer.global_step} (epoch {self.current_epoch}, batch "
+                f"{batch_idx}). Lower the learning rate, or raise warmup_steps or gradient clipping; "
+                f"max_nonfinite_steps (now {self.hparams.max_nonfinite_steps}) sets how many such steps are tolerated"
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Never replace a checkpoint (`last.ckpt` included) with non-finite weights: stop instead.
+        finite = torch.stack([torch.isfinite(p).all() for p in self.parameters()])
+        if not finite.all():
+            names = [name for (name, _), ok in zip(self.named_parameters(), finite.tolist()) if not ok]
+            raise TrainingDiverged(
+                f"training diverged: {len(names)} parameter tensors are non-finite at step {self.trainer.global_step} "
+                f"({', '.join(names[:3])}{', …' if len(names) > 3 else ''}), so no checkpoint is written (those already "
+                "written keep their finite weights). Lower the learning rate, or raise warmup_steps or gradient clipping"
+            )
 
     def _log_step_scalars(self, logits: Tensor, labels: Tensor, loss: Tensor) -> None:
         self.train_acc(logits.detach().argmax(-1), labels)
@@ -207,12 +251,37 @@ class GrowAttentionLM(L.LightningModule):
 
     # -- optimisation --------------------------------------------------------------------------
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """Weight decay only on ≥2-D weights; never on temperatures, biases, norms or gates."""
+        """Weight decay only on ≥2-D weights; never on temperatures, biases, norms or gates.
+
+        The query/key bias is the last row of W_Q/W_K (and of the low-rank map's down factors): those tensors are
+        in the no-decay group, and `on_before_optimizer_step` decays their other rows.
+        """
+        with_bias_row = {id(p) for p in self._bias_row_parameters()}
         decay, no_decay = [], []
-        for name, p in self.named_parameters():
+        for p in self.parameters():
             if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
+                (decay if p.ndim >= 2 and id(p) not in with_bias_row else no_decay).append(p)
         return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def _bias_row_parameters(self) -> list[nn.Parameter]:
+        return [
+            getattr(m, name) for m in self.modules() if type(m) in BIAS_ROW_PARAMETERS and m.bias
+            for name in BIAS_ROW_PARAMETERS[type(m)]
+        ]
+
+    @torch.no_grad()
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Decoupled weight decay, as AdamW applies it, on every row but the bias row of the Q/K tensors that carry one.
+
+        Reads the decay group's weight_decay and the no-decay group's learning rate (`parameter_groups`' order).
+        """
+        params = [p for p in self._bias_row_parameters() if p.grad is not None]  # AdamW skips the others too
+        if not params:
+            return
+        decay_group, no_decay_group = optimizer.param_groups
+        shrink = 1.0 - no_decay_group["lr"] * decay_group.get("weight_decay", 0.0)
+        for p in params:
+            p[:, :-1].mul_(shrink)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.parameter_groups())

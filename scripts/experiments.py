@@ -7,7 +7,9 @@
                                                            # at about equal parameter count
 
 Every run is the project's own CLI config (configs/recall_grow.yaml or configs/text_grow.yaml) with
-overrides, trained in this process. Writes docs/experiments_<task>.md (the table, also printed) and
+overrides, trained in this process; static runs keep the config's callbacks except growth (the attention
+analysis of text_grow.yaml included). Writes docs/experiments_<task>.md (the table, also printed), the results
+as docs/experiments_<task>.json (each run with its task, every validation set and the attention entropy) and
 docs/experiments_<task>_loss_vs_flops.png, docs/experiments_<task>_d_head.png.
 """
 
@@ -43,30 +45,43 @@ GROWTH += [("random", "append"), ("zero", "append")]
 
 
 class Curve(L.Callback):
-    """Validation loss/accuracy against training FLOPs and d_head against steps, for the plots."""
+    """Validation loss/accuracy against training FLOPs and d_head against steps, for the plots; every extra
+    validation set (`sets`, by name) and the attention entropy per layer, when logged."""
 
     def __init__(self):
         self.points: list[dict] = []
 
-    def on_validation_epoch_end(self, trainer, pl_module):
+    def on_validation_end(self, trainer, pl_module):
+        # After every callback's on_validation_epoch_end, so that the attention analysis has logged its entropy.
         if trainer.sanity_checking:
             return
-        metrics = trainer.callback_metrics
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        sets: dict[str, dict[str, float]] = {}
+        for key, value in metrics.items():
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "val":  # val/<name>/<metric>
+                sets.setdefault(parts[1], {})[parts[2]] = value
         self.points.append({
             "step": trainer.global_step,
             "flops": float(pl_module.flops_seen),
-            "loss": float(metrics["val/loss"]),
-            "acc": float(metrics["val/acc"]),
+            "loss": metrics["val/loss"],
+            "acc": metrics["val/acc"],
+            "sets": sets,
+            "entropy": {k.removeprefix("attention/entropy/"): v for k, v in metrics.items()
+                        if k.startswith("attention/entropy/")},
             "d_head": pl_module.model.head_sizes(),
         })
 
 
-def run(config: str, overrides: list[str], log_dir: str) -> dict:
+def run(config: str, overrides: list[str], log_dir: str, grow: bool) -> dict:
+    """One training run; without `grow` the config's growth callback is left out and every other callback kept."""
     cli = cli_main(
         ["--config", str(REPO / config), "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          f"--trainer.logger.init_args.save_dir={log_dir}", *overrides],
         run=False,
     )
+    if not grow:
+        cli.trainer.callbacks = [c for c in cli.trainer.callbacks if not isinstance(c, GrowAttentionCallback)]
     curve = Curve()
     cli.trainer.callbacks.append(curve)
     start = time.perf_counter()
@@ -82,12 +97,16 @@ def run(config: str, overrides: list[str], log_dir: str) -> dict:
     }
 
 
+def grows(name: str) -> bool:
+    """Growth runs are named `grow <method>/<mode>`; every other run is static (the same callbacks, but no growth)."""
+    return name.startswith("grow ")
+
+
 def variants(task: str) -> dict[str, list[str]]:
     _, small, large, _ = TASKS[task]
-    static = ["--trainer.callbacks=null"]
     out = {
-        f"static d_head {small}": [*static, f"--model.init_args.d_head={small}"],
-        f"static d_head {large}": [*static, f"--model.init_args.d_head={large}"],
+        f"static d_head {small}": [f"--model.init_args.d_head={small}"],
+        f"static d_head {large}": [f"--model.init_args.d_head={large}"],
     }
     for method, mode in GROWTH:
         out[f"grow {method}/{mode}"] = [f"--trainer.callbacks.init_args.method={method}",
@@ -99,7 +118,7 @@ def attention_variants(task: str) -> dict[str, list[str]]:
     """Static runs of each attention variant at the large d_head, with the query/key width of the two-map
     variants adjusted so that every model has about the same number of parameters."""
     large = TASKS[task][2]
-    static = ["--trainer.callbacks=null"]
+    static = []
     if task == "recall":  # DIFF pairs heads: two heads of half the value size, the same parameters as one
         static += ["--model.init_args.n_head=2", "--model.init_args.d_v=32"]
     return {
@@ -111,12 +130,21 @@ def attention_variants(task: str) -> dict[str, list[str]]:
     }
 
 
-def merge(parts: list[dict[str, list[dict]]], order: list[str]) -> dict[str, list[dict]]:
-    """One results dict from several: the seeds of a run name are concatenated; names keep the grid's order."""
+def merge(parts: list[dict[str, list[dict]]], order: list[str], task: str | None = None) -> dict[str, list[dict]]:
+    """One results dict from several: the seeds of a run name are concatenated; names keep the grid's order.
+    With `task`, results of another task are refused (they would be rendered with the wrong metric)."""
     merged: dict[str, list[dict]] = {}
     for part in parts:
         for name, runs in part.items():
             merged.setdefault(name, []).extend(runs)
+    for name, runs in merged.items():
+        found = {r.get("task") for r in runs}
+        if task is not None and None in found:
+            raise ValueError(f"{name!r} has results that do not record their task (written before it was recorded); "
+                             f"if they are {task} results, add \"task\": \"{task}\" to each of its runs")
+        if task is not None and found != {task}:
+            other = "with --text FILE" if "text" in found else "without --text"
+            raise ValueError(f"{name!r} holds {' and '.join(sorted(found))} results, not {task}: render them {other}")
     for name, runs in merged.items():
         seeds = [r["seed"] for r in runs if "seed" in r]
         if len(set(seeds)) != len(seeds):
@@ -126,40 +154,57 @@ def merge(parts: list[dict[str, list[dict]]], order: list[str]) -> dict[str, lis
     return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank))))
 
 
-def summarise(task: str, results: dict[str, list[dict]]) -> str:
-    """The table; "within 1 %" compares the task's metric (recall: accuracy, whose loss goes to 0; text: loss)."""
-    _, small, large, metric = TASKS[task]
-    baseline = f"static d_head {large}" if f"static d_head {large}" in results else next(iter(results))
-    reference = statistics.mean(r["final"][metric] for r in results[baseline])
-    ref_flops = statistics.mean(r["flops"] for r in results[baseline])
-    def reached(value: float) -> bool:
-        return value <= 1.01 * reference if metric == "loss" else value >= 0.99 * reference
+def summarise(task: str, results: dict[str, list[dict]], baseline: str | None = None) -> str:
+    """The table; "within 1 %" compares the task's metric (recall: accuracy, whose loss goes to 0; text: loss) with
+    the baseline (default: the static large model), whose columns are left out when it is missing or alone."""
+    _, _, large, metric = TASKS[task]
+    baseline = baseline or f"static d_head {large}"
+    mean = statistics.mean
+    spread = lambda xs: f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""  # noqa: E731
+    sets = sorted({name for runs in results.values() for r in runs for name in r["final"].get("sets", {})})
+    header = ["run", "seeds", "params", "val loss", "val acc"]
+    header += [f"{s} val {m}" for s in sets for m in ("loss", "acc")]
+    compare = baseline in results and len(results) > 1
+    if compare:
+        reference = mean(r["final"][metric] for r in results[baseline])
+        ref_flops = mean(r["flops"] for r in results[baseline])
+        header += [f"{metric} within 1 % of {baseline}", f"train FLOPs (× {baseline})",
+                   f"FLOPs to within 1 % (× {baseline}'s total)"]
 
-    def flops_to_reach(run: dict) -> float | None:
-        """Training FLOPs at the first validation within 1 % of the baseline's final value (None: never)."""
-        return next((point["flops"] for point in run["curve"] if reached(point[metric])), None)
+        def reached(value: float) -> bool:
+            return value <= 1.01 * reference if metric == "loss" else value >= 0.99 * reference
 
-    lines = [
-        f"| run | seeds | params | val loss | val acc | {metric} within 1 % of {baseline} | "
-        f"train FLOPs (× {baseline}) | FLOPs to within 1 % (× {baseline}'s total) | sign fallbacks | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        def flops_to_reach(run: dict) -> float | None:
+            """Training FLOPs at the first validation within 1 % of the baseline's final value (None: never)."""
+            return next((point["flops"] for point in run["curve"] if reached(point[metric])), None)
+    header += ["sign fallbacks", "seconds"]
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, runs in results.items():
         losses = [r["final"]["loss"] for r in runs]
         accs = [r["final"]["acc"] for r in runs]
-        spread = lambda xs: f" ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else ""  # noqa: E731
-        flops = statistics.mean(r["flops"] for r in runs)
-        fallbacks = sum(e.get("sign_fallbacks", 0) for r in runs for e in r["events"])
-        within = reached(statistics.mean(r["final"][metric] for r in runs))
-        to_reach = [flops_to_reach(r) for r in runs]
-        reach = (f"{statistics.mean(to_reach) / ref_flops:.2f}" if None not in to_reach
-                 else f"{len(runs) - to_reach.count(None)} of {len(runs)} seeds reach it")
-        lines.append(
-            f"| {name} | {len(runs)} | {runs[0].get('params', '–')} | {statistics.mean(losses):.3f}{spread(losses)} | "
-            f"{statistics.mean(accs):.3f}{spread(accs)} | {'yes' if within else 'no'} | "
-            f"{flops:.3g} ({flops / ref_flops:.2f}) | {reach} | {fallbacks} | "
-            f"{statistics.mean(r['seconds'] for r in runs):.0f} |"
-        )
+        row = [name, str(len(runs)), str(runs[0].get("params", "–")), f"{mean(losses):.3f}{spread(losses)}",
+               f"{mean(accs):.3f}{spread(accs)}"]
+        for s in sets:
+            for m in ("loss", "acc"):
+                values = [r["final"].get("sets", {}).get(s, {}).get(m) for r in runs]
+                row.append(f"{mean(values):.3f}{spread(values)}" if None not in values else "–")
+        if compare:
+            flops = mean(r["flops"] for r in runs)
+            to_reach = [flops_to_reach(r) for r in runs]
+            row += [
+                "yes" if reached(mean(r["final"][metric] for r in runs)) else "no",
+                f"{flops:.3g} ({flops / ref_flops:.2f})",
+                f"{mean(to_reach) / ref_flops:.2f}" if None not in to_reach
+                else f"{len(runs) - to_reach.count(None)} of {len(runs)} seeds reach it",
+            ]
+        row += [str(sum(e.get("sign_fallbacks", 0) for r in runs for e in r["events"])),
+                f"{mean(r['seconds'] for r in runs):.0f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    if not compare:
+        why = "is the only run" if baseline in results else "is not among these runs"
+        lines.append(f"\nNo baseline to compare with: {baseline} {why}. Run it beside the others, or merge its "
+                     "results with --from-json.")
     return "\n".join(lines)
 
 
@@ -222,20 +267,21 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     if args.from_json:
-        results, runs = merge([json.loads(Path(p).read_text()) for p in args.from_json], order=list(runs)), {}
+        try:
+            results = merge([json.loads(Path(p).read_text()) for p in args.from_json], order=list(runs), task=task)
+        except ValueError as error:
+            parser.error(str(error))
+        runs = {}
     with tempfile.TemporaryDirectory() as logs:
         for name, overrides in runs.items():
             for seed in seeds:
                 seeded = [f"--seed_everything={seed}", f"--data.init_args.seed={seed}"]
-                cli_overrides = [*common, *overrides, *seeded]
-                if "--trainer.callbacks=null" in overrides:  # static runs have no growth options to override
-                    cli_overrides = [o for o in cli_overrides if not o.startswith("--trainer.callbacks.")]
-                result = {"seed": seed, **run(config, cli_overrides, logs)}
+                result = {"seed": seed, "task": task, **run(config, [*common, *overrides, *seeded], logs, grows(name))}
                 results.setdefault(name, []).append(result)
                 print(json.dumps({"run": name, "seed": seed, **{k: result[k] for k in ("seconds", "flops", "final")}}),
                       flush=True)
     stem = f"experiments_{task}_attention" if args.attention else f"experiments_{task}"
-    table = summarise(task, results)
+    table = summarise(task, results, baseline="mha" if args.attention else None)
     plots = plot(task, results, out, stem)
     (out / f"{stem}.md").write_text(
         f"# {stem} ({config}, overrides {common})\n\n{table}\n\n" + "\n".join(f"![]({p.name})" for p in plots) + "\n"

@@ -26,6 +26,7 @@ def test_quick_run_writes_table_json_and_plots(tmp_path):
     assert grown["final"]["d_head"] == [15]
     assert [e["epoch"] for e in grown["events"]] == [1, 2]
     assert results["static d_head 1"][0]["final"]["d_head"] == [1]
+    assert {r["task"] for runs in results.values() for r in runs} == {"recall"}
     table = (tmp_path / "experiments_recall.md").read_text()
     assert all(f"| {name} | 1 |" in table for name in results)
     assert (tmp_path / "experiments_recall_acc_vs_flops.png").stat().st_size > 0
@@ -55,3 +56,31 @@ def test_merging_the_same_seed_twice_is_refused():
     part = {"grow pinv/append": [{"seed": 0, **fake_run(1.0)}]}
     with pytest.raises(ValueError, match="the same run is in two of the files"):
         experiments.merge([part, part], list(experiments.variants("text")))
+
+
+def test_text_results_keep_every_validation_set_their_task_and_the_static_runs_callbacks(tmp_path, capsys):
+    corpus, code = tmp_path / "corpus.txt", tmp_path / "code.txt"
+    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
+    code.write_bytes(b"def f(x):\n    return x * 2\n" * 100)
+    out = tmp_path / "out"
+    experiments.main(["--text", str(corpus), "--quick", "--only", "static d_head 2", "--out", str(out),
+                      f"--override=--data.init_args.val_paths={{code: {code}}}"])
+    (run,) = json.loads((out / "experiments_text.json").read_text())["static d_head 2"]
+    assert run["task"] == "text"
+    assert set(run["final"]["sets"]["code"]) >= {"loss", "acc"}  # the extra validation set, by name
+    assert "layer_0" in run["final"]["entropy"]  # a static run keeps the attention analysis of text_grow.yaml
+    table = (out / "experiments_text.md").read_text()
+    assert "| code val loss | code val acc |" in table
+    assert "static d_head 2 (" not in table  # nothing is compared with a run that is not there
+    assert "No baseline to compare with: static d_head 16 is not among these runs" in table
+
+    with pytest.raises(SystemExit):  # text results rendered as the recall task are refused
+        experiments.main(["--from-json", str(out / "experiments_text.json"), "--out", str(out)])
+    assert "holds text results, not recall: render them with --text FILE" in capsys.readouterr().err
+    experiments.main(["--text", str(corpus), "--from-json", str(out / "experiments_text.json"), "--out", str(out)])
+
+
+def test_a_table_of_the_baseline_alone_compares_nothing():
+    table = experiments.summarise("text", {"static d_head 16": [fake_run(2.0)]})
+    assert "× static d_head 16" not in table
+    assert "No baseline to compare with: static d_head 16 is the only run" in table

@@ -66,13 +66,13 @@ class LowRankQK(nn.Module):
         q, k = self.queries_keys(x)
         return causal_attention(q, k, v, self.sdpa_pad)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # After growth the hparams record the layer's new d_head, but this map kept the width it was built with.
-        for name in ("up_q", "up_k"):
-            saved, own = state_dict.get(prefix + name), getattr(self, name)
-            if saved is not None and saved.shape != own.shape:
-                setattr(self, name, nn.Parameter(own.new_empty(saved.shape)))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def resize(self, d_head: int) -> None:
+        """Resizes to d_head with placeholder values, before loading a checkpoint whose map has that width (after
+        growth the hparams record the layer's new d_head, but this map keeps the width it was built with)."""
+        if d_head != self.d_head:
+            h, rank, _ = self.up_q.shape
+            self.up_q = nn.Parameter(self.up_q.new_zeros(h, rank, d_head))
+            self.up_k = nn.Parameter(self.up_k.new_zeros(h, rank, d_head))
 
 
 class LowRankDintAttention(DenoisedAttention):
