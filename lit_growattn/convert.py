@@ -1,4 +1,8 @@
-"""mha checkpoint → DINT / low-rank DINT, to fine-tune a trained model instead of training from scratch (seed 001).
+"""Converting a trained mha checkpoint, to fine-tune instead of training from scratch.
+
+`--to dint | lowrank_dint` (seed 001): DINT attention with outputs identical to the mha model at step 0.
+`--to mha --d_head r`: every head's query/key form shrunk to its closest rank-r form (truncated SVD of
+τ W_Q W_Kᵀ, temperature kept), exact when r ≥ the form's rank: the shrink-then-fine-tune peer of growth.
 
 The DINT layer computes A1·V + λ·(A3·V − A2·V). Q1/K1/temperature/V/O keep their mha names and values, and
 λ = 0 exactly, so the converted model's outputs are those of the mha model. λ is a free parameter sitting at 0,
@@ -20,21 +24,30 @@ import torch
 import yaml
 
 from lit_growattn.checkpoint import read_checkpoint
+from lit_growattn.growth.shrink import shrink_form
 from lit_growattn.module import GrowAttentionLM
 
-TARGETS = ("dint", "lowrank_dint")
+TARGETS = ("dint", "lowrank_dint", "mha")
 
 
 def convert_checkpoint(
-    src_path: str | Path, dst_path: str | Path, to: str = "lowrank_dint", seed: int = 0, **variant_args
+    src_path: str | Path,
+    dst_path: str | Path,
+    to: str = "lowrank_dint",
+    seed: int = 0,
+    d_head: int | list[int] | None = None,
+    **variant_args,
 ) -> GrowAttentionLM:
     """Converts the `mha` checkpoint at src_path and saves it at dst_path; returns the converted module.
 
-    variant_args go to the new attention (`rank`, `d2_ratio` for lowrank_dint); the second map is initialised
-    from `seed`, without touching the global RNG.
+    to="mha" shrinks every layer's head size to d_head (one int, or one per layer). Otherwise variant_args go to
+    the new attention (`rank`, `d2_ratio` for lowrank_dint) and the second map is initialised from `seed`, without
+    touching the global RNG.
     """
     if to not in TARGETS:
-        raise ValueError(f"can convert mha to {' or '.join(TARGETS)}, not {to!r}")
+        raise ValueError(f"can convert mha to {', '.join(TARGETS)}, not {to!r}")
+    if (to == "mha") != (d_head is not None):
+        raise ValueError("give d_head exactly when shrinking (to='mha'): the other targets keep the head sizes")
     ckpt = read_checkpoint(src_path)
     # LightningCLI records how it built the model (`_class_path`, `_instantiator`): not arguments of the model.
     hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}
@@ -43,6 +56,23 @@ def convert_checkpoint(
         raise ValueError(f"{src_path} is a {hparams['attention']!r} checkpoint; only mha can be converted")
     # d_head as stored, in case the run grew without recording it: both maps of a layer must share it.
     hparams["d_head"] = [state[f"model.blocks.{i}.attn.qk.w_q"].shape[-1] for i in range(hparams["n_layer"])]
+    if to == "mha":
+        module = _shrunk(src_path, hparams, state, d_head)
+    else:
+        module = _dint(src_path, hparams, state, to, seed, variant_args)
+    torch.save(
+        {
+            "state_dict": module.state_dict(),
+            "hyper_parameters": dict(module.hparams),
+            "hparams_name": "kwargs",
+            "pytorch-lightning_version": L.__version__,
+        },
+        dst_path,
+    )
+    return module
+
+
+def _dint(src_path, hparams: dict, state: dict, to: str, seed: int, variant_args: dict) -> GrowAttentionLM:
     hparams.update(attention=to, attention_args={**variant_args, "lambda_init": 0.0})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -52,34 +82,48 @@ def convert_checkpoint(
     leftover = [k for k in unexpected if k.startswith("model.")]  # others are evaluation-metric states
     if unfilled or leftover:
         raise ValueError(f"{src_path} does not fit {to}: missing {unfilled}, unexpected {leftover}")
-    torch.save(
-        {
-            "state_dict": module.state_dict(),
-            "hyper_parameters": hparams,
-            "hparams_name": "kwargs",
-            "pytorch-lightning_version": L.__version__,
-        },
-        dst_path,
-    )
+    return module
+
+
+def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int]) -> GrowAttentionLM:
+    sizes = d_head if isinstance(d_head, list) else [d_head] * hparams["n_layer"]
+    if len(sizes) != hparams["n_layer"]:
+        raise ValueError(f"d_head has {len(sizes)} entries but {src_path} has {hparams['n_layer']} layers")
+    module = GrowAttentionLM(**hparams)
+    module.load_state_dict(state)
+    for layer, (forms, size) in enumerate(zip(module.model.qk_forms(), sizes)):
+        for form in forms:
+            if size > form.d_head:
+                raise ValueError(
+                    f"layer {layer} has head size {form.d_head}; shrinking cannot widen it to {size} (grow it instead)"
+                )
+            w_q, w_k, _ = shrink_form(form.w_q, form.w_k, form.log_tau, size)
+            form.set_weights(w_q, w_k, form.log_tau)
+    module.record_head_sizes()
     return module
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m lit_growattn convert --ckpt mha.ckpt --to lowrank_dint --rank 8 --out new.ckpt`"""
+    """`python -m lit_growattn convert --ckpt mha.ckpt --to lowrank_dint --rank 8 --out new.ckpt`
+    or `… --to mha --d_head 4 [4 …] --out small.ckpt`"""
     parser = argparse.ArgumentParser(prog="python -m lit_growattn convert", description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", required=True, help="trained mha checkpoint")
     parser.add_argument("--to", choices=TARGETS, default="lowrank_dint")
     parser.add_argument("--rank", type=int, help="rank of the second map (lowrank_dint)")
     parser.add_argument("--d2_ratio", type=float, help="d₂ / d_head of the second map (lowrank_dint; default 1/9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the second map's initialisation")
+    parser.add_argument("--d_head", type=int, nargs="+", help="head size to shrink to (mha): one, or one per layer")
     parser.add_argument("--out", required=True, help="converted checkpoint; its model config goes beside it (.yaml)")
     args = parser.parse_args(argv)
     variant_args = {k: v for k in ("rank", "d2_ratio") if (v := getattr(args, k)) is not None}
     if args.to == "lowrank_dint" and "rank" not in variant_args:
         parser.error("--rank is required for lowrank_dint")
-    if args.to == "dint" and variant_args:
+    if args.to != "lowrank_dint" and variant_args:
         parser.error("--rank and --d2_ratio belong to lowrank_dint")
-    module = convert_checkpoint(args.ckpt, args.out, args.to, seed=args.seed, **variant_args)
+    if (args.to == "mha") != (args.d_head is not None):
+        parser.error("--d_head is required for --to mha (shrinking) and belongs to it alone")
+    d_head = None if args.d_head is None else args.d_head[0] if len(args.d_head) == 1 else args.d_head
+    module = convert_checkpoint(args.ckpt, args.out, args.to, seed=args.seed, d_head=d_head, **variant_args)
     # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
     init_args = {k: v for k, v in module.hparams.items() if k not in ("vocab_size", "block_size")}
     init_args["init_from"] = str(Path(args.out).resolve())

@@ -72,7 +72,7 @@ def test_conversion_is_reproducible_and_leaves_the_global_rng_alone(mha_ckpt, tm
 
 def test_only_mha_converts_to_dint_variants(mha_ckpt, tmp_path):
     src, _ = mha_ckpt
-    with pytest.raises(ValueError, match="can convert mha to dint or lowrank_dint, not 'diff'"):
+    with pytest.raises(ValueError, match="can convert mha to dint, lowrank_dint, mha, not 'diff'"):
         convert_checkpoint(src, tmp_path / "x.ckpt", to="diff")
     convert_checkpoint(src, tmp_path / "dint.ckpt", to="dint")
     with pytest.raises(ValueError, match="is a 'dint' checkpoint; only mha can be converted"):
@@ -92,3 +92,32 @@ def test_main_writes_the_checkpoint_and_its_model_config(mha_ckpt, tmp_path):
     assert "vocab_size" not in args and "block_size" not in args  # linked from the data by the CLI
     with pytest.raises(SystemExit):
         main(["--ckpt", str(src), "--to", "lowrank_dint", "--out", str(out)])  # no --rank
+
+
+def test_shrunk_model_keeps_the_closest_form_per_head(mha_ckpt, tmp_path):
+    src, mha = mha_ckpt
+    convert_checkpoint(src, tmp_path / "same.ckpt", to="mha", d_head=[3, 5])
+    same = GrowAttentionLM.load_from_checkpoint(tmp_path / "same.ckpt").eval()
+    inputs, _ = batch(1)
+    with torch.no_grad():
+        torch.testing.assert_close(same(inputs), mha(inputs), atol=1e-5, rtol=0)
+
+    convert_checkpoint(src, tmp_path / "small.ckpt", to="mha", d_head=2)
+    small = GrowAttentionLM.load_from_checkpoint(tmp_path / "small.ckpt")
+    assert small.hparams.d_head == [2, 2] and small.model.head_sizes() == [2, 2]
+    for old, new in zip(mha.model.qk_forms(), small.model.qk_forms()):
+        m, m_new = old[0].bilinear().double(), new[0].bilinear().double()
+        s = torch.linalg.svdvals(m)
+        error = (m - m_new).square().sum((-2, -1))
+        torch.testing.assert_close(error, s[:, 2:].square().sum(-1), rtol=1e-4, atol=1e-8)
+        torch.testing.assert_close(new[0].log_tau, old[0].log_tau)
+
+
+def test_shrinking_refuses_widening_and_wrong_lengths(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    with pytest.raises(ValueError, match="cannot widen it to 4"):
+        convert_checkpoint(src, tmp_path / "x.ckpt", to="mha", d_head=4)
+    with pytest.raises(ValueError, match="d_head has 3 entries"):
+        convert_checkpoint(src, tmp_path / "x.ckpt", to="mha", d_head=[1, 1, 1])
+    with pytest.raises(ValueError, match="exactly when shrinking"):
+        convert_checkpoint(src, tmp_path / "x.ckpt", to="lowrank_dint", rank=2, d_head=2)

@@ -210,3 +210,16 @@ def test_the_query_key_bias_row_is_not_weight_decayed(tiny_cli_args):
     torch.testing.assert_close(params["model.blocks.0.mlp.fc.weight"].detach(),
                                probe.before["model.blocks.0.mlp.fc.weight"] * shrink)
     torch.testing.assert_close(params["model.blocks.0.mlp.fc.bias"].detach(), probe.before["model.blocks.0.mlp.fc.bias"])
+
+
+def test_shrink_a_cli_checkpoint_then_fine_tune_it(tmp_path, tiny_cli_args):
+    main(["fit", "--config", MQAR, *tiny_cli_args, *SMALL_MQAR])
+    (last,) = tmp_path.rglob("last.ckpt")
+    out = tmp_path / "small.ckpt"
+    assert command_line(["convert", "--ckpt", str(last), "--to", "mha", "--d_head", "3", "--out", str(out)]) == 0
+    fine_tune = ["--config", MQAR, "--model", str(out.with_suffix(".yaml")), *tiny_cli_args, *SMALL_MQAR,
+                 f"--trainer.logger.init_args.save_dir={tmp_path / 'fine_tune'}"]
+    main(["fit", *fine_tune])
+    (tuned,) = (tmp_path / "fine_tune").rglob("last.ckpt")
+    assert GrowAttentionLM.load_from_checkpoint(tuned).model.head_sizes() == [3] * len(
+        yaml.safe_load(out.with_suffix(".yaml").read_text())["init_args"]["d_head"])
