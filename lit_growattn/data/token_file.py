@@ -93,10 +93,11 @@ def tokenize(rows, field: str, tokenizer, num_proc: int | None, suffix: str, cac
         ids = tokenizer.encode_batch([text + suffix for text in batch[field]])
         return {"ids": ids, "n": [len(i) for i in ids]}
 
+    fingerprint = hashlib.sha256(f"{rows._fingerprint} {tokenizer.fingerprint} {suffix!r}".encode()).hexdigest()[:16]
     features = Features({"ids": Sequence(Value("int32")), "n": Value("int64")})
     return rows.map(
         encode, batched=True, batch_size=1000, num_proc=num_proc, remove_columns=rows.column_names,
-        features=features, desc="tokenizing", cache_file_name=cache_file_name, new_fingerprint=f"{rows._fingerprint}-{tokenizer.fingerprint}-{suffix!r}",
+        features=features, desc="tokenizing", cache_file_name=cache_file_name, new_fingerprint=fingerprint,
     )
 
 
@@ -139,7 +140,7 @@ def write_token_file(directory: Path, key: dict, tokenized: list, val_fraction: 
             written += len(chunk)
             if written >= next_report:
                 rank_zero_info(f"token file: {written:,} / {total:,} tokens written ({time.monotonic() - start:.0f} s)")
-                next_report += total // 10
+                next_report = written + total // 10
     out.flush()
     del out
     os.replace(tmp, directory / "tokens.bin")
