@@ -91,6 +91,8 @@ def load_tokenizer(spec: str) -> HFTokenizer:
             return HFTokenizer(Tokenizer.from_file(str(path)))
         except Exception as error:
             raise ValueError(f"tokenizer={spec!r} is not a tokenizers JSON file: {error}") from error
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"tokenizer file not found: {spec!r}; give an existing tokenizer.json, 'bytes' or 'bpe'")
     try:
         return HFTokenizer(Tokenizer.from_pretrained(spec))
     except Exception as error:
