@@ -1,6 +1,8 @@
 """Text data at scale: tokenizers, the token-file cache, memory-mapped windows, streaming, DDP shares, bits per byte."""
 
+import json
 import math
+import pickle
 import random
 from types import SimpleNamespace
 
@@ -76,6 +78,23 @@ def test_windows_from_the_memory_map_equal_windows_in_memory(tmp_path):
             assert len(in_memory) == len(dataset) > 0
             assert all(torch.equal(a, b) for a, b in zip(windows(dataset), windows(in_memory), strict=True))
             assert windows(dataset)[0].dtype == torch.long
+            assert len(pickle.dumps(dataset)) < 1000  # a worker started by spawn maps the file, it gets no copy
+            assert all(torch.equal(a, b) for a, b in zip(windows(pickle.loads(pickle.dumps(dataset))), windows(dataset)))
+
+
+def test_hub_dataset_rows_become_documents_of_the_token_file(tmp_path):
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    rows = [{"body": f"document {i}: " + "words " * (i % 7), "id": i} for i in range(60)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = TextDataModule(hf_dataset=str(folder), hf_text_field="body", block_size=16, cache_dir=str(tmp_path / "cache"))
+    dm.prepare_data()
+    dm.setup("fit")
+    text = "".join(r["body"] + "\n\n" for r in rows).encode()
+    cut = len(text) - int(len(text) * 0.1)
+    assert bytes(as_list(dm.train_set.tokens)) == text[:cut] and bytes(as_list(dm.val_sets[0].tokens)) == text[cut:]
+    with pytest.raises(ValueError, match=r"hf_text_field='text' is not a column of .*\['body', 'id'\]"):
+        TextDataModule(hf_dataset=str(folder), block_size=16, cache_dir=str(tmp_path / "cache")).prepare_data()
 
 
 def test_token_file_is_reused_rebuilt_when_stale_or_corrupt(tmp_path, monkeypatch):

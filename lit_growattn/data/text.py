@@ -22,7 +22,7 @@ from lit_growattn.data.corpus import HubDataset, LocalFiles, check_file, first_r
 from lit_growattn.data.streaming import StreamingWindows
 from lit_growattn.data.token_file import FORMAT, CacheError, cache_directory, open_token_file, tokenize, write_token_file
 from lit_growattn.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
-from lit_growattn.data.windows import Concatenated, RandomWindowSampler, Windows
+from lit_growattn.data.windows import Concatenated, MappedTokens, RandomWindowSampler, Windows
 
 DEFAULT_CACHE = os.environ.get("LIT_GROWATTN_CACHE", "~/.cache/lit_growattn")
 
@@ -215,10 +215,10 @@ class TextDataModule(BaseDataModule):
             train_sizes = {}
             held_out = self._stream_setup(world_size, rank)
         elif self.byte_files:
-            files = [np.memmap(p, dtype=np.uint8, mode="r") for p in self.source.paths]
-            cuts = [len(f) - int(len(f) * self.val_fraction) for f in files]
-            train = Concatenated([f[:c] for f, c in zip(files, cuts)])
-            held_out = Concatenated([f[c:] for f, c in zip(files, cuts)]), 1.0
+            parts = [MappedTokens(p, "uint8").split(os.path.getsize(p) - int(os.path.getsize(p) * self.val_fraction))
+                     for p in self.source.paths]
+            train = Concatenated([train for train, _ in parts])
+            held_out = Concatenated([held for _, held in parts]), 1.0
             self.train_set = Windows(train, self.block_size, stride=1)
             train_sizes = {}
         else:
@@ -230,7 +230,7 @@ class TextDataModule(BaseDataModule):
         held = [held_out]
         for val_path in self.val_paths.values():
             if self.tokenizer_spec == "bytes":
-                held.append((np.memmap(val_path, dtype=np.uint8, mode="r"), 1.0))
+                held.append((MappedTokens(val_path, "uint8"), 1.0))
             else:
                 token_file = self._token_file(LocalFiles([val_path]), 1.0, build=False)
                 held.append((token_file.tokens()[1], token_file.bytes_per_token("val")))

@@ -21,6 +21,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_growattn.data.tokenizer import token_dtype
+from lit_growattn.data.windows import MappedTokens
 
 FORMAT = 1
 _SAMPLE = 1 << 16  # bytes hashed at each end of a file for its fingerprint
@@ -55,12 +56,10 @@ class TokenFile:
     directory: Path
     meta: dict
 
-    def tokens(self) -> tuple[np.ndarray, np.ndarray]:
+    def tokens(self) -> tuple[MappedTokens, MappedTokens]:
         """(training tokens, held-out tokens), memory-mapped read-only: nothing is read until a window is."""
-        if self.meta["num_train"] + self.meta["num_val"] == 0:
-            return np.zeros(0, np.uint8), np.zeros(0, np.uint8)
-        tokens = np.memmap(self.directory / "tokens.bin", dtype=self.meta["dtype"], mode="r")
-        return tokens[: self.meta["num_train"]], tokens[self.meta["num_train"] :]
+        tokens = MappedTokens(str(self.directory / "tokens.bin"), self.meta["dtype"])
+        return tokens.split(self.meta["num_train"])
 
     def bytes_per_token(self, split: str) -> float:
         return self.meta[f"bytes_{split}"] / max(self.meta[f"num_{split}"], 1)

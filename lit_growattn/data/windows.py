@@ -3,17 +3,44 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 
+class MappedTokens:
+    """Tokens [start, stop) of a file, memory-mapped read-only when first read. It pickles as its path, so a
+    DataLoader worker started by spawn or forkserver maps the file again instead of receiving a copy of it."""
+
+    def __init__(self, path: str, dtype: str, start: int = 0, stop: int | None = None) -> None:
+        itemsize = np.dtype(dtype).itemsize
+        stop = os.path.getsize(path) // itemsize if stop is None else stop
+        self.path, self.dtype, self.start, self.stop = path, np.dtype(dtype), start, stop
+        self._array = None
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if self._array is None:
+            self._array = np.memmap(self.path, dtype=self.dtype, mode="r")[self.start : self.stop]
+        return self._array[index]
+
+    def split(self, cut: int) -> tuple[MappedTokens, MappedTokens]:
+        return (MappedTokens(self.path, self.dtype, self.start, self.start + cut),
+                MappedTokens(self.path, self.dtype, self.start + cut, self.stop))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_array": None}
+
+
 class Windows(Dataset):
     """Windows of block_size+1 tokens starting every `stride` tokens; item = (window[:-1], window[1:]).
 
-    `tokens` is any 1-D array: an `np.memmap` of a token file (only the windows read are paged in), a numpy
-    array or a tensor; a window is copied out as int64 when it is read.
+    `tokens` is anything 1-D that slices: `MappedTokens` (only the windows read are paged in), a numpy array or
+    a tensor; a window is copied out as int64 when it is read.
     """
 
     def __init__(self, tokens, block_size: int, stride: int) -> None:
