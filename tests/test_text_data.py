@@ -6,6 +6,7 @@ import pickle
 import random
 from types import SimpleNamespace
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -153,6 +154,41 @@ def test_ddp_ranks_see_disjoint_training_windows(tmp_path):
             dm.setup("fit")
             shares.append(set(dm.train_dataloader().sampler))
         assert not shares[0] & shares[1] and shares[0] | shares[1] == set(single)
+
+
+class WindowRecorder(L.LightningModule):
+    """Saves the training windows each rank was given."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out, self.seen, self.w = out, [], torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0])
+        return self.w.sum() * 0
+
+    def on_train_end(self):
+        torch.save(torch.cat(self.seen), f"{self.out}/windows_{self.global_rank}.pt")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_under_real_ddp_the_first_process_tokenizes_and_the_ranks_share_out_the_windows(tmp_path):
+    path = tmp_path / "corpus.txt"
+    write_corpus(path, lines=2000)
+    for devices in (1, 2):
+        out = tmp_path / f"run_{devices}"
+        out.mkdir()
+        data = bpe_module(path, out / "cache", samples_per_epoch=48, batch_size=8)
+        L.Trainer(max_epochs=1, accelerator="cpu", devices=devices, strategy="ddp_spawn" if devices > 1 else "auto",
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  limit_val_batches=0).fit(WindowRecorder(str(out)), data)
+        assert len(list((out / "cache").glob("*/meta.json"))) == 1  # one token file, built once
+    windows_of = lambda run, rank: {tuple(w) for w in torch.load(tmp_path / f"run_{run}/windows_{rank}.pt").tolist()}
+    single, rank0, rank1 = windows_of(1, 0), windows_of(2, 0), windows_of(2, 1)
+    assert len(single) == 48 and len(rank0) == len(rank1) == 24
+    assert not rank0 & rank1 and rank0 | rank1 == single  # the single-process draw, shared out
 
 
 def test_streaming_reshuffles_per_epoch_and_splits_rows_across_ranks(tmp_path):

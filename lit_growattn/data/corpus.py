@@ -96,7 +96,7 @@ class HubDataset:
 
         rows = load_dataset(self.dataset, self.config, split=self.split, streaming=streaming)
         columns = rows.column_names if rows.column_names is not None else list(rows.features or [])
-        if self.field not in columns:
+        if columns and self.field not in columns:  # a stream may not know its columns before its first row
             raise ValueError(f"hf_text_field={self.field!r} is not a column of {self.dataset}: {columns}")
         return rows
 
