@@ -231,7 +231,7 @@ def test_clear_errors_for_short_corpora_directories_and_vocabulary(tmp_path):
         TextDataModule(path=str(path), block_size=16, val_paths={"x": str(tmp_path)})
 
     dm = bpe_module(short, tmp_path / "cache", val_fraction=0.5, block_size=8)  # 15 bytes, 10 BPE tokens
-    with pytest.raises(ValueError, match=r"block_size=8 .* training split after tokenisation has 5 tokens: use block_size <= 4"):
+    with pytest.raises(ValueError, match=r"block_size=8 .* the training split has 5 tokens after tokenisation: use block_size <= 4"):
         dm.setup("fit")
     with pytest.raises(FileNotFoundError, match=r"tokenizer file not found: .*missing/tokenizer.json"):
         TextDataModule(path=str(path), tokenizer=str(tmp_path / "missing/tokenizer.json"))  # a path, never a hub name

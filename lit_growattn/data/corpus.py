@@ -111,24 +111,20 @@ class HubDataset:
 
     def sample(self, num_bytes: int, train_fraction: float) -> Iterator[list[str]]:
         rows = self._load()
-        yield from _texts_up_to(rows.select(range(int(len(rows) * train_fraction))), self.field, num_bytes)
+        yield from texts_up_to(rows.select(range(int(len(rows) * train_fraction))), self.field, num_bytes)
 
     def size(self) -> int:
         return self._load().data.nbytes
 
 
-def _texts_up_to(rows, field: str, num_bytes: int) -> Iterator[list[str]]:
+def texts_up_to(rows, field: str, num_bytes: int) -> Iterator[list[str]]:
+    """Batches of the rows' texts until about `num_bytes` characters have been given."""
     for batch in rows.iter(batch_size=1000):
         texts = batch[field]
         yield texts
         num_bytes -= sum(len(t) for t in texts)
         if num_bytes <= 0:
             return
-
-
-def stream_sample(rows, field: str, num_bytes: int) -> Iterator[list[str]]:
-    """The first `num_bytes` (about) of a streamed dataset's text."""
-    yield from _texts_up_to(rows, field, num_bytes)
 
 
 def first_rows(rows, field: str, count: int) -> list[str]:

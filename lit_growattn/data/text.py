@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lit_growattn.data.base import BaseDataModule
-from lit_growattn.data.corpus import HubDataset, LocalFiles, check_file, first_rows, stream_sample
+from lit_growattn.data.corpus import HubDataset, LocalFiles, check_file, first_rows, texts_up_to
 from lit_growattn.data.streaming import StreamingWindows
 from lit_growattn.data.token_file import FORMAT, CacheError, cache_directory, open_token_file, tokenize, write_token_file
 from lit_growattn.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
@@ -163,7 +163,7 @@ class TextDataModule(BaseDataModule):
             raise CacheError(f"no trained BPE at {path}; {self._shared_cache_hint()}")
         num_bytes = int(self.bpe_sample_mb * 2**20)
         rank_zero_info(f"training a byte-level BPE of {self.bpe_vocab_size} tokens on up to {self.bpe_sample_mb} MB of text")
-        texts = stream_sample(stream, self.source.field, num_bytes) if stream is not None else \
+        texts = texts_up_to(stream, self.source.field, num_bytes) if stream is not None else \
             self.source.sample(num_bytes, 1 - self.val_fraction)
         tokenizer = train_bpe(texts, self.bpe_vocab_size)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,46 +212,49 @@ class TextDataModule(BaseDataModule):
         self._prepare(build=world_size == 1)
         self._check_model_vocabulary()
         if self.streaming:
-            train_sizes = {}
-            held_out = self._stream_setup(world_size, rank)
-        elif self.byte_files:
-            parts = [MappedTokens(p, "uint8").split(os.path.getsize(p) - int(os.path.getsize(p) * self.val_fraction))
-                     for p in self.source.paths]
-            train = Concatenated([train for train, _ in parts])
-            held_out = Concatenated([held for _, held in parts]), 1.0
-            self.train_set = Windows(train, self.block_size, stride=1)
-            train_sizes = {}
+            self.train_set, held_out = self._streamed(world_size, rank)
+            sizes = {}
         else:
-            token_file = self._token_file(self.source, self.val_fraction, build=False)
-            train, val = token_file.tokens()
+            train, held_out = self._mapped()
             self.train_set = Windows(train, self.block_size, stride=1)
-            held_out = val, token_file.bytes_per_token("val")
-            train_sizes = {"the training split after tokenisation": len(train)}
-        held = [held_out]
-        for val_path in self.val_paths.values():
-            if self.tokenizer_spec == "bytes":
-                held.append((MappedTokens(val_path, "uint8"), 1.0))
-            else:
-                token_file = self._token_file(LocalFiles([val_path]), 1.0, build=False)
-                held.append((token_file.tokens()[1], token_file.bytes_per_token("val")))
-        names = ["the validation split after tokenisation", *(f"val_paths[{n!r}] after tokenisation" for n in self.val_paths)]
-        self._check_block_fits({**train_sizes, **{n: len(t) for n, (t, _) in zip(names, held)}}, "tokens")
+            sizes = {"the training split": len(train)}
+        held = [held_out, *(self._mapped_file(p) for p in self.val_paths.values())]
+        names = ["the validation split", *(f"val_paths[{name!r}]" for name in self.val_paths)]
+        unit = "bytes" if self.tokenizer_spec == "bytes" else "tokens after tokenisation"
+        self._check_block_fits(sizes | {name: len(tokens) for name, (tokens, _) in zip(names, held)}, unit)
         self.val_sets = [Windows(tokens, self.block_size, stride=self.block_size) for tokens, _ in held]
-        self.bytes_per_token = [bpt for _, bpt in held]
+        self.bytes_per_token = [bytes_per_token for _, bytes_per_token in held]
 
-    def _stream_setup(self, world_size: int, rank: int):
-        """The first `val_rows` rows, tokenized in memory, are the held-out split; each rank streams its share of the rest."""
+    def _mapped(self):
+        """Training tokens and (held-out tokens, bytes per token), memory-mapped from the files or the token file."""
+        if self.byte_files:
+            sizes = [os.path.getsize(p) for p in self.source.paths]
+            parts = [MappedTokens(p, "uint8").split(n - int(n * self.val_fraction)) for p, n in zip(self.source.paths, sizes)]
+            return Concatenated([train for train, _ in parts]), (Concatenated([held for _, held in parts]), 1.0)
+        token_file = self._token_file(self.source, self.val_fraction, build=False)
+        train, held_out = token_file.tokens()
+        return train, (held_out, token_file.bytes_per_token("val"))
+
+    def _mapped_file(self, path: str):
+        """A whole validation file's (tokens, bytes per token)."""
+        if self.tokenizer_spec == "bytes":
+            return MappedTokens(path, "uint8"), 1.0
+        token_file = self._token_file(LocalFiles([path]), 1.0, build=False)
+        return token_file.tokens()[1], token_file.bytes_per_token("val")
+
+    def _streamed(self, world_size: int, rank: int):
+        """This rank's share of the stream after its first `val_rows` rows, and those rows tokenized in memory."""
         from datasets.distributed import split_dataset_by_node
 
         rows, field, suffix = self.source.stream(), self.source.field, self.source.suffix
         ids = self.tokenizer.encode_batch([text + suffix for text in first_rows(rows, field, self.val_rows)])
         held_out = np.concatenate([np.asarray(i, dtype=np.int64) for i in ids] or [np.zeros(0, np.int64)])
-        num_bytes = int(self.tokenizer.token_bytes()[held_out].sum())
+        bytes_per_token = self.tokenizer.token_bytes()[held_out].sum() / max(len(held_out), 1)
         train_rows = split_dataset_by_node(rows.skip(self.val_rows).shuffle(seed=self.seed, buffer_size=10_000),
                                            rank=rank, world_size=world_size)
-        self.train_set = StreamingWindows(train_rows, field, suffix, self.tokenizer, self.block_size,
-                                          math.ceil(self.samples_per_epoch / world_size), epoch=self._epoch)
-        return held_out, num_bytes / max(len(held_out), 1)
+        train = StreamingWindows(train_rows, field, suffix, self.tokenizer, self.block_size,
+                                 math.ceil(self.samples_per_epoch / world_size), epoch=self._epoch)
+        return train, (held_out, float(bytes_per_token))
 
     def _epoch(self) -> int:
         return self.trainer.current_epoch if self.trainer else 0

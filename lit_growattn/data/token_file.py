@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,7 +148,3 @@ def write_token_file(directory: Path, key: dict, tokenized: list, val_fraction: 
     os.replace(directory / "meta.tmp", directory / "meta.json")
     rank_zero_info(f"token file: {total:,} tokens ({dtype.name}) in {directory} after {time.monotonic() - start:.0f} s")
     return TokenFile(directory, meta)
-
-
-def remove_quietly(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
