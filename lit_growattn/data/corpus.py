@@ -71,9 +71,6 @@ class LocalFiles:
                     budget -= len(block)
                     yield block.decode("utf-8", errors="replace").splitlines(keepends=True)
 
-    def size(self) -> int:
-        return sum(os.path.getsize(p) for p in self.paths)
-
 
 @dataclass
 class HubDataset:
@@ -112,9 +109,6 @@ class HubDataset:
     def sample(self, num_bytes: int, train_fraction: float) -> Iterator[list[str]]:
         rows = self._load()
         yield from texts_up_to(rows.select(range(int(len(rows) * train_fraction))), self.field, num_bytes)
-
-    def size(self) -> int:
-        return self._load().data.nbytes
 
 
 def texts_up_to(rows, field: str, num_bytes: int) -> Iterator[list[str]]:

@@ -46,7 +46,7 @@ class TextDataModule(BaseDataModule):
         streaming: Stream `hf_dataset` (or `path`) instead of tokenizing it into a file; needs `samples_per_epoch`.
         val_rows: With `streaming`, the first rows of the stream held out for validation.
         cache_dir: Where token files and trained tokenizers are kept ($LIT_GROWATTN_CACHE or ~/.cache/lit_growattn).
-        num_proc: Tokenizing processes (None: every core for corpora over 32 MB, else one).
+        num_proc: Tokenizing processes of `datasets.map` (None: one, whose tokenizer already uses every core).
         block_size: Tokens per sequence.
         val_fraction: Fraction of each file's tokens, taken from its end, held out for validation.
         val_paths: Extra validation sets, name -> local file; logged as val/<name>/loss.
@@ -186,9 +186,8 @@ class TextDataModule(BaseDataModule):
             rank_zero_info(f"{why}: tokenizing {source.identity} with {self.tokenizer_spec!r}")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=self.cache_dir, prefix="tmp-") as tmp:
-            num_proc = self.num_proc or (os.cpu_count() if source.size() > 32 * 2**20 else None)
             tokenized = [
-                tokenize(rows, source.field, self.tokenizer, num_proc, source.suffix, os.path.join(tmp, f"tokens-{i}.arrow"))
+                tokenize(rows, source.field, self.tokenizer, self.num_proc, source.suffix, os.path.join(tmp, f"tokens-{i}.arrow"))
                 for i, rows in enumerate(source.rows(tmp))
             ]
             return write_token_file(directory, key, tokenized, held_out, self.tokenizer)

@@ -12,19 +12,27 @@ from torch.utils.data import Dataset, DistributedSampler
 
 class MappedTokens:
     """Tokens [start, stop) of a file, memory-mapped read-only when first read. It pickles as its path, so a
-    DataLoader worker started by spawn or forkserver maps the file again instead of receiving a copy of it."""
+    DataLoader worker started by spawn or forkserver maps the file again instead of receiving a copy of it.
+
+    The pages a mapping has touched count towards the process's resident memory until it is unmapped, so a
+    long run would end up "holding" the whole corpus: the file is mapped afresh every `REMAP_EVERY` reads
+    (as nanoGPT maps it every batch), which keeps the resident memory flat at any corpus size.
+    """
+
+    REMAP_EVERY = 256
 
     def __init__(self, path: str, dtype: str, start: int = 0, stop: int | None = None) -> None:
         itemsize = np.dtype(dtype).itemsize
         stop = os.path.getsize(path) // itemsize if stop is None else stop
         self.path, self.dtype, self.start, self.stop = path, np.dtype(dtype), start, stop
-        self._array = None
+        self._array, self._reads = None, 0
 
     def __len__(self) -> int:
         return self.stop - self.start
 
     def __getitem__(self, index: slice) -> np.ndarray:
-        if self._array is None:
+        self._reads += 1
+        if self._array is None or self._reads % self.REMAP_EVERY == 0:
             self._array = np.memmap(self.path, dtype=self.dtype, mode="r")[self.start : self.stop]
         return self._array[index]
 
