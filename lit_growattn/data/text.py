@@ -1,8 +1,8 @@
 """Language modelling on text: local files or a hub dataset, as bytes or through a tokenizer, in windows.
 
-Three ways the tokens reach the windows, all read lazily so the corpus never has to fit in RAM:
-- `tokenizer: bytes` on local files: the files are memory-mapped as they are (their bytes are the tokens).
-- another tokenizer, or a hub dataset: tokenized once into a cached token file, memory-mapped (token_file.py).
+Three ways the tokens reach the windows, each window read when it is needed, so the corpus never has to fit in RAM:
+- `tokenizer: bytes` on local files: windows are read from the files as they are (their bytes are the tokens).
+- another tokenizer, or a hub dataset: tokenized once into a cached token file, windows read from it (token_file.py).
 - `streaming: true`: windows packed on the fly from a streamed dataset (streaming.py).
 """
 
@@ -22,7 +22,7 @@ from lit_growattn.data.corpus import HubDataset, LocalFiles, check_file, first_r
 from lit_growattn.data.streaming import StreamingWindows
 from lit_growattn.data.token_file import FORMAT, CacheError, cache_directory, open_token_file, tokenize, write_token_file
 from lit_growattn.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
-from lit_growattn.data.windows import Concatenated, MappedTokens, RandomWindowSampler, Windows
+from lit_growattn.data.windows import Concatenated, FileTokens, RandomWindowSampler, Windows
 
 DEFAULT_CACHE = os.environ.get("LIT_GROWATTN_CACHE", "~/.cache/lit_growattn")
 
@@ -137,7 +137,7 @@ class TextDataModule(BaseDataModule):
 
     @property
     def byte_files(self) -> bool:
-        """Local files read as bytes: memory-mapped directly, nothing to tokenize or cache."""
+        """Local files read as bytes: windows read from them directly, nothing to tokenize or cache."""
         return self.tokenizer_spec == "bytes" and isinstance(self.source, LocalFiles)
 
     def _check_block_fits(self, sizes: dict[str, int], unit: str) -> None:
@@ -214,30 +214,30 @@ class TextDataModule(BaseDataModule):
             self.train_set, held_out = self._streamed(world_size, rank)
             sizes = {}
         else:
-            train, held_out = self._mapped()
+            train, held_out = self._from_files()
             self.train_set = Windows(train, self.block_size, stride=1)
             sizes = {"the training split": len(train)}
-        held = [held_out, *(self._mapped_file(p) for p in self.val_paths.values())]
+        held = [held_out, *(self._val_file(p) for p in self.val_paths.values())]
         names = ["the validation split", *(f"val_paths[{name!r}]" for name in self.val_paths)]
         unit = "bytes" if self.tokenizer_spec == "bytes" else "tokens after tokenisation"
         self._check_block_fits(sizes | {name: len(tokens) for name, (tokens, _) in zip(names, held)}, unit)
         self.val_sets = [Windows(tokens, self.block_size, stride=self.block_size) for tokens, _ in held]
         self.bytes_per_token = [bytes_per_token for _, bytes_per_token in held]
 
-    def _mapped(self):
-        """Training tokens and (held-out tokens, bytes per token), memory-mapped from the files or the token file."""
+    def _from_files(self):
+        """Training tokens and (held-out tokens, bytes per token), read on demand from the files or the token file."""
         if self.byte_files:
             sizes = [os.path.getsize(p) for p in self.source.paths]
-            parts = [MappedTokens(p, "uint8").split(n - int(n * self.val_fraction)) for p, n in zip(self.source.paths, sizes)]
+            parts = [FileTokens(p, "uint8").split(n - int(n * self.val_fraction)) for p, n in zip(self.source.paths, sizes)]
             return Concatenated([train for train, _ in parts]), (Concatenated([held for _, held in parts]), 1.0)
         token_file = self._token_file(self.source, self.val_fraction, build=False)
         train, held_out = token_file.tokens()
         return train, (held_out, token_file.bytes_per_token("val"))
 
-    def _mapped_file(self, path: str):
+    def _val_file(self, path: str):
         """A whole validation file's (tokens, bytes per token)."""
         if self.tokenizer_spec == "bytes":
-            return MappedTokens(path, "uint8"), 1.0
+            return FileTokens(path, "uint8"), 1.0
         token_file = self._token_file(LocalFiles([path]), 1.0, build=False)
         return token_file.tokens()[1], token_file.bytes_per_token("val")
 

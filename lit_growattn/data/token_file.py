@@ -1,4 +1,4 @@
-"""The token-file cache: a corpus tokenized once into one flat file, read back as `np.memmap` windows.
+"""The token-file cache: a corpus tokenized once into one flat file, whose windows are read back on demand.
 
 A cache directory holds `tokens.bin` (every source's training tokens, then every source's held-out tokens,
 uint8/16/32 as the vocabulary needs) and `meta.json` (the key it was built for: format, source fingerprint,
@@ -20,7 +20,7 @@ import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_growattn.data.tokenizer import token_dtype
-from lit_growattn.data.windows import MappedTokens
+from lit_growattn.data.windows import FileTokens
 
 FORMAT = 1
 _SAMPLE = 1 << 16  # bytes hashed at each end of a file for its fingerprint
@@ -55,9 +55,9 @@ class TokenFile:
     directory: Path
     meta: dict
 
-    def tokens(self) -> tuple[MappedTokens, MappedTokens]:
-        """(training tokens, held-out tokens), memory-mapped read-only: nothing is read until a window is."""
-        tokens = MappedTokens(str(self.directory / "tokens.bin"), self.meta["dtype"])
+    def tokens(self) -> tuple[FileTokens, FileTokens]:
+        """(training tokens, held-out tokens): nothing is read until a window is."""
+        tokens = FileTokens(str(self.directory / "tokens.bin"), self.meta["dtype"])
         return tokens.split(self.meta["num_train"])
 
     def bytes_per_token(self, split: str) -> float:
@@ -107,6 +107,31 @@ def _token_chunks(tokenized):
             yield values
 
 
+def _write_splits(fd: int, tokenized: list, counts: list[int], held_out: list[int], num_train: int, dtype: np.dtype,
+                  tokenizer) -> dict[str, int]:
+    """Each source's tokens to the training region [0, num_train) or, its last `held_out`, to the held-out region
+    after it (positional writes, so nothing of the file is held in memory); returns the bytes of text of each."""
+    lengths, total = tokenizer.token_bytes(), sum(counts)
+    position, num_bytes = {"train": 0, "val": num_train}, {"train": 0, "val": 0}
+    written, next_report, start = 0, total // 10, time.monotonic()
+    for count, held, source in zip(counts, held_out, tokenized):
+        seen = 0
+        for chunk in _token_chunks(source):
+            if chunk.max() >= tokenizer.vocab_size or chunk.min() < 0:
+                raise ValueError(f"the tokenizer produced id {chunk.max()} outside its vocabulary of {tokenizer.vocab_size}")
+            take = min(max(count - held - seen, 0), len(chunk))
+            for split, part in (("train", chunk[:take]), ("val", chunk[take:])):
+                os.pwrite(fd, part.astype(dtype).tobytes(), position[split] * dtype.itemsize)
+                position[split] += len(part)
+                num_bytes[split] += int(lengths[part].sum())
+            seen += len(chunk)
+            written += len(chunk)
+            if written >= next_report:
+                rank_zero_info(f"token file: {written:,} / {total:,} tokens written ({time.monotonic() - start:.0f} s)")
+                next_report = written + total // 10
+    return num_bytes
+
+
 def write_token_file(directory: Path, key: dict, tokenized: list, val_fraction: float, tokenizer) -> TokenFile:
     """Writes the tokens of each tokenized source, its last `val_fraction` of tokens held out; returns the cache."""
     import pyarrow.compute as pc
@@ -116,31 +141,13 @@ def write_token_file(directory: Path, key: dict, tokenized: list, val_fraction: 
     num_train, total = sum(counts) - sum(held_out), sum(counts)
     if total == 0:
         raise ValueError("the corpus has no tokens after tokenisation: every source is empty")
-    dtype, lengths = token_dtype(tokenizer.vocab_size), tokenizer.token_bytes()
+    dtype = token_dtype(tokenizer.vocab_size)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "meta.json").unlink(missing_ok=True)  # from here on the old cache is gone
-    tmp = directory / "tokens.bin.tmp"
-    out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(total,))
-    position = {"train": 0, "val": num_train}
-    num_bytes = {"train": 0, "val": 0}
-    written, next_report, start = 0, total // 10, time.monotonic()
-    for count, held, source in zip(counts, held_out, tokenized):
-        seen = 0
-        for chunk in _token_chunks(source):
-            if chunk.max() >= tokenizer.vocab_size or chunk.min() < 0:
-                raise ValueError(f"the tokenizer produced id {chunk.max()} outside its vocabulary of {tokenizer.vocab_size}")
-            take = min(max(count - held - seen, 0), len(chunk))
-            for split, part in (("train", chunk[:take]), ("val", chunk[take:])):
-                out[position[split] : position[split] + len(part)] = part
-                position[split] += len(part)
-                num_bytes[split] += int(lengths[part].sum())
-            seen += len(chunk)
-            written += len(chunk)
-            if written >= next_report:
-                rank_zero_info(f"token file: {written:,} / {total:,} tokens written ({time.monotonic() - start:.0f} s)")
-                next_report = written + total // 10
-    out.flush()
-    del out
+    tmp, start = directory / "tokens.bin.tmp", time.monotonic()
+    with open(tmp, "wb", buffering=0) as out:
+        out.truncate(total * dtype.itemsize)
+        num_bytes = _write_splits(out.fileno(), tokenized, counts, held_out, num_train, dtype, tokenizer)
     os.replace(tmp, directory / "tokens.bin")
     meta = dict(key, vocab_size=tokenizer.vocab_size, dtype=dtype.name, num_train=num_train, num_val=total - num_train,
                 bytes_train=num_bytes["train"], bytes_val=num_bytes["val"])
