@@ -183,6 +183,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small corpora and few steps (a smoke test)")
     parser.add_argument("--sizes-mb", type=int, nargs="+", help="byte corpora for the memory measurement")
     parser.add_argument("--folder", default=None, help="where corpora are generated (default: a temporary folder)")
+    parser.add_argument("--parts", nargs="+", choices=["memory", "speed", "bpe"], default=["memory", "speed", "bpe"])
     args = parser.parse_args()
     import torch
 
@@ -190,12 +191,13 @@ def main() -> None:
     sizes = args.sizes_mb or ([4, 16] if args.quick else [100, 1024])
     folder = tempfile.mkdtemp(prefix="bench_data_", dir=args.folder)
     try:
-        result = {
-            "memory": memory(sizes, steps=5 if args.quick else 200, folder=folder),
-            "speed": loader_vs_step(4 if args.quick else 100, batches=4 if args.quick else 20,
-                                    repeats=2 if args.quick else 5, folder=folder),
-            "bpe": bpe(1 if args.quick else 32, 512 if args.quick else 4096, folder),
+        parts = {
+            "memory": lambda: memory(sizes, steps=5 if args.quick else 200, folder=folder),
+            "speed": lambda: loader_vs_step(4 if args.quick else 100, batches=4 if args.quick else 20,
+                                            repeats=2 if args.quick else 5, folder=folder),
+            "bpe": lambda: bpe(1 if args.quick else 32, 512 if args.quick else 4096, folder),
         }
+        result = {name: parts[name]() for name in args.parts}
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps(result, indent=1))

