@@ -1,4 +1,4 @@
-"""Fixed-length windows over a flat token array, and the sampler that draws training windows."""
+"""Token arrays read from files, fixed-length windows over them, and the sampler that draws training windows."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class FileTokens:
 
     Not `np.memmap`, although it reads the same bytes: the pages a mapping touches count towards the process's
     resident memory, and a recent kernel maps a whole large folio (up to 2 MB) for each random window, so the
-    peak RSS of a run grew with its corpus (mapped: +320 MB after 200 batches of a 1 GB file; read: +0).
+    peak RSS of a 200-step run grew with its corpus (548 MB at 100 MB, 1378 MB at 1 GB; read: 459, 461 MB).
     """
 
     def __init__(self, path: str, dtype: str, start: int = 0, stop: int | None = None) -> None:
