@@ -72,7 +72,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> HFTokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True
     )
     tokenizer.train_from_iterator(texts, trainer)
     return HFTokenizer(tokenizer)
