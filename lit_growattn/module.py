@@ -238,7 +238,15 @@ class GrowAttentionLM(L.LightningModule):
         self.log(f"{prefix}/loss", loss, prog_bar=prefix == "val", add_dataloader_idx=False, sync_dist=True)
         self.log(f"{prefix}/acc", metrics["acc"], prog_bar=prefix == "val", add_dataloader_idx=False)
         self.log(f"{prefix}/ppl", metrics["ppl"], add_dataloader_idx=False)
+        self._log_bits_per_byte(prefix, loss, dataloader_idx)
         return loss
+
+    def _log_bits_per_byte(self, prefix: str, loss: Tensor, dataloader_idx: int) -> None:
+        """`<prefix>/bpb` = nats per token ÷ (ln 2 × bytes per token): comparable across tokenizers."""
+        bytes_per_token = getattr(self.trainer.datamodule, "bytes_per_token", None)
+        if bytes_per_token:
+            bpb = loss / (math.log(2) * bytes_per_token[dataloader_idx])
+            self.log(f"{prefix}/bpb", bpb, add_dataloader_idx=False, sync_dist=True)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         return self._eval_step(batch, "val", dataloader_idx)

@@ -38,3 +38,13 @@ def tiny_cli_args(tmp_path):
         "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
     ]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def token_cache(tmp_path_factory):
+    """Token files and trained tokenizers of the tests go to a temporary folder, not the user's cache."""
+    import lit_growattn.data.text as text
+
+    folder, text.DEFAULT_CACHE = text.DEFAULT_CACHE, str(tmp_path_factory.mktemp("token_cache"))
+    yield
+    text.DEFAULT_CACHE = folder

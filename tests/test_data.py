@@ -4,6 +4,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -159,8 +160,8 @@ def test_text_several_files_and_extra_val_sets(tmp_path):
     assert dm.val_names == ["", "extra"]
     dm.setup("fit")
     # Each file's tail is held out, not only the last file's.
-    assert bytes(dm.train_set.data.tolist()) == data[:900] + second_data[:900]
-    assert bytes(dm.val_sets[0].data.tolist()) == data[900:] + second_data[900:]
+    assert bytes(np.asarray(dm.train_set.tokens[:]).tolist()) == data[:900] + second_data[:900]
+    assert bytes(np.asarray(dm.val_sets[0].tokens[:]).tolist()) == data[900:] + second_data[900:]
     loaders = dm.val_dataloader()
     assert len(loaders) == 2
     x = torch.cat([b[0] for b in loaders[1]])
@@ -221,7 +222,7 @@ def test_text_tinyshakespeare():
     dm = TextDataModule(path=str(SHAKESPEARE), block_size=128, batch_size=32)
     dm.setup("fit")
     num_val = int(1_115_394 * 0.1)
-    assert len(dm.train_set.data) == 1_115_394 - num_val
+    assert len(dm.train_set.tokens) == 1_115_394 - num_val
     assert len(dm.train_dataloader()) == math.ceil(((1_115_394 - num_val) // 128) / 32)
     assert len(dm.val_sets[0]) == (num_val - 1) // 128
     x, _ = next(iter(dm.val_dataloader()))
