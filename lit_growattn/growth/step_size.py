@@ -13,8 +13,6 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-LINE_SEARCHES = ("low_rank", "full_rank")
-
 
 def candidate_steps(k_max: int = 4, include_zero: bool = True) -> list[float]:
     """[0,] 1, 1/2, …, 2^-k_max: 0 keeps the function (the growth can never raise the loss it is rated on)."""
