@@ -167,7 +167,7 @@ class GrowAttentionCallback(Callback):
         done = {event["event"] for event in self.history}
         point = self.schedule.pending(done)
         if point is not None and point.reached(clock):
-            self._grow(trainer, pl_module, point)
+            self._grow(trainer, pl_module, point, batch_idx)
             point = self.schedule.pending(done | {point.name})
         left = None if point is None else Schedule.batches_before(point, clock, self.stats_batches)
         if not left:
@@ -195,9 +195,9 @@ class GrowAttentionCallback(Callback):
             for key, value in report.head_size_metrics(pl_module.model.head_sizes()).items():
                 pl_module.log(key, value, on_step=True, on_epoch=False)
 
-    def _grow(self, trainer: L.Trainer, pl_module: L.LightningModule, point: GrowthPoint) -> None:
+    def _grow(self, trainer: L.Trainer, pl_module: L.LightningModule, point: GrowthPoint, batch_idx: int) -> None:
         forms = self._forms(pl_module)
-        where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch,
+        where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch": batch_idx,
                  "d_head_before": pl_module.model.head_sizes()}
         window = self.window
         if window.event != point.name or window.stats is None:
