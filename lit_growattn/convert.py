@@ -39,10 +39,11 @@ def convert_checkpoint(
     hparams, state = dict(ckpt["hyper_parameters"]), ckpt["state_dict"]
     if hparams.get("attention", "mha") != "mha":
         raise ValueError(f"{src_path} is a {hparams['attention']!r} checkpoint; only mha can be converted")
-    # d_head as stored, in case the run grew without recording it: both maps of a layer must share it.
-    hparams["d_head"] = [state[f"model.blocks.{i}.attn.qk.w_q"].shape[-1] for i in range(hparams["n_layer"])]
-    hparams.update(attention=to, attention_args={**variant_args, "lambda_init": 0.0})
     with torch.random.fork_rng(devices=[]):
+        # d_head as stored, in case the run grew without recording it: both maps of a layer must share it.
+        forms = GrowAttentionLM(**hparams).model.named_qk_forms()  # mha: one form per layer
+        hparams["d_head"] = [state[f"model.{name}.w_q"].shape[-1] for _, name, _ in forms]
+        hparams.update(attention=to, attention_args={**variant_args, "lambda_init": 0.0})
         torch.manual_seed(seed)
         module = GrowAttentionLM(**hparams)
     missing, unexpected = module.load_state_dict(state, strict=False)
