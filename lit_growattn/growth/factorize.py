@@ -1,4 +1,4 @@
-"""From a direction ΔM to new weights W_Q′, W_K′, log τ′ of one form (DESIGN §2–§3).
+"""From a direction ΔM to new weights W_Q′, W_K′, log τ′ of one form (docs/design.md §2–§3).
 
 Shapes: h heads, input size e′, head size d → d_new = d + p. M = τ W_Q W_Kᵀ (h, e′, e′).
 - `replace`: M′ = trunc_{d_new}(M + αΔM), W_Q′ = U(Σ/τ′)^½, W_K′ = V(Σ/τ′)^½; every column rotates.

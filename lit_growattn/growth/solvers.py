@@ -1,4 +1,4 @@
-"""Growth directions ΔM per head (h, e′, e′) from the statistics' means (DESIGN §2).
+"""Growth directions ΔM per head (h, e′, e′) from the statistics' means (docs/design.md §2).
 
 A direction is a descent direction when ⟨N̄, ΔM⟩ < 0. A new method is one function `(moments, rcond) → ΔM`
 and one line in DIRECTIONS (its name in `choices.Direction`). The baselines `random` and `zero` use no direction: they only add random
