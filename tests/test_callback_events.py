@@ -14,10 +14,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_growattn import callbacks
 from lit_growattn.attention import ATTENTIONS, Attention, QKForm
 from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn.cli import main
 from lit_growattn.module import GrowAttentionLM
 
 from callback_helpers import WindowRecorder, params, recall_data, tiny_module, trainer
-from conftest import scalar_tags
+from conftest import REPO, scalar_tags
 
 GROWTH_TAGS = {
     "growth/d_head/layer_0", "growth/d_head/layer_1", "growth/alpha", "growth/sign_fallbacks",
@@ -348,3 +349,13 @@ def test_full_rank_line_search_never_installs_a_growth_that_raises_the_eval_loss
     assert all(e["realised_decrease"] >= -1e-6 for e in grow.history)
 
 
+
+
+def test_the_demo_config_prints_its_growth_lines_between_progress_bars(tmp_path, capsys):
+    main(["fit", "--config", str(REPO / "configs/recall_grow.yaml"), "--trainer.max_epochs=2",
+          "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.stats_batches=2",
+          "--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64",
+          f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "growth at step 3 (epoch 1): d_head 1→8 per layer, α=" in out
+    assert "growth summary" in out and "epoch 1  3" in out
