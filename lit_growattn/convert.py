@@ -54,8 +54,10 @@ def convert_checkpoint(
     state = ckpt["state_dict"]
     if hparams.get("attention", "mha") != "mha":
         raise ValueError(f"{src_path} is a {hparams['attention']!r} checkpoint; only mha can be converted")
-    # d_head as stored, in case the run grew without recording it: both maps of a layer must share it.
-    hparams["d_head"] = [state[f"model.blocks.{i}.attn.qk.w_q"].shape[-1] for i in range(hparams["n_layer"])]
+    with torch.random.fork_rng(devices=[]):  # building a module draws from the global RNG
+        # d_head as stored, in case the run grew without recording it: both maps of a layer must share it.
+        forms = GrowAttentionLM(**hparams).model.named_qk_forms()  # mha: one form per layer
+    hparams["d_head"] = [state[f"model.{name}.w_q"].shape[-1] for _, name, _ in forms]
     if to == "mha":
         module = _shrunk(src_path, hparams, state, d_head)
     else:
@@ -89,7 +91,8 @@ def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int]) -> Gr
     sizes = d_head if isinstance(d_head, list) else [d_head] * hparams["n_layer"]
     if len(sizes) != hparams["n_layer"]:
         raise ValueError(f"d_head has {len(sizes)} entries but {src_path} has {hparams['n_layer']} layers")
-    module = GrowAttentionLM(**hparams)
+    with torch.random.fork_rng(devices=[]):
+        module = GrowAttentionLM(**hparams)
     module.load_state_dict(state)
     for layer, (forms, size) in enumerate(zip(module.model.qk_forms(), sizes)):
         for form in forms:

@@ -81,6 +81,14 @@ class GPT(nn.Module):
         """The growable query/key forms, one list per layer."""
         return [block.attn.qk_forms() for block in self.blocks]
 
+    def named_qk_forms(self) -> list[tuple[int, str, QKForm]]:
+        """(layer, module name under this GPT, form) of every growable form, layer by layer in module order."""
+        named = []
+        for i, block in enumerate(self.blocks):
+            growable = {id(f) for f in block.attn.qk_forms()}
+            named += [(i, f"blocks.{i}.{name}", m) for name, m in block.named_modules() if id(m) in growable]
+        return named
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 × forward, 2 FLOPs per multiply-add): the weight
         matmuls, plus the score and value products of a causal map, (s+1)/2 keys per query on average."""

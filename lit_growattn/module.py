@@ -1,7 +1,7 @@
 """The LightningModule: a GPT with pluggable attention, trained on (inputs, labels) batches.
 
 The optimizer and scheduler are callables (not a top-level `optimizer:` block of LightningCLI), because a
-growth event resizes parameters and has to build them again (DESIGN §6).
+growth event resizes parameters and has to build them again (docs/design.md, "Lightning mechanics").
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from lit_growattn.attention.sdpa import SdpaPad
 from lit_growattn.attention.lowrank_dint import LowRankQK
 from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
+from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model import GPT
 
 
@@ -147,7 +148,7 @@ class GrowAttentionLM(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         # The other step scalars only at the logger's cadence (as Lightning's LearningRateMonitor reads it): each
         # self.log costs about a millisecond, which adds up to several percent of a fast GPU step.
-        if self.trainer._logger_connector.should_update_logs:
+        if should_update_logs(self.trainer):
             self._log_step_scalars(logits, labels, loss)
         return loss
 
@@ -193,7 +194,7 @@ class GrowAttentionLM(L.LightningModule):
         if not (trainer.is_global_zero and isinstance(self.logger, TensorBoardLogger)):
             return
         # Once per logged optimizer step: on the last micro-batch of an accumulation window.
-        if trainer.fit_loop._should_accumulate():
+        if accumulation_open_after_this_batch(trainer):
             return
         writer = self.logger.experiment
         writer.add_scalar("compute/loss_vs_tokens", loss.item(), int(self.tokens_seen))

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.growth import Carry
+from lit_growattn.growth import SECOND_MOMENT_POLICIES, Carry, SecondMoment, check_choice
 
-SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq")
+SECOND_MOMENT_KEYS = ("exp_avg_sq", "max_exp_avg_sq")  # Adam, AdamW (amsgrad)
 
 
 def snapshot_state(optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, dict]:
@@ -24,7 +24,7 @@ def carry_state(
     new_optimizer: torch.optim.Optimizer,
     module: nn.Module,
     carries: dict[str, Carry],
-    new_second_moment: str = "mean",
+    new_second_moment: SecondMoment = "mean",
 ) -> None:
     """Fills `new_optimizer.state` for the parameters of `module` from `old_state` (see `snapshot_state`).
 
@@ -34,8 +34,7 @@ def carry_state(
     and, for second moments, zero or the mean of the old slice (`new_second_moment`): zero second moments
     with a large `step` give the new columns an effective learning rate several times larger.
     """
-    if new_second_moment not in ("zero", "mean"):
-        raise ValueError(f"new_second_moment must be 'zero' or 'mean', got {new_second_moment!r}")
+    check_choice("new_second_moment", new_second_moment, SECOND_MOMENT_POLICIES)
     for name, param in module.named_parameters():
         state = old_state.get(name)
         if state is None:
@@ -54,7 +53,7 @@ def carry_state(
 def _grow_moment(key: str, value, param: Tensor, carry: Carry, new_second_moment: str):
     if not torch.is_tensor(value) or value.ndim == 0:
         return value  # `step` and other scalars are kept
-    second = key in SECOND_MOMENTS
+    second = key in SECOND_MOMENT_KEYS
     old = value * (carry.second_scale if second else carry.first_scale)
     fill = old.mean() if second and new_second_moment == "mean" else 0.0
     grown = torch.full_like(param, fill, dtype=value.dtype, memory_format=torch.contiguous_format)

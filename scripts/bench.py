@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmarks of lit_growattn, side by side in one process (DESIGN §4, §8). Prints ONE JSON object on stdout.
+"""Benchmarks of lit_growattn, side by side in one process (docs/design.md §4, §9). Prints ONE JSON object on stdout.
 
 Measurements (one function each):
 1. lightning_vs_plain_throughput: tokens/s of GrowAttentionLM under a lightning.Trainer (GrowAttentionCallback
@@ -12,7 +12,7 @@ Measurements (one function each):
    round_robin_step_cost_ratio: capture="auto" on a third of the layers (the callback's layers_per_step).
 3. growth_event_seconds: GrowthPlan build + factorisation at one α for all forms (6 layers, e 256, 8 heads,
    d_head 8 → 16, statistics from b 32, s 256), per method; plus one full event driven through
-   GrowAttentionCallback._grow in a real fit (all-reduce, plan, line search, optimizer rebuild).
+   GrowAttentionCallback in a real fit, timed by the event itself (all-reduce, plan, line search, optimizer rebuild).
 4. stats_peak_memory_ratio: bytes of tensors saved for backward in a statistics step ÷ a normal step
    (saved_tensors_hooks, deterministic); beside it the allocation peak of the whole step (profiler memory
    events, *_alloc_peak_ratio) and the captured G X′ pairs held until on_after_backward. On CUDA:
@@ -20,7 +20,7 @@ Measurements (one function each):
 5. capture_sweep: one attention layer (QKForm.attend fwd+bwd+fold) at a fixed token count over sequence
    lengths, to check the callback's capture="auto" rule.
 
-Timing rules (DESIGN §8): warm-up excluded, variants interleaved in rotating order inside one process,
+Timing rules (docs/design.md §9): warm-up excluded, variants interleaved in rotating order inside one process,
 per-repeat ratios against the normal step of the same repeat, medians over repeats. The machine may be
 shared, so absolute times are only context; the ratios are the result. CPU runs use one intra-op thread by
 default (--threads): see its help for why.
@@ -58,7 +58,9 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from lit_growattn import growth  # noqa: E402
 from lit_growattn.attention import QKForm  # noqa: E402
-from lit_growattn.callbacks import GrowAttentionCallback, _layer_of  # noqa: E402
+from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
+from lit_growattn.growing.event import GrowthSettings, plan_growth  # noqa: E402
+from lit_growattn.growing.window import NamedForms, capture_mode, fold_captured  # noqa: E402
 from lit_growattn.module import GrowAttentionLM  # noqa: E402
 
 VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin")
@@ -102,7 +104,7 @@ class Preset:
     epoch_steps: int = 1000  # epoch assumed for the growth event's share
 
 
-DEFAULT = Shape(n_layer=6, n_embd=256, n_head=8, d_head=8, seq_len=256, batch=8)  # DESIGN §4
+DEFAULT = Shape(n_layer=6, n_embd=256, n_head=8, d_head=8, seq_len=256, batch=8)  # the shape of docs/design.md §4
 TINY = Shape(n_layer=2, n_embd=64, n_head=4, d_head=4, seq_len=64, batch=8)
 PRESETS = {
     "full": Preset(
@@ -155,26 +157,24 @@ def token_data(shape: Shape, n_batches: int, seed: int = 0) -> TensorDataset:
     return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
 
 
-def named_forms(lm: GrowAttentionLM) -> list[tuple[str, QKForm]]:
-    # Same order as GrowAttentionCallback._forms: named_modules order.
-    return [(name, m) for name, m in lm.named_modules() if isinstance(m, QKForm)]
+def named_forms(lm: GrowAttentionLM) -> NamedForms:
+    """(layer, parameter-name prefix, form), as the callback names them."""
+    return [(layer, f"model.{name}", form) for layer, name, form in lm.model.named_qk_forms()]
 
 
-def fold(forms: list[tuple[str, QKForm]], stats: list[growth.FormStats], weight: float = 1.0) -> None:
-    """What GrowAttentionCallback.on_after_backward does with the captured pairs (no GradScaler here)."""
-    for st, (_, form) in zip(stats, forms):
-        for xa, gx in form.take_captured():
-            st.update(xa, gx, weight)
+def fold(forms: NamedForms, stats: list[growth.FormStats], weight: float = 1.0) -> None:
+    """What the callback does with the captured pairs after a backward (no GradScaler here)."""
+    fold_captured(forms, stats, weight, grad_scale=None)
 
 
-def set_capture(forms, mode: str | None) -> None:
-    for _, form in forms:
+def set_capture(forms: NamedForms, mode: str | None) -> None:
+    for _, _, form in forms:
         form.capture = mode
 
 
-def auto_capture(inputs: torch.Tensor, form: QKForm) -> str:
+def auto_capture(inputs: torch.Tensor) -> str:
     """The callback's own capture='auto' choice for these inputs (not a copy of the rule)."""
-    return GrowAttentionCallback(grow_at_epochs=[1])._capture_mode(inputs, form)
+    return capture_mode("auto", inputs.device)
 
 
 def median(xs) -> float:
@@ -287,14 +287,14 @@ def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
     opt = lm.configure_optimizers()["optimizer"]
     inputs, labels = (t.to(env.device) for t in token_data(shape, 1).tensors)
     stats = {
-        "natural": [growth.FormStats.empty_like(f, "natural") for _, f in forms],  # gradient: same sums
-        "pinv": [growth.FormStats.empty_like(f, "pinv") for _, f in forms],
+        "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],  # gradient: same sums
+        "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
     }
 
-    auto = auto_capture(inputs, forms[0][1])
+    auto = auto_capture(inputs)
     n_layer = len(lm.model.blocks)
     per_step = max(1, n_layer // ROUND_ROBIN_SHARE)
-    in_turn = [(name, f) for name, f in forms if _layer_of(name) < per_step]
+    in_turn = [(layer, name, f) for layer, name, f in forms if layer < per_step]
 
     def step(variant: str) -> tuple[float, float]:
         """One training step; returns (step seconds, of which folding seconds)."""
@@ -358,16 +358,16 @@ def gather_stats(lm: GrowAttentionLM, forms, p: Preset, env: Env) -> dict[str, l
     shape = p.growth_shape
     data = token_data(shape, p.growth_micro_batches, seed=1)
     sums = {
-        "natural": [growth.FormStats.empty_like(f, "natural") for _, f in forms],
-        "pinv": [growth.FormStats.empty_like(f, "pinv") for _, f in forms],
+        "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],
+        "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
     }
-    set_capture(forms, auto_capture(data.tensors[0], forms[0][1]))
+    set_capture(forms, auto_capture(data.tensors[0].to(env.device)))
     for inputs, labels in DataLoader(data, batch_size=shape.batch):
         inputs, labels = inputs.to(env.device), labels.to(env.device)
         with env.autocast():
             loss = lm.loss(lm(inputs), labels) / p.growth_micro_batches
         loss.backward()
-        captured = [(name, f.take_captured()) for name, f in forms]
+        captured = [(name, f.take_captured()) for _, name, f in forms]
         for key, stats in sums.items():
             for st, (_, pairs) in zip(stats, captured):
                 for xa, gx in pairs:
@@ -377,62 +377,31 @@ def gather_stats(lm: GrowAttentionLM, forms, p: Preset, env: Env) -> dict[str, l
     return sums
 
 
-def growth_compute_seconds(forms, stats, method: str, alphas: list[float], grow_by: int, env: Env) -> float:
-    """One growth computation as GrowAttentionCallback._grow does it, minus the forward passes: flat buffer
-    round trip (the all-reduce is the identity on one rank), GrowthPlan.build, plan.grow for every form at
-    every α in `alphas`. Defaults of the callback: append, keep, euclidean, low_rank."""
-    cb = GrowAttentionCallback(grow_at_epochs=[1], grow_by=grow_by, method=method)
+def growth_compute_seconds(forms: NamedForms, stats, method: str, alphas: list[float], grow_by: int, env: Env) -> float:
+    """One growth computation as the callback's growth event does it, minus the forward passes: flat buffer
+    round trip (the all-reduce is the identity on one rank), the plan, plan.grow for every form at every α in
+    `alphas`. The callback's defaults otherwise: append, keep, euclidean, low_rank."""
+    settings = GrowthSettings(grow_by=grow_by, method=method, max_d_head=forms[0][2].w_q.shape[1])
     env.sync()
     t = time.perf_counter()
     reduced = growth.unflatten_stats(growth.flatten_stats(stats), stats)
-    plan = growth.GrowthPlan.build(
-        dict(forms), reduced, method=method, grow_by=grow_by, dynamic_rank=cb.dynamic_rank,
-        max_d_head=forms[0][1].w_q.shape[1], group_of=_layer_of, mode=cb.mode, temperature=cb.temperature,
-        truncation=cb.truncation, line_search=cb.line_search, generator=torch.Generator().manual_seed(1),
-    )
+    plan = plan_growth(forms, reduced, settings, seed=1)
     for alpha in alphas:
-        grown = {name: plan.grow(name, alpha) for name, _ in forms}
+        grown = {name: plan.grow(name, alpha) for _, name, _ in forms}
     env.sync()
-    assert all(g.w_q.shape[-1] == forms[0][1].d_head + grow_by for g in grown.values())
+    assert all(g.w_q.shape[-1] == forms[0][2].d_head + grow_by for g in grown.values())
     return time.perf_counter() - t
 
 
-class TimedGrowth(GrowAttentionCallback):
-    """The real callback, with its growth event cut into timed pieces; stops the fit once it has grown.
-    Pieces: plan (GrowthPlan.build), rating (forward passes over the kept batches for every candidate),
-    apply (install, optimizer and scheduler rebuild); the rest of the event is mostly the factorisation of
-    the candidates (plan.trial at every α)."""
+class StopAfterGrowth(Callback):
+    """Ends the fit once the growth callback has grown: nothing after the event is measured."""
 
-    def __init__(self, env: Env, **kwargs):
-        super().__init__(**kwargs)
-        self.env, self.pieces = env, {"plan_s": 0.0, "rating_s": 0.0, "apply_s": 0.0, "event_s": 0.0}
+    def __init__(self, grow: GrowAttentionCallback):
+        self.grow = grow
 
-    def _timed(self, key: str, fn, *args):
-        self.env.sync()
-        t = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            self.env.sync()
-            self.pieces[key] += time.perf_counter() - t
-
-    def _plan(self, *args):
-        return self._timed("plan_s", super()._plan, *args)
-
-    def _losses(self, *args):
-        return self._timed("rating_s", super()._losses, *args)
-
-    def _apply(self, *args):
-        return self._timed("apply_s", super()._apply, *args)
-
-    def _grow(self, *args):
-        # Wall time of the whole event as the trainer sees it (the callback's own "seconds" stops before logging).
-        self._timed("event_s", super()._grow, *args)
-
-    def on_train_epoch_start(self, trainer, pl_module):
-        super().on_train_epoch_start(trainer, pl_module)
-        if self.history:
-            trainer.should_stop = True  # nothing after the event is measured
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.grow.history:
+            trainer.should_stop = True
 
 
 def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float) -> dict:
@@ -440,7 +409,7 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
     lm = make_lm(shape).to(env.device)
     forms = named_forms(lm)
     sums = gather_stats(lm, forms, p, env)
-    alphas = GrowAttentionCallback(grow_at_epochs=[1]).alphas
+    alphas = GrowthSettings().alphas
     compute = {}
     for method in ("natural", "gradient", "pinv"):
         stats = sums["pinv" if method == "pinv" else "natural"]
@@ -465,13 +434,16 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
     # The full event through the real callback: statistics window of growth_micro_batches steps at the training
     # batch size (so the statistics count the same instances), growth at the start of epoch 1, then stop.
     data = token_data(shape, p.growth_micro_batches, seed=2)
-    cb = TimedGrowth(env, grow_at_epochs=[1], grow_by=p.grow_by, stats_batches=p.growth_micro_batches,
-                     line_search_batches=2)
+    cb = GrowAttentionCallback(grow_at_epochs=[1], grow_by=p.grow_by, stats_batches=p.growth_micro_batches,
+                               line_search_batches=2)
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer(env, [cb], tmp, max_epochs=2).fit(make_lm(shape), DataLoader(data, batch_size=shape.batch))
+        make_trainer(env, [cb, StopAfterGrowth(cb)], tmp, max_epochs=2).fit(
+            make_lm(shape), DataLoader(data, batch_size=shape.batch))
     event = cb.history[0]
-    full_s = cb.pieces["event_s"]
+    # The event's own stopwatch: plan (GrowthPlan build), rating (factorisation of every candidate and the forward
+    # passes over the kept batches), apply (broadcast, install, optimizer and scheduler rebuild).
+    full_s, pieces = event["seconds"], event["timings"]
     epoch_s = p.epoch_steps * step_s
     natural = compute["natural"]["one_alpha_s"]
     # Statistics window cost inside an epoch: the callback's default 8 statistics steps at the measured ratio.
@@ -483,9 +455,7 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
         "growth_event_seconds_all_cores": all_cores,
         "growth_event_full_seconds": full_s,
         "growth_event_full_pieces": {
-            **{k: v for k, v in cb.pieces.items() if k != "event_s"},
-            "trials_and_rest_s": full_s - sum(v for k, v in cb.pieces.items() if k != "event_s"),
-            "callback_seconds": event["seconds"], "alpha": event["alpha"],
+            **pieces, "rest_s": full_s - sum(pieces.values()), "alpha": event["alpha"],
             "rating_forwards": (len(alphas) + 1) * cb.line_search_batches, "d_head_after": event["d_head"],
         },
         "growth_event_epoch_share": full_s / epoch_s,
@@ -521,7 +491,7 @@ def measure_memory(shape: Shape, env: Env) -> dict:
     forms = named_forms(lm)
     inputs, labels = (t.to(env.device) for t in token_data(shape, 1).tensors)
     params = {p.untyped_storage().data_ptr() for p in lm.parameters()}
-    stats = [growth.FormStats.empty_like(f, "natural") for _, f in forms]
+    stats = [growth.FormStats.empty_like(f, "natural") for _, _, f in forms]
 
     def step(mode: str | None, out: dict) -> None:
         """Forward, backward and fold of one statistics (or normal) step; fills out's byte counts."""
@@ -540,7 +510,7 @@ def measure_memory(shape: Shape, env: Env) -> dict:
         loss.backward()
         # The pairs wait in the forms until on_after_backward folds them: G X′ is new memory, X′ is an
         # activation that the forward saved anyway.
-        out["captured_bytes"] = sum(gx.untyped_storage().nbytes() for _, f in forms for _, gx in f.captured)
+        out["captured_bytes"] = sum(gx.untyped_storage().nbytes() for _, _, f in forms for _, gx in f.captured)
         fold(forms, stats)
         set_capture(forms, None)
         out["saved_bytes"] = sum(saved.values())
@@ -562,7 +532,7 @@ def measure_memory(shape: Shape, env: Env) -> dict:
     one(None)  # first step: lazily created state is not part of the comparison
     got = {name: one(mode) for name, mode in (("normal", None), ("extend", "extend"), ("explicit", "explicit"))}
     base = got["normal"]
-    # The headline follows DESIGN §8: saved-for-backward bytes on CPU, max_memory_allocated on CUDA.
+    # The headline follows docs/design.md §9: saved-for-backward bytes on CPU, max_memory_allocated on CUDA.
     key = "peak_bytes" if env.cuda else "saved_bytes"
     return {
         "bytes": got,
@@ -633,7 +603,7 @@ def measure_capture_sweep(shape: Shape, p: Preset, env: Env) -> dict:
             "extend_saved_over_explicit_saved": mem["extend"] / mem["explicit"],
             "faster": "extend" if ratio("extend", "explicit") < 1 else "explicit",
             "smaller": "extend" if mem["extend"] < mem["explicit"] else "explicit",
-            "auto_rule_picks": auto_capture(torch.zeros(b, s, dtype=torch.long, device=env.device), form),
+            "auto_rule_picks": auto_capture(torch.zeros(b, s, dtype=torch.long, device=env.device)),
         }
         env.log(f"  sweep s{s}: {out[f's{s}_b{b}']}")
     return out

@@ -52,7 +52,22 @@ def test_bench_quick_prints_one_json_object_with_finite_positive_keys():
     assert result["growth_event"]["growth_event_full_pieces"]["d_head_after"] == [
         result["growth_event"]["growth_shape"]["d_head_after"]
     ] * result["growth_event"]["growth_shape"]["n_layer"]
-    # The event's pieces come from overriding the callback's private steps: a rename there shows up here as zero.
+    # The event's pieces come from its own stopwatch (the history record's "timings").
     pieces = result["growth_event"]["growth_event_full_pieces"]
     assert all(finite_positive(pieces[k]) for k in ("plan_s", "rating_s", "apply_s")), pieces
     assert all(isinstance(met, bool) for met in result["targets"].values())
+
+
+def test_bench_uses_only_public_names_of_the_package():
+    """No private name of lit_growattn (a `_name` imported or reached as an attribute) in scripts/bench.py."""
+    import ast
+
+    tree = ast.parse((REPO / "scripts" / "bench.py").read_text())
+    ours = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+            and (node.module or "").startswith("lit_growattn") for alias in node.names}
+    assert not [name for name in ours if name.startswith("_")]
+    private = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+               and not node.attr.startswith("__")]
+    assert not private, private
+    assert not [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                and any(getattr(base, "id", "") == "GrowAttentionCallback" for base in node.bases)]

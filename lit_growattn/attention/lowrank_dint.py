@@ -1,6 +1,6 @@
 """Low-rank DINT (seed 001): DINT whose second map has rank-r factors, Q2 = X′ W_down W_up, K2 likewise.
 
-The scale d₂ (DESIGN §1). Every factor gets nn.Linear's init U(−1/√fan_in, 1/√fan_in), as QKForm does:
+The scale d₂ (docs/design.md §8). Every factor gets nn.Linear's init U(−1/√fan_in, 1/√fan_in), as QKForm does:
 Var(W_Q1) = 1/(3e) and Var(W_down W_up) = r · 1/(3e) · 1/(3r) = 1/(9e), a third of it. Queries and keys each
 lose that third, so at a fixed input the score variance over the initialisation is 1/9 of the first map's
 (the two factors of one product are independent, so E[q_j q_l] = δ_jl Var(q_j) still holds). Softmax over

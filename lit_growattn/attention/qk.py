@@ -7,7 +7,7 @@ The bilinear form of head j is M_j = τ_j W_Qj W_Kjᵀ ∈ ℝ^{e′×e′}.
 W_Q and W_K are stored as (n_head, e′, d_head) so that growing d_head appends along the last dim; the
 bias is the last row of e′, so it is grown with its columns.
 
-Statistics capture (DESIGN §4): on a statistics step the form records, per micro-batch, the pair
+Statistics capture (docs/design.md §4): on a statistics step the form records, per micro-batch, the pair
 (X′, G·X′) with G = ∂L/∂S per head, from which N_i = X′ᵢᵀ Gᵢ X′ᵢ follows. Two paths behind one switch:
 - "extend": SDPA on Q̃ = [τQ | E], K̃ = [K | X′] with E = 0; E.grad = G X′ (memory b·h·s·e′).
 - "explicit": an explicit score map with a gradient hook (memory b·h·s²).
@@ -59,7 +59,7 @@ class QKForm(nn.Module):
             raise ValueError(f"n_head and d_head must be positive, got n_head={n_head}, d_head={d_head}")
         self.n_embd, self.bias, self.sdpa_pad = n_embd, bias, sdpa_pad
         e_in = n_embd + int(bias)
-        # nn.Linear's default init, U(-1/√fan_in, 1/√fan_in); the low-rank DINT scale (DESIGN §1) is derived from it.
+        # nn.Linear's default init, U(-1/√fan_in, 1/√fan_in); the low-rank DINT scale (docs/design.md §8) is derived from it.
         bound = 1.0 / math.sqrt(n_embd)
         self.w_q = nn.Parameter(torch.empty(n_head, e_in, d_head).uniform_(-bound, bound))
         self.w_k = nn.Parameter(torch.empty(n_head, e_in, d_head).uniform_(-bound, bound))

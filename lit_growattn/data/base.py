@@ -5,19 +5,23 @@ from __future__ import annotations
 import lightning as L
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from lit_growattn.lightning_private import batches_done_in_epoch
+
 
 class ResumableLoader(DataLoader):
     """A training DataLoader that Lightning saves in checkpoints and restores (it has `state_dict` and
     `load_state_dict`), so a run resumed from a mid-epoch checkpoint continues with the next unseen batch
     instead of replaying the epoch from its start: a growth's statistics window may span such a checkpoint.
 
-    The sampler must have `epoch` and `set_epoch` (a DistributedSampler). `batches_done()` is the number of batches of the current epoch the trainer has finished; it comes from
-    the trainer, not from this loader, because Lightning fetches one batch ahead.
+    The sampler must have `epoch` and `set_epoch` (a DistributedSampler). `position()` is (epoch, batches of
+    it the trainer has finished); it comes from the trainer, not from this loader, because Lightning fetches one
+    batch ahead. An epoch whose batches are all done is given as the start of the next one, where a resumed run
+    continues (Lightning does not call `set_epoch` again when it resumes from an epoch's last batch).
     """
 
-    def __init__(self, *args, batches_done, **kwargs):
+    def __init__(self, *args, position, **kwargs):
         super().__init__(*args, **kwargs)
-        self._batches_done, self._skip = batches_done, 0
+        self._position, self._skip = position, 0
 
     def __iter__(self):
         iterator = super().__iter__()
@@ -27,7 +31,8 @@ class ResumableLoader(DataLoader):
         return iterator
 
     def state_dict(self) -> dict:
-        return {"epoch": self.sampler.epoch, "batches_done": self._batches_done()}
+        epoch, done = self._position()
+        return {"epoch": epoch, "batches_done": done}
 
     def load_state_dict(self, state: dict) -> None:
         # Lightning creates the resumed iterator before it sets the sampler's epoch: set it here.
@@ -53,11 +58,14 @@ class BaseDataModule(L.LightningDataModule):
     def _train_loader(self, sampler: Sampler) -> ResumableLoader:
         return ResumableLoader(
             self.train_set, self.batch_size, sampler=sampler, num_workers=self.num_workers,
-            batches_done=self._batches_done,
+            position=self._position,
         )
 
-    def _batches_done(self) -> int:
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed if self.trainer else 0
+    def _position(self) -> tuple[int, int]:
+        if not self.trainer:
+            return 0, 0
+        epoch, done = self.trainer.current_epoch, batches_done_in_epoch(self.trainer)
+        return (epoch + 1, 0) if done >= self.trainer.num_training_batches else (epoch, done)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         loaders = [DataLoader(ds, self.batch_size, num_workers=self.num_workers) for ds in self.val_sets]

@@ -1,20 +1,35 @@
-"""The maths of growing the query/key head size (pure torch; DESIGN §1–§5).
+"""The maths of growing the query/key head size (pure torch; docs/design.md, sections 1–5).
 
 stats      FormStats: mergeable sums C, N (and C⁺NC⁺ for pinv) of one form; one flat buffer for all forms.
 solvers    directions ΔM by method name (gradient, natural, pinv) and their score-RMS normalisation.
 factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | append), sign check, Adam carry-over.
+choices    the allowed values of every setting (one Literal each).
 step_size  step-size candidates and the choice among their losses.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 """
 
-from lit_growattn.growth.factorize import MODES, TEMPERATURES, TRUNCATIONS, Carry, FormGrowth, Growth
+from lit_growattn.growth.choices import (
+    BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
+    LineSearch, Method, Mode, SecondMoment, Temperature, Truncation, check_choice,
+)
+from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
 from lit_growattn.growth.plan import GrowthPlan
-from lit_growattn.growth.solvers import BASELINES, DIRECTIONS, METHODS, direction
+from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
-from lit_growattn.growth.step_size import LINE_SEARCHES, candidate_steps, choose_step
+from lit_growattn.growth.step_size import candidate_steps, choose_step
 
 __all__ = [
     "BASELINES",
+    "Baseline",
+    "Direction",
+    "LineSearch",
+    "Method",
+    "Mode",
+    "SECOND_MOMENT_POLICIES",
+    "SecondMoment",
+    "Temperature",
+    "Truncation",
+    "check_choice",
     "Carry",
     "DIRECTIONS",
     "FormGrowth",

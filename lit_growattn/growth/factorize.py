@@ -1,4 +1,4 @@
-"""From a direction ΔM to new weights W_Q′, W_K′, log τ′ of one form (DESIGN §2–§3).
+"""From a direction ΔM to new weights W_Q′, W_K′, log τ′ of one form (docs/design.md §2–§3).
 
 Shapes: h heads, input size e′, head size d → d_new = d + p. M = τ W_Q W_Kᵀ (h, e′, e′).
 - `replace`: M′ = trunc_{d_new}(M + αΔM), W_Q′ = U(Σ/τ′)^½, W_K′ = V(Σ/τ′)^½; every column rotates.
@@ -20,13 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lit_growattn.growth.choices import BASELINES, METHODS, MODES, TEMPERATURES, TRUNCATIONS, check_choice
 from lit_growattn.growth.linalg import column_basis, factored_score_energy, project_out, psd_sqrt
-from lit_growattn.growth.solvers import BASELINES, DIRECTIONS, METHODS, direction
+from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import Moments
 
-MODES = ("replace", "append")
-TEMPERATURES = ("keep", "rescale")
-TRUNCATIONS = ("euclidean", "whitened")
 # Singular values below this share of a head's largest are rounding noise of a rank-deficient matrix
 # (1e-16 in float64, amplified by at most cond(C̄) = 1/rcond through whitening): their pairs would vanish.
 VANISH = 1e-8
@@ -255,8 +253,3 @@ class FormGrowth:
 
     def _cols_from_work(self, w: Tensor) -> Tensor:
         return w if self._roots is None else self._roots[1] @ w
-
-
-def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")

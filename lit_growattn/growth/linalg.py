@@ -1,6 +1,6 @@
 """Small float64 linear-algebra helpers shared by the statistics and the factorisation.
 
-A LayerNorm output has rows that sum to zero, so C = X′ᵀX′ is always singular (DESIGN §1): every inverse
+A LayerNorm output has rows that sum to zero, so C = X′ᵀX′ is always singular (docs/design.md §1): every inverse
 here is an eigendecomposition with an explicit cut-off relative to the largest eigenvalue, never
 `torch.linalg.pinv`'s default tolerance.
 """

@@ -12,10 +12,9 @@ from typing import Callable, Hashable, Mapping, Sequence
 
 import torch
 
-from lit_growattn.growth.factorize import MODES, TEMPERATURES, FormGrowth, Growth, check_choice
-from lit_growattn.growth.solvers import BASELINES
+from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, MODES, TEMPERATURES, check_choice
+from lit_growattn.growth.factorize import FormGrowth, Growth
 from lit_growattn.growth.stats import FormStats
-from lit_growattn.growth.step_size import LINE_SEARCHES
 
 
 class GrowthPlan:

@@ -1,7 +1,7 @@
-"""Growth directions ΔM per head (h, e′, e′) from the statistics' means (DESIGN §2).
+"""Growth directions ΔM per head (h, e′, e′) from the statistics' means (docs/design.md §2).
 
 A direction is a descent direction when ⟨N̄, ΔM⟩ < 0. A new method is one function `(moments, rcond) → ΔM`
-and one line in DIRECTIONS. The baselines `random` and `zero` use no direction: they only add random
+and one line in DIRECTIONS (its name in `choices.Direction`). The baselines `random` and `zero` use no direction: they only add random
 columns (see `factorize`).
 """
 
@@ -11,6 +11,7 @@ from typing import Callable
 
 from torch import Tensor
 
+from lit_growattn.growth.choices import Direction
 from lit_growattn.growth.linalg import psd_pinv, score_energy
 from lit_growattn.growth.stats import Moments
 
@@ -33,9 +34,7 @@ def pinv(mo: Moments, rcond: float) -> Tensor:
     return -mo.p
 
 
-DIRECTIONS: dict[str, Callable[[Moments, float], Tensor]] = {"gradient": gradient, "natural": natural, "pinv": pinv}
-BASELINES: tuple[str, ...] = ("random", "zero")
-METHODS: tuple[str, ...] = (*DIRECTIONS, *BASELINES)
+DIRECTIONS: dict[Direction, Callable[[Moments, float], Tensor]] = {"gradient": gradient, "natural": natural, "pinv": pinv}
 
 
 def direction(method: str, mo: Moments, m_energy: Tensor, rcond: float = 1e-6) -> Tensor:

@@ -1,4 +1,4 @@
-"""Mergeable gradient statistics of one query/key form (DESIGN §4–§5).
+"""Mergeable gradient statistics of one query/key form (docs/design.md §4–§5).
 
 Per instance i (one sequence) with input X′ᵢ (s, e′) and score gradient Gᵢ = ∂L/∂Sᵢ per head:
     C_i = X′ᵢᵀX′ᵢ (e′, e′),   N_i = X′ᵢᵀ Gᵢ X′ᵢ (h, e′, e′) = ∂L/∂M from that instance,

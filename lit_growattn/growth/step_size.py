@@ -1,4 +1,4 @@
-"""Step size α of a growth event (DESIGN §3), one per event: evaluation and choice are separate, so that the
+"""Step size α of a growth event (docs/design.md §3), one per event: evaluation and choice are separate, so that the
 caller can all-reduce the candidate losses under DDP and every rank takes the same argmin.
 
 Seed 002's two line searches for a direction (its λ is our α): `low_rank` (λ_LR) rates α by the loss of
@@ -12,8 +12,6 @@ from typing import Sequence
 
 import torch
 from torch import Tensor
-
-LINE_SEARCHES = ("low_rank", "full_rank")
 
 
 def candidate_steps(k_max: int = 4, include_zero: bool = True) -> list[float]:

@@ -1,0 +1,165 @@
+"""One growth event: plan from the reduced statistics, choose the step size, broadcast rank 0's tensors and
+install them. Lightning enters only through `trainer.strategy` (collectives) and the rebuild.
+
+The step-size choice is one function, `choose_step_size(plan, names, loss_of, settings)`: `loss_of` rates a
+list of candidate installs (None: the forms as they are) by their loss, already averaged over ranks. A new
+rule is a new branch there (or a function with the same signature passed as `GrowthEvent.step_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from lit_growattn import growth
+from lit_growattn.growing.window import NamedForms
+
+LossOf = Callable[[Sequence[dict[str, growth.Growth] | None]], Tensor]
+
+
+@dataclass(frozen=True)
+class GrowthSettings:
+    """How each event grows; the callback's arguments of the same names."""
+
+    grow_by: int | list[int] | None = 1
+    dynamic_rank: float | None = None
+    max_d_head: int | None = None
+    method: growth.Method = "natural"
+    mode: growth.Mode = "append"
+    temperature: growth.Temperature = "keep"
+    truncation: growth.Truncation = "euclidean"
+    alphas: list[float] | None = None  # None: growth.candidate_steps()
+    line_search: growth.LineSearch = "low_rank"
+    new_second_moment: growth.SecondMoment = "mean"
+
+    def __post_init__(self):
+        if self.grow_by is None and self.dynamic_rank is None:
+            object.__setattr__(self, "grow_by", 1)
+        if any(p is not None and p <= 0 for p in (self.grow_by if isinstance(self.grow_by, list) else [self.grow_by])):
+            raise ValueError(f"grow_by must be positive, got {self.grow_by}")
+        if self.dynamic_rank is not None and not 0.0 < self.dynamic_rank < 1.0:
+            raise ValueError(f"dynamic_rank is a fraction of the largest singular value in (0, 1), got {self.dynamic_rank}")
+        for name, allowed in [("method", growth.METHODS), ("mode", growth.MODES), ("temperature", growth.TEMPERATURES),
+                              ("truncation", growth.TRUNCATIONS), ("line_search", growth.LINE_SEARCHES),
+                              ("new_second_moment", growth.SECOND_MOMENT_POLICIES)]:
+            growth.check_choice(name, getattr(self, name), allowed)
+        if self.method in growth.BASELINES and self.mode != "append":
+            raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
+        alphas = sorted(set(self.alphas if self.alphas is not None else growth.candidate_steps()))
+        if not alphas or any(a < 0 for a in alphas):
+            raise ValueError(f"step-size candidates must be a non-empty list of values ≥ 0, got {self.alphas}")
+        if 0.0 not in alphas:
+            warnings.warn(f"alphas {alphas} has no 0: a growth may then raise the loss (0 keeps the function)")
+        object.__setattr__(self, "alphas", alphas)
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    alpha: float | None  # None: a baseline, whose growth does not depend on α
+    loss_before: float
+    loss_after: float
+
+
+def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSettings, seed: int) -> growth.GrowthPlan:
+    """The GrowthPlan of `forms` (layer, name, form) from their reduced statistics; forms of a layer grow together."""
+    layer_of = {name: layer for layer, name, _ in forms}
+    grow_by = {name: s.grow_by[layer] for layer, name, _ in forms} if isinstance(s.grow_by, list) else s.grow_by
+    return growth.GrowthPlan.build(
+        {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
+        dynamic_rank=s.dynamic_rank, max_d_head=s.max_d_head, group_of=layer_of.__getitem__, mode=s.mode,
+        temperature=s.temperature, truncation=s.truncation, line_search=s.line_search,
+        # Random columns of the baselines: the same draw on every rank, and on a resumed run.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf, s: GrowthSettings) -> StepChoice:
+    """The step size of the event, from forward-only losses of candidate growths."""
+    if s.method in growth.BASELINES:
+        # α does not enter a baseline: one evaluation of its growth beside the current loss.
+        before, after = loss_of([None, {n: plan.grow(n, 0.0) for n in names}]).tolist()
+        return StepChoice(None, before, after)
+    # α = 0 keeps the function (new pairs with zero fan-in), so its loss is the current one: no forward for it.
+    moving = [a for a in s.alphas if a > 0]
+    losses = loss_of([None] + [{n: plan.trial(n, a) for n in names} for a in moving])
+    before, by_alpha = losses[0], dict(zip(moving, losses[1:]))
+    rated = torch.stack([by_alpha.get(a, before) for a in s.alphas])
+    best = growth.choose_step(rated, s.alphas)
+    alpha, after = s.alphas[best], rated[best]
+    if s.line_search == "full_rank":
+        # λ_FR rated α before truncation: measure the truncated growth itself, and keep α = 0 if that is better.
+        finalists = [0.0, alpha]
+        final = loss_of([{n: plan.grow(n, a) for n in names} for a in finalists])
+        pick = growth.choose_step(final, finalists)
+        alpha, after = finalists[pick], final[pick]
+    return StepChoice(alpha, float(before), float(after))
+
+
+class Stopwatch:
+    """Wall time of the event's pieces (synchronised on CUDA, where kernels run asynchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, {}
+        self._start = self._last = self._now()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, piece: str) -> None:
+        now = self._now()
+        self.seconds[f"{piece}_s"] = now - self._last
+        self._last = now
+
+    def total(self) -> float:
+        return self._now() - self._start
+
+
+@dataclass
+class GrowthEvent:
+    """Everything one event needs besides the model: where the candidates are rated and how the result is
+    installed. `install(grown)` puts the tensors in place and rebuilds what depends on them."""
+
+    settings: GrowthSettings
+    loss_of: LossOf
+    install: Callable[[dict[str, growth.Growth]], None]
+    broadcast: Callable[[dict], dict]  # rank 0's object on every rank
+    step_size: Callable[[growth.GrowthPlan, list[str], LossOf, GrowthSettings], StepChoice] = choose_step_size
+
+    def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int) -> tuple[dict, dict[str, Tensor]]:
+        """Grows `forms` from their reduced `stats`; returns the event's record and the kept spectra per form.
+        Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""
+        clock = Stopwatch(forms[0][2].w_q.device)
+        plan = plan_growth(forms, stats, self.settings, seed)
+        clock.lap("plan")
+        names = [name for _, name, _ in forms]
+        choice = self.step_size(plan, names, self.loss_of, self.settings)
+        clock.lap("rating")
+        # Rank 0's tensors for every rank, so replicas are bit-identical whatever the SVD did; through the CPU,
+        # since a pickled CUDA tensor would land on rank 0's device.
+        grown = self.broadcast({n: _to_cpu(plan.grow(n, choice.alpha or 0.0)) for n in names})
+        self.install(grown)
+        clock.lap("apply")
+        record = {
+            "alpha": choice.alpha,
+            "loss_before": choice.loss_before,
+            "loss_after": choice.loss_after,
+            "sign_fallbacks": sum(g.fell_back for g in grown.values()),
+            "predicted_decrease": float(sum(g.predicted_decrease for g in grown.values())),
+            "realised_decrease": choice.loss_before - choice.loss_after,
+            "discarded_energy": {name: g.discarded_energy.sum().item() for name, g in grown.items()},
+            "timings": clock.seconds,
+            "seconds": clock.total(),
+        }
+        return record, {name: g.spectrum for name, g in grown.items()}
+
+
+def _to_cpu(g: growth.Growth) -> growth.Growth:
+    return dataclasses.replace(g, w_q=g.w_q.cpu(), w_k=g.w_k.cpu(), log_tau=g.log_tau.cpu())

@@ -1,0 +1,108 @@
+"""What a growth run shows: one console line per event, a summary table at the end of fit, the event's
+TensorBoard scalars and figures, and the custom-scalar layout that groups them."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import Tensor
+
+from lit_growattn.analysis import spectrum_figure
+
+
+def say(trainer: L.Trainer, text: str) -> None:
+    """Prints on rank 0 only, through the progress bar when there is one (so that its line is not broken)."""
+    if not trainer.is_global_zero:
+        return
+    bar = trainer.progress_bar_callback
+    (bar.print if bar is not None and hasattr(bar, "print") else print)(text)
+
+
+def _alpha(alpha: float | None) -> str:
+    if alpha is None:
+        return "none (baseline)"
+    frac = Fraction(alpha).limit_denominator(1024)
+    return str(frac) if float(frac) == alpha else f"{alpha:.3g}"
+
+
+def _sizes(before: list[int], after: list[int]) -> str:
+    if len(set(before)) == 1 and len(set(after)) == 1:
+        return f"d_head {before[0]}→{after[0]} per layer"
+    return f"d_head {before}→{after}"
+
+
+def event_line(event: dict) -> str:
+    """e.g. `growth at step 1200 (epoch 1): d_head 1→8 per layer, α=1/4, loss 2.70→2.41 on the kept batches, 0.4 s`."""
+    where = f"growth at step {event['step']} (epoch {event['epoch']})"
+    if event["skipped"]:
+        return f"{where}: skipped, {event['reason']}; d_head stays {event['d_head']}"
+    return (
+        f"{where}: {_sizes(event['d_head_before'], event['d_head'])}, α={_alpha(event['alpha'])}, "
+        f"loss {event['loss_before']:.4g}→{event['loss_after']:.4g} on the kept batches, {event['seconds']:.2g} s"
+    )
+
+
+def summary_table(history: list[dict]) -> str:
+    rows = [("event", "step", "epoch", "d_head", "α", "loss before", "loss after", "seconds")]
+    for e in history:
+        if e["skipped"]:
+            rows.append((e["event"], str(e["step"]), str(e["epoch"]), "skipped", "", "", "", ""))
+        else:
+            rows.append((e["event"], str(e["step"]), str(e["epoch"]), ",".join(map(str, e["d_head"])),
+                         _alpha(e["alpha"]), f"{e['loss_before']:.4g}", f"{e['loss_after']:.4g}", f"{e['seconds']:.2g}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(["growth summary", *lines[:1], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
+    metrics = {"growth/skipped": float(event["skipped"])}
+    if event["skipped"]:
+        return metrics
+    keys = ["sign_fallbacks", "predicted_decrease", "realised_decrease", "seconds"]
+    if event["alpha"] is not None:
+        keys.append("alpha")
+    metrics |= {f"growth/{k}": float(event[k]) for k in keys}
+    metrics |= head_size_metrics(event["d_head"])
+    for name, energy in event["discarded_energy"].items():  # the forms of a layer add up
+        key = f"growth/discarded_energy/layer_{layer_of[name]}"
+        metrics[key] = metrics.get(key, 0.0) + energy
+    return metrics
+
+
+def head_size_metrics(sizes: list[int]) -> dict[str, float]:
+    return {f"growth/d_head/layer_{i}": float(d) for i, d in enumerate(sizes)}
+
+
+def log_event(trainer: L.Trainer, event: dict, layer_of: dict[str, int], spectra: dict[str, Tensor] | None) -> None:
+    if trainer.logger is not None:
+        trainer.logger.log_metrics(event_metrics(event, layer_of), step=trainer.global_step)
+    # On ranks other than 0 `logger.experiment` is a dummy: figures only there, after every collective.
+    if spectra and trainer.is_global_zero and isinstance(trainer.logger, TensorBoardLogger):
+        titles = [name.removeprefix("model.") for name in spectra]
+        figure = spectrum_figure(list(spectra.values()), titles, ylabel="σ kept by the growth")
+        tag = "growth/spectrum/" + event["event"].replace(" ", "_")
+        trainer.logger.experiment.add_figure(tag, figure, trainer.global_step)
+
+
+def add_layout(trainer: L.Trainer, n_layer: int) -> None:
+    """TensorBoard's custom-scalars page: the growth charts grouped, one line per layer."""
+    if not (trainer.is_global_zero and isinstance(trainer.logger, TensorBoardLogger)):
+        return
+    per_layer = lambda tag: [f"growth/{tag}/layer_{i}" for i in range(n_layer)]  # noqa: E731
+    trainer.logger.experiment.add_custom_scalars({
+        "growth": {
+            "head size": ["Multiline", per_layer("d_head")],
+            "decrease (predicted vs realised)": ["Multiline", ["growth/predicted_decrease", "growth/realised_decrease"]],
+            "step size": ["Multiline", ["growth/alpha"]],
+            "discarded energy": ["Multiline", per_layer("discarded_energy")],
+            "sign fallbacks and skips": ["Multiline", ["growth/sign_fallbacks", "growth/skipped"]],
+            "seconds": ["Multiline", ["growth/seconds"]],
+        },
+        "training": {
+            "loss": ["Multiline", ["train/loss", "val/loss"]],
+            "temperature": ["Multiline", [f"attention/temperature/layer_{i}" for i in range(n_layer)]],
+        },
+    })

@@ -1,0 +1,86 @@
+"""When growth events happen, read from the trainer's counters alone (never from which hook ran).
+
+A growth point is an epoch start (`grow_at_epochs`) or an optimizer step (`grow_at_steps`, as
+`trainer.global_step`). The event happens at the first training-batch start at or after its point where no
+accumulation window is open. Its statistics window is the `stats_batches` micro-batches just before it.
+`Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
+an epoch's last batch), so the window's position is known in advance from any resumed position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Clock:
+    """Where training stands at the start of a training batch."""
+
+    epoch: int  # trainer.current_epoch
+    batch: int  # batch_idx within the epoch
+    step: int  # optimizer steps taken so far (trainer.global_step)
+    epoch_batches: int  # trainer.num_training_batches
+    accumulate: int  # trainer.accumulate_grad_batches
+
+    @property
+    def between_windows(self) -> bool:
+        """No accumulation window is open: the previous micro-batch ended with an optimizer step."""
+        return self.batch % self.accumulate == 0
+
+    def advance(self) -> Clock:
+        """The clock one micro-batch later."""
+        last = self.batch + 1 == self.epoch_batches
+        stepped = (self.batch + 1) % self.accumulate == 0 or last
+        epoch, batch = (self.epoch + 1, 0) if last else (self.epoch, self.batch + 1)
+        return dataclasses.replace(self, epoch=epoch, batch=batch, step=self.step + stepped)
+
+
+@dataclass(frozen=True)
+class GrowthPoint:
+    unit: Literal["epoch", "step"]
+    at: int
+
+    @property
+    def name(self) -> str:
+        """How the event is tagged in the history and in the statistics that belong to it."""
+        return f"{self.unit} {self.at}"
+
+    def reached(self, clock: Clock) -> bool:
+        if self.unit == "epoch":
+            return clock.epoch >= self.at
+        return clock.step >= self.at and clock.between_windows
+
+
+class Schedule:
+    """The growth points, in order; exactly one of `epochs`, `steps` is given."""
+
+    def __init__(self, epochs: list[int] | None, steps: list[int] | None):
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of grow_at_epochs and grow_at_steps")
+        unit, points = ("epoch", epochs) if epochs is not None else ("step", steps)
+        option = f"grow_at_{unit}s"
+        if not points or len(set(points)) != len(points):
+            raise ValueError(f"{option} {points} must list each growth {unit} once (and at least one)")
+        if min(points) <= 0:
+            raise ValueError(
+                f"{option} {points}: growth at {unit} 0 (or earlier) has no statistics; {unit}s are 0-based, "
+                f"so the first possible growth is at {unit} 1"
+            )
+        self.unit = unit
+        self.points = [GrowthPoint(unit, at) for at in sorted(points)]
+
+    def pending(self, done: set[str]) -> GrowthPoint | None:
+        """The next point without an event in the history."""
+        return next((p for p in self.points if p.name not in done), None)
+
+    @staticmethod
+    def batches_before(point: GrowthPoint, clock: Clock, horizon: int) -> int | None:
+        """Micro-batches still to run before the event, counting the one starting now: 0 when it happens now,
+        None when more than `horizon` are left."""
+        for left in range(horizon + 1):
+            if point.reached(clock):
+                return left
+            clock = clock.advance()
+        return None

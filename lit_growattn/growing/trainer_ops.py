@@ -1,0 +1,88 @@
+"""What a growth event does through a running Trainer: rate candidate growths on the kept batches, and resize
+parameters (DDP unwrapped and wrapped again, optimizer and scheduler rebuilt with their state carried over;
+docs/design.md, "Lightning mechanics")."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+
+from lit_growattn.growing.window import NamedForms
+from lit_growattn.growth import Carry, Growth
+from lit_growattn.optim_state import carry_state, snapshot_state
+
+
+def kept_batch_losses(
+    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[tuple[Tensor, Tensor]],
+    candidates: Sequence[dict[str, Growth] | None],
+) -> Tensor:
+    """Mean loss on `batches` of each candidate (name → Growth installed; None: the forms as they are),
+    forward only, averaged over ranks so that every rank makes the same choice. The forms are restored after."""
+    originals = [(form, (form.w_q, form.w_k, form.log_tau)) for _, _, form in forms]
+
+    def restore() -> None:
+        for form, (w_q, w_k, log_tau) in originals:
+            form.w_q, form.w_k, form.log_tau = w_q, w_k, log_tau
+
+    was_training = pl_module.training
+    pl_module.eval()
+    losses = []
+    try:
+        with torch.no_grad(), trainer.precision_plugin.forward_context():
+            for grown in candidates:
+                for _, name, form in forms:
+                    if grown is not None:
+                        form.set_weights(grown[name].w_q, grown[name].w_k, grown[name].log_tau)
+                total = torch.zeros((), device=pl_module.device)
+                for inputs, labels in batches:
+                    inputs, labels = inputs.to(pl_module.device), labels.to(pl_module.device)
+                    total += pl_module.loss(pl_module(inputs), labels).float()
+                losses.append(total / len(batches))
+                restore()
+    finally:
+        restore()
+        pl_module.train(was_training)
+    return trainer.strategy.reduce(torch.stack(losses), reduce_op="mean")
+
+
+def install_growth(
+    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, grown: dict[str, Growth], new_second_moment: str
+) -> None:
+    """Puts the grown tensors in the forms (named as in `pl_module.named_parameters()`) and rebuilds what follows."""
+
+    def resize() -> dict[str, Carry]:
+        carries = {}
+        for _, name, form in forms:
+            form.set_weights(grown[name].w_q, grown[name].w_k, grown[name].log_tau)
+            carries |= {f"{name}.{param}": carry for param, carry in grown[name].carries.items()}
+        return carries
+
+    resize_parameters(trainer, pl_module, resize, new_second_moment)
+
+
+def resize_parameters(
+    trainer: L.Trainer, pl_module: L.LightningModule, resize: Callable[[], dict[str, Carry]], new_second_moment: str
+) -> None:
+    """Runs `resize()`, which replaces parameters of `pl_module` and returns a Carry per changed parameter
+    name, then re-wraps DDP and rebuilds optimizer and scheduler with Adam state, lrs and schedule position."""
+    strategy = trainer.strategy
+    (old_optimizer,) = trainer.optimizers
+    old_schedulers = [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs]
+    old_state = snapshot_state(old_optimizer, pl_module)
+    if isinstance(strategy, DDPStrategy):
+        strategy.model = strategy.lightning_module  # unwrap: DDP cannot follow resized parameters
+    carries = resize()
+    if isinstance(strategy, DDPStrategy):
+        strategy.configure_ddp()
+    strategy.setup_optimizers(trainer)
+    (new_optimizer,) = trainer.optimizers
+    for new_group, old_group in zip(new_optimizer.param_groups, old_optimizer.param_groups):
+        # lr, and whatever else a scheduler moves (betas, momentum), as they were.
+        new_group.update({k: v for k, v in old_group.items() if k != "params"})
+    carry_state(old_state, new_optimizer, pl_module, carries, new_second_moment)
+    for cfg, state in zip(trainer.lr_scheduler_configs, old_schedulers):
+        cfg.scheduler.load_state_dict(state)

@@ -1,0 +1,143 @@
+"""The statistics window of one growth event: which forms capture on each statistics step (round-robin),
+folding the captured pairs into sums, the one all-reduce that closes it, and its checkpoint state.
+
+Lightning-free: a `strategy` here is anything with `reduce(t, reduce_op="sum")` and `all_gather(t)`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from lit_growattn import growth
+from lit_growattn.attention import QKForm
+from lit_growattn.attention.qk import CaptureMode
+
+Capture = Literal["auto", CaptureMode]
+CAPTURES: tuple[str, ...] = get_args(Capture)
+NamedForms = list[tuple[int, str, QKForm]]  # (layer, name, form), as GPT.named_qk_forms
+
+
+def capture_mode(capture: Capture, device: torch.device) -> CaptureMode:
+    """The capture path of `capture='auto'` on `device`."""
+    if capture != "auto":
+        return capture
+    # Measured (scripts/bench.py, README): on CPU the explicit map is faster and smaller at every length tried
+    # (s 32 to 2048), because CPU SDPA builds the full map for the widened queries anyway. On GPU the explicit
+    # map would lose flash attention, and the extension's memory grows with s·e′ instead of s².
+    return "explicit" if device.type == "cpu" else "extend"
+
+
+def layers_in_turn(layers: list[int], per_step: int, window_step: int) -> set[int]:
+    """The layers captured at this step of the window: the next `per_step` of `layers`, in turn."""
+    return {layers[(window_step * per_step + j) % len(layers)] for j in range(per_step)}
+
+
+def fold_captured(forms: NamedForms, stats: list[growth.FormStats], weight: float, grad_scale: float | None) -> None:
+    """Folds each form's captured (X′, G·X′) pairs into its sums. `weight`: the micro-batch's share of the
+    optimizer step; `grad_scale`: a 16-mixed GradScaler's factor still in the gradients (None: none)."""
+    for st, (_, _, form) in zip(stats, forms):
+        for xa, gx in form.take_captured():
+            try:
+                st.update(xa, gx if grad_scale is None else gx / grad_scale, weight)
+            except growth.NonFiniteStatistics:
+                if grad_scale is None:
+                    # Poison the sums rather than raise: after the all-reduce every rank sees the NaN and skips
+                    # this growth together, and training goes on.
+                    st.weight.fill_(float("nan"))
+                # With a GradScaler an overflow is routine (the scaler skips that optimizer step): drop the pair.
+
+
+class StatsWindow:
+    """Pending statistics of the next growth event, tagged with its name; `state_dict` survives checkpoints."""
+
+    def __init__(self, method: str):
+        self.method = method
+        self.event: str | None = None
+        self.stats: list[growth.FormStats] | None = None
+        self.kept: list[tuple[Tensor, ...]] = []  # batches kept for the step-size evaluations
+        self.reduced = False  # the sums are already summed over ranks (the window has closed)
+
+    def clear(self) -> None:
+        self.event, self.stats, self.kept, self.reduced = None, None, [], False
+
+    def begin_step(self, event: str, forms: NamedForms, active: set[int], mode: CaptureMode, keep=None) -> None:
+        """Turns capture on for the forms of the `active` layers; `keep`: a batch to keep (a clone is kept)."""
+        if self.event != event:
+            self.clear()  # statistics of another event (an older checkpoint's) never leak into this one
+            self.event = event
+        if self.stats is None:
+            # float64 sums when the model itself runs in float64 (precision="64-true").
+            dtype = torch.float64 if forms[0][2].w_q.dtype == torch.float64 else torch.float32
+            self.stats = [growth.FormStats.empty_like(form, self.method, dtype=dtype) for _, _, form in forms]
+        for layer, _, form in forms:
+            form.capture = mode if layer in active else None
+        if keep is not None:
+            self.kept.append(tuple(t.detach().clone() for t in keep))
+
+    def end_step(self, forms: NamedForms) -> None:
+        for _, _, form in forms:
+            form.capture = None
+            form.take_captured()  # drops anything a skipped backward left behind
+
+    def to(self, device: torch.device) -> None:
+        """Moves the sums to `device`: a checkpoint restores them on the CPU, whatever device the model is on."""
+        for st in self.stats or []:
+            st.to(device)
+
+    def close(self, strategy, world: int, device: torch.device) -> None:
+        """Sums the statistics over ranks (the one collective of the window) and gathers the kept batches, as
+        soon as the window ends: every rank then holds the same state, which a checkpoint saves whole."""
+        self.to(device)
+        self.stats = growth.unflatten_stats(strategy.reduce(growth.flatten_stats(self.stats), reduce_op="sum"), self.stats)
+        self.kept = _gather_batches(strategy, self.kept, world)
+        self.reduced = True
+
+    def state_dict(self, strategy, world: int) -> dict:
+        stats, kept = self.stats, self.kept
+        per_rank = stats is not None and not self.reduced and world > 1
+        if per_rank:
+            # Inside the window every rank holds its own partial sums: keep all of them (this runs on every
+            # rank, and only rank 0's copy is written), so that each rank resumes with its own.
+            stats = strategy.all_gather(growth.flatten_stats(stats))
+            kept = _gather_batches(strategy, kept, world)
+        return {
+            "event": self.event,
+            "reduced": self.reduced,
+            "per_rank": per_rank,
+            "world_size": world,
+            "stats": None if stats is None else {
+                "flat": (stats if per_rank else growth.flatten_stats(stats)).cpu(),
+                "like": [s.state_dict() for s in self.stats],
+            },
+            "kept": [tuple(t.cpu() for t in b) for b in kept],
+        }
+
+    def load_state_dict(self, state: dict, rank: int, world: int) -> None:
+        if state["per_rank"] and state["world_size"] != world:
+            raise RuntimeError(
+                f"this checkpoint was taken inside the statistics window of growth {state['event']!r} by "
+                f"{state['world_size']} ranks, each holding its own partial sums, and cannot be split over {world}: "
+                f"resume it with {state['world_size']} ranks (devices × num_nodes), or from a checkpoint taken "
+                "outside the window"
+            )
+        self.clear()
+        self.event, self.reduced = state["event"], state["reduced"]
+        stats, kept = state["stats"], [tuple(b) for b in state["kept"]]
+        if state["per_rank"]:
+            stats = {**stats, "flat": stats["flat"][rank]}
+            kept = kept[rank::world]
+        if stats is not None:
+            like = [growth.FormStats.from_state_dict(s) for s in stats["like"]]
+            self.stats = growth.unflatten_stats(stats["flat"], like)
+        self.kept = kept
+
+
+def _gather_batches(strategy, batches: list[tuple[Tensor, ...]], world: int) -> list[tuple[Tensor, ...]]:
+    """The kept batches of all ranks, batch-major (batch k of rank r at index k·world + r)."""
+    if world == 1:
+        return batches
+    gathered = [tuple(strategy.all_gather(t) for t in batch) for batch in batches]
+    return [tuple(t[r] for t in batch) for batch in gathered for r in range(world)]

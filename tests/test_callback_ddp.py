@@ -1,0 +1,120 @@
+"""GrowAttentionCallback under 2-rank CPU DDP (gloo): statistics equal to one rank, replicas identical, resume."""
+
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from lit_growattn.callbacks import GrowAttentionCallback
+
+from callback_helpers import params, recall_data, tiny_module, trainer
+
+from conftest import REPO
+
+
+class StatsRecorder(GrowAttentionCallback):
+    """Saves the reduced statistics of the growth event and every rank's final parameters."""
+
+    def __init__(self, out: str, **kwargs):
+        super().__init__(**kwargs)
+        self.out = out
+
+    def setup(self, trainer, pl_module, stage):
+        super().setup(trainer, pl_module, stage)
+        self.rank = trainer.global_rank
+
+    def _grow(self, trainer, pl_module, point, batch_idx):
+        stats = self.window.stats  # reduced when the window closed
+        torch.save([s.means() for s in stats], f"{self.out}/stats_{len(stats)}_{self.rank}.pt")
+        super()._grow(trainer, pl_module, point, batch_idx)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(params(pl_module), f"{self.out}/params_{self.rank}.pt")
+
+
+def _stats_run(out, devices, batch_size, accumulate):
+    L.seed_everything(0)
+    data = recall_data(batch_size=batch_size, examples=16)
+    micro_batches = 16 // (batch_size * devices)
+    recorder = StatsRecorder(str(out), grow_at_epochs=[1], grow_by=2, method="gradient", stats_batches=micro_batches)
+    strategy = "ddp_spawn" if devices > 1 else "auto"
+    trainer(out, [recorder], max_epochs=4, devices=devices, strategy=strategy, precision="64-true",
+            accumulate_grad_batches=accumulate).fit(tiny_module(data, dropout=0.0), data)
+
+
+def test_ddp_statistics_equal_single_rank_and_replicas_stay_identical(tmp_path):
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    single.mkdir(), ddp.mkdir()
+    _stats_run(single, devices=1, batch_size=16, accumulate=1)
+    _stats_run(ddp, devices=2, batch_size=4, accumulate=2)
+    reference = torch.load(single / "stats_2_0.pt", weights_only=False)
+    for rank in (0, 1):
+        for ref, got in zip(reference, torch.load(ddp / f"stats_2_{rank}.pt", weights_only=False)):
+            torch.testing.assert_close(got.c, ref.c, atol=1e-6, rtol=0)
+            torch.testing.assert_close(got.n, ref.n, atol=1e-6, rtol=0)
+    p0, p1 = (torch.load(ddp / f"params_{r}.pt") for r in (0, 1))
+    assert p0["model.blocks.0.attn.qk.w_q"].shape[-1] == 4
+    assert all(torch.equal(p0[k], p1[k]) and torch.isfinite(p0[k]).all() for k in p0)
+
+
+def test_cli_growth_under_ddp_from_the_command_line(tmp_path):
+    cmd = [sys.executable, "-m", "lit_growattn", "fit", "--config", str(REPO / "configs/mqar_grow.yaml"),
+           "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.max_epochs=3",
+           "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+           "--trainer.callbacks.init_args.grow_at_epochs=[1, 2]", "--trainer.callbacks.init_args.stats_batches=2",
+           f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.num_train_examples=512",
+           "--data.init_args.num_val_examples=64"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)
+    history = ckpt["callbacks"][next(k for k in ckpt["callbacks"] if k.startswith("GrowAttentionCallback"))]["history"]
+    assert [e["epoch"] for e in history] == [1, 2]
+    assert ckpt["hyper_parameters"]["d_head"] == [6, 6]  # 2, grown by 2 twice
+
+
+class SaveParams(L.Callback):
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(params(pl_module), f"{self.out}/params_{trainer.global_rank}.pt")
+
+
+def _ddp_resume_run(out, ckpt_path=None):
+    L.seed_everything(0)
+    data = recall_data(batch_size=8)  # 2 ranks × 8 batches of 8 an epoch: the window is batches 5, 6, 7
+    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=3)
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(out / "ckpt", filename="{step}", save_top_k=-1,
+                                                      every_n_train_steps=1)
+    trainer(out, [grow, checkpoints, SaveParams(str(out))], max_epochs=2, devices=2, strategy="ddp_spawn").fit(
+        tiny_module(data), data, ckpt_path=ckpt_path)
+
+
+@pytest.fixture(scope="module")
+def ddp_full_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_full")
+    _ddp_resume_run(out)
+    return out
+
+
+@pytest.mark.parametrize("checkpoint", [
+    "step=7.ckpt",  # inside the statistics window: each rank has its own partial sums
+    "step=8.ckpt",  # the last batch of the epoch before the growth: the window has closed and been reduced
+])
+def test_ddp_resume_gives_the_uninterrupted_weights(ddp_full_run, tmp_path, checkpoint):
+    _ddp_resume_run(tmp_path, ckpt_path=ddp_full_run / "ckpt" / checkpoint)
+    for rank in (0, 1):
+        expected, got = (torch.load(d / f"params_{rank}.pt") for d in (ddp_full_run, tmp_path))
+        assert got["model.blocks.0.attn.qk.w_q"].shape[-1] == 4
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), name
+
+
+def test_per_rank_statistics_refuse_another_world_size(ddp_full_run, tmp_path):
+    L.seed_everything(0)
+    data = recall_data(batch_size=8)
+    with pytest.raises(RuntimeError, match="taken inside the statistics window of growth 'epoch 1' by 2 ranks"):
+        trainer(tmp_path, [GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=3)], max_epochs=2).fit(
+            tiny_module(data), data, ckpt_path=ddp_full_run / "ckpt" / "step=7.ckpt")
