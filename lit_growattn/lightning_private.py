@@ -3,11 +3,17 @@
 Lightning has no public API for these three facts, and each is read where a public alternative would cost a
 millisecond per step or would be wrong after a resume. A Lightning upgrade that moves one of them breaks here,
 and `tests/test_lightning_private.py` says which.
+
+`cli.py` also overrides two private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
+callback only when none is configured) and `_run_subcommand` (no empty log folder after a failed start). They
+are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still has them.
 """
 
 from __future__ import annotations
 
 import lightning as L
+
+CLI_OVERRIDES = ("_instantiate_trainer", "_run_subcommand")
 
 
 def should_update_logs(trainer: L.Trainer) -> bool:

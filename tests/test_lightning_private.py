@@ -39,3 +39,10 @@ def test_private_counters_mean_what_the_project_reads(tmp_path):
     # log_every_n_steps=2 counts optimizer steps: the logger writes on every micro-batch of steps 2, 4 and 6
     # (1-based; epoch 0 has steps of batches 0-1, 2-3 and 4, epoch 1 likewise).
     assert [row[:2] for row in probe.seen if row[3]] == [(0, 2), (0, 3), (1, 0), (1, 1), (1, 4)]
+
+
+def test_lightning_cli_still_has_the_methods_the_project_overrides():
+    from lightning.pytorch.cli import LightningCLI
+
+    missing = [name for name in lightning_private.CLI_OVERRIDES if not callable(getattr(LightningCLI, name, None))]
+    assert not missing, f"LightningCLI no longer has {missing}: update lit_growattn/cli.py"
