@@ -49,6 +49,8 @@ class GrowAttentionCallback(Callback):
         stats_batches: micro-batches of statistics at the end of the epoch before each growth.
         alphas: step-size candidates (0 keeps the function); default 0, 1, 1/2, …, 1/16.
         line_search: low_rank (loss after truncation) | full_rank (seed 002's λ_FR, gradient method).
+        step_size: grid (the best of `alphas`) | quadratic (also tries the minimiser of a quadratic fitted to
+            the first-order prediction and the losses at `alphas`; low_rank line search only).
         line_search_batches: batches kept from the window for the step-size evaluations (default min(2, stats_batches)).
         layers: layers to grow (default all).
         layers_per_step: statistics of only this many of those layers per statistics step, taken in turn
@@ -70,6 +72,7 @@ class GrowAttentionCallback(Callback):
         stats_batches: int = 8,
         alphas: list[float] | None = None,
         line_search: Literal["low_rank", "full_rank"] = "low_rank",
+        step_size: Literal["grid", "quadratic"] = "grid",
         line_search_batches: int | None = None,
         layers: list[int] | None = None,
         layers_per_step: int | None = None,
@@ -97,6 +100,7 @@ class GrowAttentionCallback(Callback):
             ("temperature", temperature, growth.TEMPERATURES),
             ("truncation", truncation, growth.TRUNCATIONS),
             ("line_search", line_search, growth.LINE_SEARCHES),
+            ("step_size", step_size, growth.STEP_RULES),
             ("capture", capture, ("auto", "extend", "explicit")),
             ("new_second_moment", new_second_moment, ("mean", "zero")),
         ]:
@@ -120,12 +124,18 @@ class GrowAttentionCallback(Callback):
         self.alphas = sorted(set(alphas if alphas is not None else growth.candidate_steps()))
         if not self.alphas or any(a < 0 for a in self.alphas):
             raise ValueError(f"step-size candidates must be a non-empty list of values ≥ 0, got {alphas}")
+        if step_size == "quadratic" and (line_search != "low_rank" or max(self.alphas) <= 0):
+            raise ValueError(
+                f"step_size='quadratic' fits the losses of the grown forms at the positive alphas: it needs "
+                f"line_search='low_rank' and a positive step size in alphas, got {line_search!r} and {self.alphas}"
+            )
         if 0.0 not in self.alphas:
             warnings.warn(f"alphas {self.alphas} has no 0: a growth may then raise the loss (0 keeps the function)")
         self.grow_at_epochs = sorted(grow_at_epochs)
         self.grow_by, self.dynamic_rank, self.max_d_head = grow_by, dynamic_rank, max_d_head
         self.method, self.mode, self.temperature, self.truncation = method, mode, temperature, truncation
         self.stats_batches, self.line_search, self.line_search_batches = stats_batches, line_search, line_search_batches
+        self.step_size = step_size
         self.layers, self.layers_per_step = layers, layers_per_step
         self.capture, self.new_second_moment = capture, new_second_moment
         # State that survives checkpoints.
@@ -310,9 +320,11 @@ class GrowAttentionCallback(Callback):
         moving = [a for a in self.alphas if a > 0 or self.method == "random"]
         losses = self._losses(trainer, pl_module, forms, [None] + [{n: plan.trial(n, a) for n, _ in forms} for a in moving])
         before, by_alpha = losses[0], dict(zip(moving, losses[1:]))
-        rated = torch.stack([by_alpha.get(a, before) for a in self.alphas])
-        best = growth.choose_step(rated, self.alphas)
-        alpha, after = self.alphas[best], rated[best]
+        alphas, rated = self.alphas, torch.stack([by_alpha.get(a, before) for a in self.alphas])
+        if self.step_size == "quadratic" and self.method not in growth.BASELINES:
+            alphas, rated = self._with_quadratic_step(trainer, pl_module, forms, plan, before, rated)
+        best = growth.choose_step(rated, alphas)
+        alpha, after = alphas[best], rated[best]
         if self.line_search == "full_rank":
             # λ_FR rated α before truncation: measure the truncated growth itself, and keep α = 0 if that is better.
             finalists = [0.0, alpha]
@@ -347,6 +359,17 @@ class GrowAttentionCallback(Callback):
             # Random columns of the baselines: the same draw on every rank, and on a resumed run.
             generator=torch.Generator().manual_seed(epoch),
         )
+
+    def _with_quadratic_step(self, trainer, pl_module, forms, plan, before: Tensor, rated: Tensor):
+        """The grid's candidates and losses, plus α* = s/2c of the quadratic L(0) − sα + cα² (growth.quadratic_step)
+        with its loss: the slope s from the first-order prediction at the smallest positive candidate."""
+        probe = min(a for a in self.alphas if a > 0)
+        slope = sum(plan.grow(name, probe).predicted_decrease for name, _ in forms) / probe
+        star = growth.quadratic_step(slope, self.alphas, (before - rated).tolist(), max_alpha=max(self.alphas))
+        if star in self.alphas:
+            return self.alphas, rated
+        loss = self._losses(trainer, pl_module, forms, [{name: plan.grow(name, star) for name, _ in forms}])
+        return [*self.alphas, star], torch.cat([rated, loss])
 
     def _losses(self, trainer, pl_module, forms, candidates: list[dict | None]) -> Tensor:
         """Loss of each candidate (name → Growth to install; None: the forms as they are), averaged over ranks
