@@ -37,6 +37,7 @@ CONFIG = "configs/text_grow.yaml"
 SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # as docs/experiments_text.md
 GROW_EPOCHS = (1, 2)
 HELD_OUT_BATCHES = 8
+FINE_GRID = [0.0] + [2.0**-k for k in range(9)]  # 1 … 1/256: on text the best step lies at 1/32 … 1/128
 STATIC = ["--trainer.callbacks=null"]
 
 
@@ -55,6 +56,9 @@ RUNS: dict[str, tuple[list[str], bool]] = {
     "grow natural/append α=0 + Q/K reset": (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0]"), True),
     "grow natural/replace α=0": (grow_args("natural", "replace", "--trainer.callbacks.init_args.alphas=[0]"), False),
 }
+QUADRATIC = ["--trainer.callbacks.init_args.step_size=quadratic", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"]
+RUNS |= {f"grow {m}/{mode} quadratic": (grow_args(m, mode, *QUADRATIC), False)
+         for m in ("natural", "gradient") for mode in ("append", "replace")}
 
 
 def held_out(datamodule, n: int = HELD_OUT_BATCHES) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -131,7 +135,7 @@ GRID = [0.0] + [2.0**-k for k in range(13)]  # 1 … 1/4096
 PAIRS = [(m, mode) for m in ("natural", "gradient", "pinv") for mode in ("append", "replace")]
 PAIRS += [("zero", "append"), ("random", "append")]
 WINDOW, KEPT, MAX_BATCHES = 16, 2, 64  # configs/text_grow.yaml's stats_batches; line_search_batches' default
-PROBES = {"1/16": [1 / 16], "1/64": [1 / 64], "1/256": [1 / 256], "1/16, 1/256": [1 / 16, 1 / 256]}
+GRIDS = {"1 … 1/16": [2.0**-k for k in range(5)], "1 … 1/256": [2.0**-k for k in range(9)]}  # candidates of a rule
 
 
 def named_forms(model) -> dict:
@@ -232,11 +236,12 @@ def measure_event(model, train_set, held: list, generator, grow_by: int = 7) -> 
         if method not in growth.BASELINES:
             kept_loss = lambda pt: sum(pt["window"][WINDOW - KEPT:]) / KEPT  # noqa: E731
             by_alpha = {pt["alpha"]: pt for pt in points}
-            for label, probes in PROBES.items():
-                slope = by_alpha[min(probes)]["predicted"] / min(probes)
-                decreases = [kept_loss(by_alpha[0.0]) - kept_loss(by_alpha[a]) for a in probes]
-                star = growth.quadratic_step(slope, probes, decreases)
-                rules[label] = at(star)
+            for label, grid in GRIDS.items():  # what the callback would choose, from the kept batches
+                decreases = [kept_loss(by_alpha[0.0]) - kept_loss(by_alpha[a]) for a in grid]
+                best = growth.choose_step([-d for d in [0.0, *decreases]], [0.0, *grid])
+                slope = by_alpha[min(grid)]["predicted"] / min(grid)
+                star = growth.quadratic_step(slope, grid, decreases)
+                rules[label] = {"grid": [0.0, *grid][best], "quadratic": at(star)}
         curves.append({"method": method, "mode": mode, "points": points, "rules": rules})
     return {"base": base, "curves": curves, "noise": noise(forms, stats, grow_by)}
 

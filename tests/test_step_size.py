@@ -21,14 +21,24 @@ def test_quadratic_step_recovers_the_minimiser_of_an_exact_quadratic():
     assert quadratic_step(slope, alphas, decreases) == pytest.approx(slope / (2 * curvature), rel=1e-12)
 
 
+def test_quadratic_step_fits_only_up_to_the_best_measured_step():
+    """Past the best step the loss climbs much faster than a quadratic: those points must not pull α* down."""
+    slope, curvature = 0.03, 0.8
+    alphas = [1 / 64, 1 / 32, 1 / 16, 1.0]
+    decreases = [slope * a - curvature * a**2 for a in alphas[:3]] + [-5.0]  # α = 1 blows up
+    assert quadratic_step(slope, alphas, decreases) == pytest.approx(slope / (2 * curvature), rel=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_quadratic_step_matches_float64_least_squares(seed):
     g = torch.Generator().manual_seed(seed)
-    alphas = torch.rand(5, generator=g, dtype=F64) * 0.5 + 0.01
+    alphas = torch.rand(6, generator=g, dtype=F64) * 0.2 + 0.01
     slope = 0.1
-    decreases = slope * alphas - 0.7 * alphas**2 + 1e-3 * torch.randn(5, generator=g, dtype=F64)
-    # Reference: least squares of α_i² c = s α_i − d_i by lstsq in float64.
-    c = torch.linalg.lstsq((alphas**2)[:, None], (slope * alphas - decreases)[:, None]).solution.item()
+    decreases = slope * alphas - 0.7 * alphas**2 + 1e-3 * torch.randn(6, generator=g, dtype=F64)
+    # Reference: least squares of α_i² c = s α_i − d_i by lstsq in float64, over the α_i up to the best one.
+    local = alphas <= alphas[decreases.argmax()]
+    a, d = alphas[local], decreases[local]
+    c = torch.linalg.lstsq((a**2)[:, None], (slope * a - d)[:, None]).solution.item()
     expected = min(slope / (2 * c), 1.0)
     assert quadratic_step(slope, alphas.tolist(), decreases.tolist()) == pytest.approx(expected, rel=1e-10)
 
@@ -37,6 +47,7 @@ def test_quadratic_step_edge_cases():
     assert quadratic_step(-0.1, [0.0, 0.5], [0.0, 0.01]) == 0.0  # no descent predicted
     assert quadratic_step(0.1, [0.25, 0.5], [0.03, 0.06], max_alpha=0.5) == 0.5  # decrease keeps up: no curvature
     assert quadratic_step(0.1, [0.5, 1.0], [float("nan"), 0.1 - 0.2]) == pytest.approx(0.25)  # NaN ignored
+    assert quadratic_step(0.1, [0.5, 1.0], [-0.1, -0.5]) == pytest.approx(0.1 / (2 * 0.6))  # all worse: refine below the least bad
     with pytest.raises(ValueError, match="at one step size α > 0"):
         quadratic_step(0.1, [0.0], [0.0])
     with pytest.raises(ValueError, match="2 decreases for 3 step sizes"):

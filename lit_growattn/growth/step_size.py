@@ -40,9 +40,11 @@ def choose_step(losses: Sequence[float] | Tensor, alphas: Sequence[float]) -> in
 def quadratic_step(slope: float, alphas: Sequence[float], decreases: Sequence[float], max_alpha: float = 1.0) -> float:
     """Minimiser in [0, max_alpha] of the loss model L(0) − s·α + c·α², i.e. α* = s / 2c.
 
-    slope s: first-order decrease per unit α; alphas, decreases: the measured L(0) − L(α) at each α (α = 0 and
-    non-finite decreases are ignored). c is the least-squares fit of s·α_i − d_i = c·α_i². No descent (s ≤ 0)
-    gives 0; no curvature seen (c ≤ 0, the decrease keeps up with the slope) gives max_alpha.
+    slope s: first-order decrease per unit α; alphas, decreases: the measured L(0) − L(α) at each α. c is the
+    least-squares fit of s·α_i − d_i = c·α_i² over the α_i up to the one with the largest decrease: past it the
+    loss climbs far faster than a quadratic (measured on text, docs/growth_step.md), and those points would
+    drag α* down. α = 0 and non-finite decreases are ignored. No descent (s ≤ 0) gives 0; no curvature seen
+    (c ≤ 0, the decrease keeps up with the slope) gives max_alpha.
     """
     a = torch.as_tensor(alphas, dtype=torch.float64).cpu()
     d = torch.as_tensor(decreases, dtype=torch.float64).cpu()
@@ -56,6 +58,8 @@ def quadratic_step(slope: float, alphas: Sequence[float], decreases: Sequence[fl
     if not slope > 0:
         return 0.0
     a, d = a[used], d[used]
+    local = a <= a[d.argmax()]
+    a, d = a[local], d[local]
     curvature = float(((slope * a - d) * a**2).sum() / (a**4).sum())
     if curvature <= 0:
         return max_alpha
