@@ -273,6 +273,150 @@ def probe(text: str, seed: int, out: Path, log_dir: str, extra: list[str]) -> No
     cli.trainer.fit(cli.model, cli.datamodule)
 
 
+# -- report: tables and figures from the probe and run results ------------------------------------------
+def mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def spread(xs) -> str:
+    xs = list(xs)
+    m = mean(xs)
+    sd = (sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+    return f"{m:.3f} ± {sd:.3f}"
+
+
+def decreases(event: dict, point: dict) -> dict:
+    """L(0) − L(α) on the window (16 batches), the kept batches (its last 2) and the held-out batches."""
+    base = event["base"]
+    return {"window": mean(base["window"]) - mean(point["window"]),
+            "kept": mean(base["window"][-KEPT:]) - mean(point["window"][-KEPT:]),
+            "held_out": mean(base["held_out"]) - mean(point["held_out"]),
+            "predicted": point["predicted"]}
+
+
+def step_table(events: list[dict]) -> str:
+    lines = ["| method/mode | best α held-out (median) | best decrease: held-out | window | first order there | "
+             "grid 1 … 1/16 picks α > 0 | quadratic rule (1 … 1/256): α (median) | its held-out decrease | "
+             "events it lowers held-out |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    pairs = [(c["method"], c["mode"]) for c in events[0]["curves"] if c["rules"]]
+    for method, mode in pairs:
+        rows = []
+        for e in events:
+            curve = next(c for c in e["curves"] if (c["method"], c["mode"]) == (method, mode))
+            d = [decreases(e, p) for p in curve["points"]]
+            best = max(range(len(d)), key=lambda i: d[i]["held_out"])
+            quad = curve["rules"]["1 … 1/256"]["quadratic"]
+            rows.append((curve["points"][best]["alpha"], d[best], curve["rules"]["1 … 1/16"]["grid"],
+                         quad["alpha"], decreases(e, quad)["held_out"]))
+        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        lines.append(
+            f"| {method}/{mode} | 1/{1 / median([r[0] for r in rows]):.0f} | {mean(r[1]['held_out'] for r in rows):.4f} | "
+            f"{mean(r[1]['window'] for r in rows):.4f} | {mean(r[1]['predicted'] for r in rows):.4f} | "
+            f"{sum(r[2] > 0 for r in rows)} of {len(rows)} | 1/{1 / median([r[3] for r in rows]):.0f} | "
+            f"{mean(r[4] for r in rows):+.4f} | {sum(r[4] > 0 for r in rows)} of {len(rows)} |")
+    return "\n".join(lines)
+
+
+def noise_table(events: list[dict]) -> str:
+    rows = [r for e in events for r in e["noise"]]
+    sizes = sorted({r["batches"] for r in rows})
+    lines = ["| method | " + " | ".join(f"{k} batches" for k in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for method in ("natural", "gradient", "pinv"):
+        cells = []
+        for k in sizes:
+            sel = [r for r in rows if r["method"] == method and r["batches"] == k]
+            cells.append(f"{mean(r['cosine'] for r in sel):.2f} / {mean(r['overlap'] for r in sel):.2f}")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def runs_table(runs: list[dict], reference: str = "grow zero/append") -> str:
+    """One row per run name; the last column pairs seeds: final loss minus the reference's on the same seed."""
+    by_name: dict[str, list[dict]] = {}
+    for r in runs:
+        by_name.setdefault(r["run"], []).append(r)
+    ref = {r["seed"]: r["final"] for r in by_name.get(reference, [])}
+    lines = ["| run | seeds | final val loss | val loss 150 steps after event 1 / 2 | held-out jump at event 1 / 2 | "
+             f"α chosen (per seed) | final − {reference}, same seed |", "|---|---|---|---|---|---|---|"]
+    for name, rs in by_name.items():
+        rs = sorted(rs, key=lambda r: r["seed"])
+        after = [spread(r["val"][i]["loss"] for r in rs) for i in (1, 2)]
+        jumps = [spread(r["event_loss"]["after"][i] - r["event_loss"]["before"][i] for r in rs) for i in (0, 1)]
+        alphas = "; ".join(",".join(f"{e['alpha']:.3g}" for e in r["events"]) for r in rs) or "–"
+        paired = [r["final"] - ref[r["seed"]] for r in rs if r["seed"] in ref]
+        lines.append(f"| {name} | {len(rs)} | {spread(r['final'] for r in rs)} | {after[0]} / {after[1]} | "
+                     f"{jumps[0]} / {jumps[1]} | {alphas} | {spread(paired) if len(paired) > 1 else '–'} |")
+    return "\n".join(lines)
+
+
+def plot_steps(events: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = ("natural", "gradient", "pinv")
+    fig, axes = plt.subplots(len(GROW_EPOCHS), len(methods), figsize=(13, 7), sharex=True, sharey=True)
+    for row, epoch in enumerate(GROW_EPOCHS):
+        chosen = [e for e in events if e["epoch"] == epoch]
+        for col, method in enumerate(methods):
+            ax = axes[row][col]
+            for mode, color in (("append", "tab:blue"), ("replace", "tab:red")):
+                curves = [next(c for c in e["curves"] if (c["method"], c["mode"]) == (method, mode)) for e in chosen]
+                alphas = [p["alpha"] for p in curves[0]["points"] if p["alpha"] > 0]
+                for key, style in (("held_out", "-"), ("window", "--"), ("predicted", ":")):
+                    ys = [mean(decreases(e, p)[key] for e, c in zip(chosen, curves) for p in c["points"]
+                               if p["alpha"] == a) for a in alphas]
+                    ax.plot(alphas, ys, style, color=color, marker="." if style == "-" else None,
+                            label=f"{mode}: {key.replace('_', '-')}")
+            ax.axhline(0, color="k", lw=0.5)
+            ax.axvline(1 / 16, color="gray", lw=0.5, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(-0.012, 0.016)
+            ax.set_title(f"{method}, growth at epoch {epoch} ({len(chosen)} seeds)")
+            if row == len(GROW_EPOCHS) - 1:
+                ax.set_xlabel("step size α (grid's smallest, 1/16, dashed)")
+            if col == 0:
+                ax.set_ylabel("loss decrease L(0) − L(α)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_noise(events: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for e in events for r in e["noise"]]
+    sizes = sorted({r["batches"] for r in rows})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method, color in (("natural", "tab:blue"), ("gradient", "tab:green"), ("pinv", "tab:orange")):
+        for key, style in (("cosine", "-"), ("overlap", "--")):
+            ys = [mean(r[key] for r in rows if r["method"] == method and r["batches"] == k) for k in sizes]
+            ax.plot(sizes, ys, style, color=color, marker=".", label=f"{method}: {key}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("statistics batches K (two halves of K/2)")
+    ax.set_ylabel("agreement of the two halves")
+    ax.axvline(16, color="gray", lw=0.5, ls="--")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def report(probes: list[Path], runs: list[Path], out: Path) -> None:
+    events = [e for p in probes for e in json.loads(p.read_text())]
+    results = [json.loads(line) for p in runs for line in p.read_text().splitlines() if line.strip()]
+    (out / "growth_step.json").write_text(json.dumps({"probe": events, "runs": results}))
+    plot_steps(events, out / "growth_step_loss_vs_alpha.png")
+    plot_noise(events, out / "growth_step_noise.png")
+    print("## L(α)\n", step_table(events), "\n\n## noise (cosine / overlap)\n", noise_table(events),
+          "\n\n## runs\n", runs_table(results), sep="\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -287,8 +431,14 @@ def main(argv: list[str] | None = None) -> None:
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--out", required=True, help="JSON file")
     pr.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides (smoke runs)")
+    rp = sub.add_parser("report", help="tables (printed) and figures in --out from probe JSONs and run JSON lines")
+    rp.add_argument("--probes", nargs="+", type=Path, required=True)
+    rp.add_argument("--runs", nargs="*", type=Path, default=[])
+    rp.add_argument("--out", type=Path, default=REPO / "docs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.command == "report":
+        report(args.probes, args.runs, args.out)
     if args.command == "probe":
         with tempfile.TemporaryDirectory() as logs:
             probe(args.text, args.seed, Path(args.out), logs, args.override)

@@ -45,7 +45,8 @@ def test_quadratic_step_matches_float64_least_squares(seed):
 
 def test_quadratic_step_edge_cases():
     assert quadratic_step(-0.1, [0.0, 0.5], [0.0, 0.01]) == 0.0  # no descent predicted
-    assert quadratic_step(0.1, [0.25, 0.5], [0.03, 0.06], max_alpha=0.5) == 0.5  # decrease keeps up: no curvature
+    assert quadratic_step(0.1, [0.25, 0.5], [0.03, 0.06]) == 0.5  # decrease keeps up: no curvature, best measured α
+    assert quadratic_step(0.1, [0.25, 0.5], [0.03, 0.06], max_alpha=0.25) == 0.25
     assert quadratic_step(0.1, [0.5, 1.0], [float("nan"), 0.1 - 0.2]) == pytest.approx(0.25)  # NaN ignored
     assert quadratic_step(0.1, [0.5, 1.0], [-0.1, -0.5]) == pytest.approx(0.1 / (2 * 0.6))  # all worse: refine below the least bad
     with pytest.raises(ValueError, match="at one step size α > 0"):

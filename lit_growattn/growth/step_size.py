@@ -44,7 +44,7 @@ def quadratic_step(slope: float, alphas: Sequence[float], decreases: Sequence[fl
     least-squares fit of s·α_i − d_i = c·α_i² over the α_i up to the one with the largest decrease: past it the
     loss climbs far faster than a quadratic (measured on text, docs/growth_step.md), and those points would
     drag α* down. α = 0 and non-finite decreases are ignored. No descent (s ≤ 0) gives 0; no curvature seen
-    (c ≤ 0, the decrease keeps up with the slope) gives max_alpha.
+    (c ≤ 0: the decrease keeps up with the slope, no model to extrapolate with) gives the best measured α.
     """
     a = torch.as_tensor(alphas, dtype=torch.float64).cpu()
     d = torch.as_tensor(decreases, dtype=torch.float64).cpu()
@@ -58,9 +58,10 @@ def quadratic_step(slope: float, alphas: Sequence[float], decreases: Sequence[fl
     if not slope > 0:
         return 0.0
     a, d = a[used], d[used]
-    local = a <= a[d.argmax()]
+    best = float(a[d.argmax()])
+    local = a <= best
     a, d = a[local], d[local]
     curvature = float(((slope * a - d) * a**2).sum() / (a**4).sum())
     if curvature <= 0:
-        return max_alpha
+        return min(best, max_alpha)
     return min(slope / (2 * curvature), max_alpha)
