@@ -295,27 +295,54 @@ def decreases(event: dict, point: dict) -> dict:
             "predicted": point["predicted"]}
 
 
+def rule_outcomes(event: dict, curve: dict) -> dict[str, dict]:
+    """The point each step rule installs, as the callback chooses it (best kept-batch loss among its candidates):
+    grid 1 … 1/16 (the old default), grid 1 … 1/256, and that grid plus the quadratic α* (recomputed here with
+    the current `quadratic_step`; evaluated in the probe, or a grid point); `oracle`: best held-out on the grid."""
+    by_alpha = {p["alpha"]: p for p in curve["points"]}
+    kept = lambda p: decreases(event, p)["kept"]  # noqa: E731
+
+    def pick(alphas, extra=()):
+        candidates = [by_alpha[a] for a in alphas] + list(extra)
+        return max(candidates, key=lambda p: (kept(p), -p["alpha"]))
+
+    out = {}
+    for label, grid in GRIDS.items():
+        out[f"grid {label}"] = pick([0.0, *grid])
+    fine = GRIDS["1 … 1/256"]
+    slope = by_alpha[min(fine)]["predicted"] / min(fine)
+    star = growth.quadratic_step(slope, fine, [kept(by_alpha[a]) for a in fine])
+    stored = curve["rules"]["1 … 1/256"]["quadratic"]
+    star_point = by_alpha.get(star) or (stored if abs(stored["alpha"] - star) < 1e-12 else None)
+    if star_point is not None:
+        out["quadratic 1 … 1/256"] = pick([0.0, *fine], [star_point])
+    out["oracle"] = max(curve["points"], key=lambda p: decreases(event, p)["held_out"])
+    return out
+
+
 def step_table(events: list[dict]) -> str:
-    lines = ["| method/mode | best α held-out (median) | best decrease: held-out | window | first order there | "
-             "grid 1 … 1/16 picks α > 0 | quadratic rule (1 … 1/256): α (median) | its held-out decrease | "
-             "events it lowers held-out |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    """Per method/mode, over all events: where the held-out minimum lies, how deep it is, and what each rule gets."""
+    rules = ["grid 1 … 1/16", "grid 1 … 1/256", "quadratic 1 … 1/256", "oracle"]
+    lines = ["| method/mode | best α on held-out (median) | decrease there: held-out | window | first order | "
+             + " | ".join(f"{r}: held-out decrease (events > 0)" for r in rules) + " |",
+             "|---|---|---|---|---|" + "---|" * len(rules)]
     pairs = [(c["method"], c["mode"]) for c in events[0]["curves"] if c["rules"]]
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     for method, mode in pairs:
-        rows = []
+        found = {r: [] for r in rules}
         for e in events:
             curve = next(c for c in e["curves"] if (c["method"], c["mode"]) == (method, mode))
-            d = [decreases(e, p) for p in curve["points"]]
-            best = max(range(len(d)), key=lambda i: d[i]["held_out"])
-            quad = curve["rules"]["1 … 1/256"]["quadratic"]
-            rows.append((curve["points"][best]["alpha"], d[best], curve["rules"]["1 … 1/16"]["grid"],
-                         quad["alpha"], decreases(e, quad)["held_out"]))
-        median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        lines.append(
-            f"| {method}/{mode} | 1/{1 / median([r[0] for r in rows]):.0f} | {mean(r[1]['held_out'] for r in rows):.4f} | "
-            f"{mean(r[1]['window'] for r in rows):.4f} | {mean(r[1]['predicted'] for r in rows):.4f} | "
-            f"{sum(r[2] > 0 for r in rows)} of {len(rows)} | 1/{1 / median([r[3] for r in rows]):.0f} | "
-            f"{mean(r[4] for r in rows):+.4f} | {sum(r[4] > 0 for r in rows)} of {len(rows)} |")
+            for r, point in rule_outcomes(e, curve).items():
+                found[r].append(point)
+        oracle = [decreases(e, p) for e, p in zip(events, found["oracle"])]
+        cells = []
+        for r in rules:
+            held = [decreases(e, p)["held_out"] for e, p in zip(events, found[r])]
+            cells.append(f"{mean(held):+.4f} ({sum(h > 1e-5 for h in held)} of {len(held)})" if held else "–")
+        best_alpha = median([p["alpha"] for p in found["oracle"]])
+        lines.append(f"| {method}/{mode} | {'0' if best_alpha == 0 else f'1/{1 / best_alpha:.0f}'} | "
+                     f"{mean(o['held_out'] for o in oracle):.4f} | {mean(o['window'] for o in oracle):.4f} | "
+                     f"{mean(o['predicted'] for o in oracle):.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
