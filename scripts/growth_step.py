@@ -59,6 +59,7 @@ RUNS: dict[str, tuple[list[str], bool]] = {
 QUADRATIC = ["--trainer.callbacks.init_args.step_size=quadratic", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"]
 RUNS |= {f"grow {m}/{mode} quadratic": (grow_args(m, mode, *QUADRATIC), False)
          for m in ("natural", "gradient") for mode in ("append", "replace")}
+RUNS["grow natural/append grid 1 … 1/256"] = (grow_args("natural", "append", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"), False)
 
 
 def held_out(datamodule, n: int = HELD_OUT_BATCHES) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -312,8 +313,8 @@ def rule_outcomes(event: dict, curve: dict) -> dict[str, dict]:
     fine = GRIDS["1 … 1/256"]
     slope = by_alpha[min(fine)]["predicted"] / min(fine)
     star = growth.quadratic_step(slope, fine, [kept(by_alpha[a]) for a in fine])
-    stored = curve["rules"]["1 … 1/256"]["quadratic"]
-    star_point = by_alpha.get(star) or (stored if abs(stored["alpha"] - star) < 1e-12 else None)
+    stored = curve["rules"].get("1 … 1/256", {}).get("quadratic")  # absent from probes of an older rule
+    star_point = by_alpha.get(star) or (stored if stored and abs(stored["alpha"] - star) < 1e-12 else None)
     if star_point is not None:
         out["quadratic 1 … 1/256"] = pick([0.0, *fine], [star_point])
     out["oracle"] = max(curve["points"], key=lambda p: decreases(event, p)["held_out"])
@@ -333,13 +334,13 @@ def step_table(events: list[dict]) -> str:
         for e in events:
             curve = next(c for c in e["curves"] if (c["method"], c["mode"]) == (method, mode))
             for r, point in rule_outcomes(e, curve).items():
-                found[r].append(point)
-        oracle = [decreases(e, p) for e, p in zip(events, found["oracle"])]
+                found[r].append((e, point))
+        oracle = [decreases(e, p) for e, p in found["oracle"]]
         cells = []
         for r in rules:
-            held = [decreases(e, p)["held_out"] for e, p in zip(events, found[r])]
+            held = [decreases(e, p)["held_out"] for e, p in found[r]]
             cells.append(f"{mean(held):+.4f} ({sum(h > 1e-5 for h in held)} of {len(held)})" if held else "–")
-        best_alpha = median([p["alpha"] for p in found["oracle"]])
+        best_alpha = median([p["alpha"] for _, p in found["oracle"]])
         lines.append(f"| {method}/{mode} | {'0' if best_alpha == 0 else f'1/{1 / best_alpha:.0f}'} | "
                      f"{mean(o['held_out'] for o in oracle):.4f} | {mean(o['window'] for o in oracle):.4f} | "
                      f"{mean(o['predicted'] for o in oracle):.4f} | " + " | ".join(cells) + " |")
