@@ -47,7 +47,7 @@ class GrowAttentionCallback(Callback):
         temperature: keep (τ′ = τ) | rescale (τ′ = τ·√(d_old/d_new)).
         truncation: euclidean | whitened (rank measured on the scores).
         stats_batches: micro-batches of statistics at the end of the epoch before each growth.
-        alphas: step-size candidates (0 keeps the function); default 0, 1, 1/2, …, 1/16.
+        alphas: step-size candidates (0 keeps the function); default 0, 1, 1/2, …, 1/256.
         line_search: low_rank (loss after truncation) | full_rank (seed 002's λ_FR, gradient method).
         step_size: grid (the best of `alphas`) | quadratic (also tries the minimiser of a quadratic fitted to
             the first-order prediction and the losses at `alphas`; low_rank line search only).

@@ -59,6 +59,8 @@ RUNS: dict[str, tuple[list[str], bool]] = {
 QUADRATIC = ["--trainer.callbacks.init_args.step_size=quadratic", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"]
 RUNS |= {f"grow {m}/{mode} quadratic": (grow_args(m, mode, *QUADRATIC), False)
          for m in ("natural", "gradient") for mode in ("append", "replace")}
+# A step far below the minimum of L(α): new pairs along the same directions, function all but kept.
+RUNS["grow natural/append α=1/4096"] = (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0.000244140625]"), False)
 RUNS["grow natural/append grid 1 … 1/256"] = (grow_args("natural", "append", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"), False)
 
 
