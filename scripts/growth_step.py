@@ -62,6 +62,7 @@ RUNS |= {f"grow {m}/{mode} quadratic": (grow_args(m, mode, *QUADRATIC), False)
 # A step far below the minimum of L(α): new pairs along the same directions, function all but kept.
 RUNS["grow natural/append α=1/4096"] = (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0.000244140625]"), False)
 RUNS["grow natural/append grid 1 … 1/256"] = (grow_args("natural", "append", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"), False)
+RUNS["grow natural/append grid 1 … 1/256 + Q/K reset"] = (RUNS["grow natural/append grid 1 … 1/256"][0], True)
 
 
 def held_out(datamodule, n: int = HELD_OUT_BATCHES) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -367,18 +368,39 @@ def noise_table(events: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TABLE_ORDER = [
+    "static d_head 2 (experiments_text.json)", "static d_head 16 (experiments_text.json)", "static d_head 2 + Q/K reset",
+    "grow random/append", "grow zero/append", "grow natural/append α=0", "grow natural/append α=0 + Q/K reset",
+    "grow natural/replace α=0", "grow natural/append α=1/4096", "grow natural/append grid 1 … 1/256",
+    "grow natural/append grid 1 … 1/256 + Q/K reset", "grow natural/append quadratic", "grow natural/replace quadratic",
+    "grow gradient/append quadratic", "grow gradient/replace quadratic",
+]
+
+
+def reused(path: Path, names: list[str]) -> list[dict]:
+    """Rows of scripts/experiments.py's JSON (seeds 0, 1, … in order) in this script's format (no held-out loss
+    around the events)."""
+    rows = json.loads(path.read_text())
+    return [{"run": f"{name} ({path.name})", "seed": seed, "final": r["final"]["loss"], "event_loss": None,
+             "val": [{"step": p["step"], "loss": p["loss"]} for p in r["curve"]], "events": r["events"]}
+            for name in names for seed, r in enumerate(rows[name])]
+
+
 def runs_table(runs: list[dict], reference: str = "grow zero/append") -> str:
     """One row per run name; the last column pairs seeds: final loss minus the reference's on the same seed."""
     by_name: dict[str, list[dict]] = {}
     for r in runs:
         by_name.setdefault(r["run"], []).append(r)
+    order = [n for n in TABLE_ORDER if n in by_name] + [n for n in by_name if n not in TABLE_ORDER]
+    by_name = {n: by_name[n] for n in order}
     ref = {r["seed"]: r["final"] for r in by_name.get(reference, [])}
     lines = ["| run | seeds | final val loss | val loss 150 steps after event 1 / 2 | held-out jump at event 1 / 2 | "
              f"α chosen (per seed) | final − {reference}, same seed |", "|---|---|---|---|---|---|---|"]
     for name, rs in by_name.items():
         rs = sorted(rs, key=lambda r: r["seed"])
         after = [spread(r["val"][i]["loss"] for r in rs) for i in (1, 2)]
-        jumps = [spread(r["event_loss"]["after"][i] - r["event_loss"]["before"][i] for r in rs) for i in (0, 1)]
+        jumps = (["–", "–"] if rs[0]["event_loss"] is None else
+                 [spread(r["event_loss"]["after"][i] - r["event_loss"]["before"][i] for r in rs) for i in (0, 1)])
         alphas = "; ".join(",".join(f"{e['alpha']:.3g}" for e in r["events"]) for r in rs) or "–"
         paired = [r["final"] - ref[r["seed"]] for r in rs if r["seed"] in ref]
         lines.append(f"| {name} | {len(rs)} | {spread(r['final'] for r in rs)} | {after[0]} / {after[1]} | "
@@ -447,6 +469,7 @@ def plot_noise(events: list[dict], path: Path) -> None:
 def report(probes: list[Path], runs: list[Path], out: Path) -> None:
     events = [e for p in probes for e in json.loads(p.read_text())]
     results = [json.loads(line) for p in runs for line in p.read_text().splitlines() if line.strip()]
+    results += reused(REPO / "docs/experiments_text.json", ["static d_head 2", "static d_head 16"])
     (out / "growth_step.json").write_text(json.dumps({"probe": events, "runs": results}))
     plot_steps(events, out / "growth_step_loss_vs_alpha.png")
     plot_noise(events, out / "growth_step_noise.png")
