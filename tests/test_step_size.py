@@ -86,3 +86,15 @@ def test_text_grow_config_takes_the_quadratic_step_from_the_command_line(tmp_pat
 def test_quadratic_rule_refuses_what_it_cannot_fit(kwargs):
     with pytest.raises(ValueError, match="step_size='quadratic' fits the losses"):
         GrowAttentionCallback(grow_at_epochs=[1], step_size="quadratic", **kwargs)
+
+
+def test_text_config_steps_below_the_old_grid_and_appends(tmp_path, tiny_cli_args):
+    """On text the loss of a growth has its minimum at α ≈ 1/256 … 1/32 (docs/growth_step.md): the shipped config
+    must be able to take such a step, keep α = 0 available, and append (replace's edge was its Adam reset)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
+    cli = main(["--config", str(REPO / "configs/text_grow.yaml"), *tiny_cli_args, f"--data.init_args.path={corpus}"],
+               run=False)
+    grow = next(c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback))
+    assert 0.0 in grow.alphas and min(a for a in grow.alphas if a > 0) <= 1 / 256
+    assert (grow.method, grow.mode) == ("natural", "append")
