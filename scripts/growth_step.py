@@ -1,10 +1,11 @@
 """The growth step on text: does a step along ΔM pay, and which part of growth does? (docs/growth_step.md)
 
     python scripts/growth_step.py probe --text ../shared/data/tinyshakespeare.txt        # L(α), noise → JSON
-    python scripts/growth_step.py train --text … --runs 'grow natural/append + Q/K reset' --seeds 0 1 2
-    python scripts/growth_step.py report                                                  # md table + plots
+    python scripts/growth_step.py train --text … --runs 'grow natural/append α=0 + Q/K reset' --out runs.jsonl
+    python scripts/growth_step.py report --probes probe_*.json --runs runs.jsonl         # tables, figures
 
-`probe` trains configs/text_grow.yaml (the experiments setting: 5 epochs of 150 steps) and, at the start of
+`probe` trains configs/text_grow.yaml (the experiments setting: 5 epochs of 150 steps; growing with
+natural/replace on the old grid 0, 1/16 … 1, as the config shipped when it was measured) and, at the start of
 each growth epoch, before the callback grows, copies the model and measures on it: the loss L(α) of every
 method × mode on a log grid of α, on window batches (as the callback keeps them) and on held-out batches,
 against the first-order prediction; and the agreement of the direction estimated from two halves of the
@@ -37,7 +38,8 @@ CONFIG = "configs/text_grow.yaml"
 SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # as docs/experiments_text.md
 GROW_EPOCHS = (1, 2)
 HELD_OUT_BATCHES = 8
-FINE_GRID = [0.0] + [2.0**-k for k in range(9)]  # 1 … 1/256: on text the best step lies at 1/32 … 1/128
+FINE_GRID = [0.0] + [2.0**-k for k in range(9)]  # 1 … 1/256: on text the best step lies at 1/256 … 1/32
+OLD_GRID = "--trainer.callbacks.init_args.alphas=[0,0.0625,0.125,0.25,0.5,1]"
 STATIC = ["--trainer.callbacks=null"]
 
 
@@ -272,7 +274,7 @@ class Probe(L.Callback):
 
 
 def probe(text: str, seed: int, out: Path, log_dir: str, extra: list[str]) -> None:
-    cli = build(text, extra, seed, log_dir)
+    cli = build(text, [*grow_args("natural", "replace", OLD_GRID), *extra], seed, log_dir)
     cli.trainer.callbacks.insert(0, Probe(out, seed))
     cli.trainer.fit(cli.model, cli.datamodule)
 
