@@ -8,7 +8,7 @@ installed with a full-rank factorisation (head size e′), and truncates only wi
 Step rules: `grid` takes the best of the fixed candidates. `quadratic` fits the 1-D model of the loss decrease
 d(α) = s·α − c·α², with the slope s from the first-order prediction (−⟨N̄, M′ − M⟩ per unit α) and the
 curvature c from the measured decreases at the candidates, and adds its minimiser α* = s/2c as one more
-candidate: on text the decrease is small and the grid's points miss it (docs/growth_step.md).
+candidate between the grid's points (on text no better than the default grid down to 1/256, docs/growth_step.md).
 """
 
 from __future__ import annotations
