@@ -40,9 +40,11 @@ class GrowAttentionCallback(Callback):
         dynamic_rank: if set, choose the growth per layer from the bottleneck spectrum instead: the number of
             singular values above `dynamic_rank` × the largest (at least 1).
         max_d_head: largest head size a layer may reach (default and maximum: the form's input size).
-        method, mode, temperature, truncation, line_search, new_second_moment: see `lit_growattn.growth.choices`.
+        method, mode, temperature, truncation, line_search, step_size, new_second_moment: see
+            `lit_growattn.growth.choices`; `step_size: quadratic` also rates the minimiser of a quadratic fitted to
+            the first-order prediction and the grid's losses (measured no better than the grid on text).
         stats_batches: micro-batches of statistics just before each growth.
-        alphas: step-size candidates (0 keeps the function); default 0, 1, 1/2, …, 1/16.
+        alphas: step-size candidates (0 keeps the function); default 0, 1, 1/2, …, 1/256.
         line_search_batches: the window's last batches, kept for the step-size evaluations (default min(2, stats_batches)).
         layers: layers to grow (default all).
         layers_per_step: statistics of only this many of those layers per statistics step, taken in turn
@@ -64,6 +66,7 @@ class GrowAttentionCallback(Callback):
         stats_batches: int = 8,
         alphas: list[float] | None = None,
         line_search: growth.LineSearch = "low_rank",
+        step_size: growth.StepRule = "grid",
         line_search_batches: int | None = None,
         layers: list[int] | None = None,
         layers_per_step: int | None = None,
@@ -87,7 +90,7 @@ class GrowAttentionCallback(Callback):
                 f"got {line_search_batches} and {stats_batches}"
             )
         self.settings = GrowthSettings(grow_by, dynamic_rank, max_d_head, method, mode, temperature, truncation,
-                                       alphas, line_search, new_second_moment)
+                                       alphas, line_search, new_second_moment, step_size)
         self.stats_batches, self.line_search_batches = stats_batches, line_search_batches
         self.layers, self.layers_per_step = layers, layers_per_step
         self.capture = capture

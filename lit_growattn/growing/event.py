@@ -3,7 +3,7 @@ install them. Lightning enters only through `trainer.strategy` (collectives) and
 
 The step-size choice is one function, `choose_step_size(plan, names, loss_of, settings)`: `loss_of` rates a
 list of candidate installs (None: the forms as they are) by their loss, already averaged over ranks. A new
-rule is a new branch there (or a function with the same signature passed as `GrowthEvent.step_size`).
+rule is a new branch there (or a function with the same signature passed as `GrowthEvent.choose_step_size`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class GrowthSettings:
     alphas: list[float] | None = None  # None: growth.candidate_steps()
     line_search: growth.LineSearch = "low_rank"
     new_second_moment: growth.SecondMoment = "mean"
+    step_size: growth.StepRule = "grid"
 
     def __post_init__(self):
         if self.grow_by is None and self.dynamic_rank is None:
@@ -47,7 +48,7 @@ class GrowthSettings:
             raise ValueError(f"dynamic_rank is a fraction of the largest singular value in (0, 1), got {self.dynamic_rank}")
         for name, allowed in [("method", growth.METHODS), ("mode", growth.MODES), ("temperature", growth.TEMPERATURES),
                               ("truncation", growth.TRUNCATIONS), ("line_search", growth.LINE_SEARCHES),
-                              ("new_second_moment", growth.SECOND_MOMENT_POLICIES)]:
+                              ("new_second_moment", growth.SECOND_MOMENT_POLICIES), ("step_size", growth.STEP_RULES)]:
             growth.check_choice(name, getattr(self, name), allowed)
         if self.method in growth.BASELINES and self.mode != "append":
             raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
@@ -57,6 +58,11 @@ class GrowthSettings:
         if 0.0 not in alphas:
             warnings.warn(f"alphas {alphas} has no 0: a growth may then raise the loss (0 keeps the function)")
         object.__setattr__(self, "alphas", alphas)
+        if self.step_size == "quadratic" and (self.line_search != "low_rank" or max(alphas) <= 0):
+            raise ValueError(
+                f"step_size='quadratic' fits the losses of the grown forms at the positive alphas: it needs "
+                f"line_search='low_rank' and a positive step size in alphas, got {self.line_search!r} and {alphas}"
+            )
 
 
 @dataclass(frozen=True)
@@ -89,9 +95,11 @@ def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf,
     moving = [a for a in s.alphas if a > 0]
     losses = loss_of([None] + [{n: plan.trial(n, a) for n in names} for a in moving])
     before, by_alpha = losses[0], dict(zip(moving, losses[1:]))
-    rated = torch.stack([by_alpha.get(a, before) for a in s.alphas])
-    best = growth.choose_step(rated, s.alphas)
-    alpha, after = s.alphas[best], rated[best]
+    alphas, rated = s.alphas, torch.stack([by_alpha.get(a, before) for a in s.alphas])
+    if s.step_size == "quadratic":
+        alphas, rated = _with_quadratic_step(plan, names, loss_of, alphas, before, rated)
+    best = growth.choose_step(rated, alphas)
+    alpha, after = alphas[best], rated[best]
     if s.line_search == "full_rank":
         # λ_FR rated α before truncation: measure the truncated growth itself, and keep α = 0 if that is better.
         finalists = [0.0, alpha]
@@ -99,6 +107,18 @@ def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf,
         pick = growth.choose_step(final, finalists)
         alpha, after = finalists[pick], final[pick]
     return StepChoice(alpha, float(before), float(after))
+
+
+def _with_quadratic_step(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf, alphas: list[float],
+                         before: Tensor, rated: Tensor) -> tuple[list[float], Tensor]:
+    """The grid's candidates and losses, plus α* = s/2c of the quadratic L(0) − sα + cα² (growth.quadratic_step)
+    with its loss: the slope s from the first-order prediction at the smallest positive candidate."""
+    probe = min(a for a in alphas if a > 0)
+    slope = sum(plan.grow(n, probe).predicted_decrease for n in names) / probe
+    star = growth.quadratic_step(slope, alphas, (before - rated).tolist(), max_alpha=max(alphas))
+    if star in alphas:
+        return alphas, rated
+    return [*alphas, star], torch.cat([rated, loss_of([{n: plan.grow(n, star) for n in names}])])
 
 
 class Stopwatch:
@@ -131,7 +151,7 @@ class GrowthEvent:
     loss_of: LossOf
     install: Callable[[dict[str, growth.Growth]], None]
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
-    step_size: Callable[[growth.GrowthPlan, list[str], LossOf, GrowthSettings], StepChoice] = choose_step_size
+    choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, GrowthSettings], StepChoice] = choose_step_size
 
     def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int) -> tuple[dict, dict[str, Tensor]]:
         """Grows `forms` from their reduced `stats`; returns the event's record and the kept spectra per form.
@@ -140,7 +160,7 @@ class GrowthEvent:
         plan = plan_growth(forms, stats, self.settings, seed)
         clock.lap("plan")
         names = [name for _, name, _ in forms]
-        choice = self.step_size(plan, names, self.loss_of, self.settings)
+        choice = self.choose_step_size(plan, names, self.loss_of, self.settings)
         clock.lap("rating")
         # Rank 0's tensors for every rank, so replicas are bit-identical whatever the SVD did; through the CPU,
         # since a pickled CUDA tensor would land on rank 0's device.

@@ -4,19 +4,19 @@ stats      FormStats: mergeable sums C, N (and C⁺NC⁺ for pinv) of one form; 
 solvers    directions ΔM by method name (gradient, natural, pinv) and their score-RMS normalisation.
 factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | append), sign check, Adam carry-over.
 choices    the allowed values of every setting (one Literal each).
-step_size  step-size candidates and the choice among their losses.
+step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 """
 
 from lit_growattn.growth.choices import (
     BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
-    LineSearch, Method, Mode, SecondMoment, Temperature, Truncation, check_choice,
+    LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
 from lit_growattn.growth.plan import GrowthPlan
 from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
-from lit_growattn.growth.step_size import candidate_steps, choose_step
+from lit_growattn.growth.step_size import candidate_steps, choose_step, quadratic_step
 
 __all__ = [
     "BASELINES",
@@ -41,11 +41,13 @@ __all__ = [
     "MODES",
     "Moments",
     "NonFiniteStatistics",
+    "STEP_RULES",
     "TEMPERATURES",
     "TRUNCATIONS",
     "candidate_steps",
     "choose_step",
     "direction",
     "flatten_stats",
+    "quadratic_step",
     "unflatten_stats",
 ]

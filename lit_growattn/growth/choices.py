@@ -15,6 +15,7 @@ Mode = Literal["append", "replace"]
 Temperature = Literal["keep", "rescale"]
 Truncation = Literal["euclidean", "whitened"]
 LineSearch = Literal["low_rank", "full_rank"]
+StepRule = Literal["grid", "quadratic"]  # the best of `alphas`, or also the minimiser of a fitted quadratic
 SecondMoment = Literal["mean", "zero"]  # Adam second moments of new columns
 
 DIRECTION_NAMES: tuple[str, ...] = get_args(Direction)
@@ -24,6 +25,7 @@ MODES: tuple[str, ...] = get_args(Mode)
 TEMPERATURES: tuple[str, ...] = get_args(Temperature)
 TRUNCATIONS: tuple[str, ...] = get_args(Truncation)
 LINE_SEARCHES: tuple[str, ...] = get_args(LineSearch)
+STEP_RULES: tuple[str, ...] = get_args(StepRule)
 SECOND_MOMENT_POLICIES: tuple[str, ...] = get_args(SecondMoment)
 
 
