@@ -159,6 +159,7 @@ class GrowAttentionCallback(Callback):
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
         if isinstance(self.schedule, AutoSchedule):
             self.schedule.layers, self.schedule.max_d_head = layers, max_d
+            self.schedule.start_sizes = pl_module.model.head_sizes()
         end = trainer.max_epochs if self.schedule.unit == "epoch" else trainer.max_steps
         for point in self.schedule.points:
             if end is not None and end >= 0 and point.at >= end:

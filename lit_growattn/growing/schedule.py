@@ -105,8 +105,10 @@ class AutoSchedule:
         if patience <= 0:
             raise ValueError(f"patience must be a positive number of checks, got {patience}")
         self.check_every, self.patience = check_every, patience
+        # Set by the callback once the model is known: the growing layers, their limit, their sizes at the start.
         self.layers: list[int] = []
         self.max_d_head: int | None = None
+        self.start_sizes: list[int] = []
         self.end: int | None = None
 
     @property
@@ -120,7 +122,8 @@ class AutoSchedule:
         observed = [e["observed_ratio"] for e in history if "observed_ratio" in e]
         if observed and observed[-1] == 0:
             return True
-        return bool(history) and all(history[-1]["d_head"][i] >= self.max_d_head for i in self.layers)
+        sizes = history[-1]["d_head"] if history else self.start_sizes
+        return all(sizes[i] >= self.max_d_head for i in self.layers)
 
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         if self.finished(history):
