@@ -82,7 +82,8 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
             elif name == "static at the auto sizes":
                 result = run(GROW_CONFIG, [*seeded, sizes(found)], logs, grow=False)
             elif name == "static 16, shrunk, fine-tuned":
-                result = shrink_then_fine_tune(seeded, found, steps, work, logs)
+                # Shrinking cannot widen: a layer that auto grew past 16 keeps 16 (the table shows the sizes).
+                result = shrink_then_fine_tune(seeded, [min(d, 16) for d in found], steps, work, logs)
             else:
                 result = run(GROW_CONFIG, [*seeded, f"--model.init_args.d_head={name.split()[-1]}"], logs, grow=False)
             result |= {"seed": seed, "task": "text",

@@ -90,6 +90,8 @@ def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path 
     cli.trainer.callbacks.append(curve)
     start = time.perf_counter()
     cli.trainer.fit(cli.model, cli.datamodule)
+    if curve.points[-1]["step"] != cli.trainer.global_step:  # max_steps stopped it mid-epoch: validate the end
+        cli.trainer.validate(cli.model, cli.datamodule, verbose=False)
     if save is not None:
         cli.trainer.save_checkpoint(save)
     grow = next((c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)), None)
