@@ -118,21 +118,35 @@ def table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def paired(results: dict[str, list[dict]]) -> str:
+    """Per seed: the auto run against the two peers at the sizes it found (the comparison that matters, since
+    the sizes differ from seed to seed)."""
+    rows = {name: {r["seed"]: r for r in results.get(name, [])} for name in ROWS[2:]}
+    lines = ["| seed | auto sizes | auto | static at the auto sizes | static 16, shrunk, fine-tuned |", "|---|---|---|---|---|"]
+    for seed, auto in sorted(rows[AUTO].items()):
+        loss = lambda name: f"{rows[name][seed]['final']['loss']:.3f}" if seed in rows[name] else "–"  # noqa: E731
+        lines.append(f"| {seed} | {auto['final']['d_head']} | {loss(AUTO)} | {loss(ROWS[3])} | {loss(ROWS[4])} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 4))
     for name, runs in results.items():
-        run_ = runs[0]  # first seed; d_head changes only at events, so the steps come from the events
-        final = run_["final"]["d_head"]
-        start = run_["events"][0]["d_head_before"] if run_["events"] else final
-        steps = [0] + [e["step"] for e in run_["events"]] + [run_["final"]["step"]]
-        values = [start] + [e["d_head"] for e in run_["events"]] + [final]
-        for layer in range(len(final)):
-            ax.step(steps, [v[layer] for v in values], where="post", ls="-" if layer == 0 else "--",
-                    label=f"{name}, layer {layer}", lw=2 if name == AUTO else 1)
+        # Every seed of the auto run (its sizes differ from seed to seed), the first seed of the others.
+        for run_ in runs if name == AUTO else runs[:1]:
+            final = run_["final"]["d_head"]
+            start = run_["events"][0]["d_head_before"] if run_["events"] else final
+            steps = [0] + [e["step"] for e in run_["events"]] + [run_["final"]["step"]]
+            values = [start] + [e["d_head"] for e in run_["events"]] + [final]
+            label = f"{name}, seed {run_['seed']}" if name == AUTO else name
+            for layer in range(len(final)):
+                ax.step(steps, [v[layer] for v in values], where="post", ls="-" if layer == 0 else "--",
+                        lw=2 if name == AUTO else 0.8, alpha=1 if name == AUTO else 0.6,
+                        label=f"{label}, layer {layer}")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("d_head")
     ax.set_yscale("log", base=2)
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=5.5, ncol=2)
     fig.tight_layout()
     trajectory = out / "experiments_capacity_d_head.png"
     fig.savefig(trajectory, dpi=110)
@@ -152,7 +166,7 @@ def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
 
 
 def write(results: dict[str, list[dict]], out: Path, command: str) -> str:
-    text = table(results)
+    text = table(results) + "\n\nValidation loss per seed:\n\n" + paired(results)
     plots = plot(results, out)
     (out / "experiments_capacity.md").write_text(
         f"# experiments_capacity ({command})\n\n{text}\n\n" + "\n".join(f"![]({p.name})" for p in plots) + "\n")
@@ -174,4 +188,5 @@ def main(args, parser) -> None:
                 results = run_rows(args.text, args.seeds, args.only, args.override, Path(work), work)
     except ValueError as error:
         parser.error(str(error))
-    print(write(results, out, f"--capacity, overrides {args.override}"))
+    print(write(results, out, f"--capacity on {Path(args.text).name}: {GROW_CONFIG} and {AUTO_CONFIG} with "
+                              f"{SETTING + args.override}; events of the first seed"))
