@@ -11,7 +11,7 @@ from lit_growattn.growing.window import StatsWindow
 from lit_growattn.growth import FormStats
 from lit_growattn.growth.capacity import CapacityRule
 
-from conftest import REPO, SHAKESPEARE
+from conftest import REPO, SHAKESPEARE, scalar_tags
 from test_growth import Problem
 from test_growth_schedule import assert_same_run, cli_fit, growth_history
 
@@ -31,7 +31,7 @@ def fit(config: str, tmp_path, *overrides: str) -> GrowAttentionCallback:
     return next(c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback))
 
 
-def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_path, monkeypatch):
+def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_path, monkeypatch, capsys):
     windows = []
     begin = StatsWindow.begin_step
     monkeypatch.setattr(StatsWindow, "begin_step", lambda self, event, *a, **k: (windows.append(event), begin(self, event, *a, **k)))
@@ -49,6 +49,11 @@ def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_
     assert history[-1]["step"] < 30
     # Statistics were taken for the checks only (3 batches each), none after the schedule finished.
     assert windows == [e["event"] for e in history for _ in range(3)]
+    # Each decision is shown: console line per check, TensorBoard scalars per layer.
+    printed = capsys.readouterr().out
+    assert f"growth at step 5 (epoch 0): d_head 1→{history[0]['d_head'][0]} per layer" in printed
+    assert f"layer 0 +{decision['columns']} of 63 (gains " in printed and "growth check at step" in printed
+    assert {"growth/auto/columns/layer_0", "growth/auto/best_gain/layer_0", "growth/auto/bar"} <= scalar_tags(tmp_path)
 
 
 def test_no_gain_no_growth_zero_gradient():
