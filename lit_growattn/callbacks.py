@@ -1,4 +1,5 @@
-"""GrowAttentionCallback: grows the query/key head size of attention at scheduled epochs or optimizer steps.
+"""GrowAttentionCallback: grows the query/key head size of attention at scheduled epochs or optimizer steps, or
+by itself (schedule='auto') while the statistics say that width pays.
 
 Thin Lightning glue over `lit_growattn.growing` (docs/design.md, "Lightning mechanics"):
 - schedule: at every training-batch start the trainer's counters say whether a growth happens now, or
@@ -25,7 +26,8 @@ from lit_growattn import growth
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent, GrowthSettings
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
-from lit_growattn.growing.schedule import Clock, GrowthPoint, Schedule
+from lit_growattn.growing.schedule import AutoSchedule, Clock, GrowthPoint, Schedule
+from lit_growattn.growth.capacity import REALISED_PER_PREDICTED, CapacityRule, current_ratio
 from lit_growattn.growing.window import CAPTURES, Capture, NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.lightning_private import should_update_logs
 
@@ -34,9 +36,16 @@ class GrowAttentionCallback(Callback):
     """Args:
         grow_at_epochs: epochs (0-based) at whose start d_head grows; 0 is refused (no statistics yet).
         grow_at_steps: or optimizer steps (`trainer.global_step`) at which it grows: at the first batch start
-            at or after the step where no accumulation window is open. Give exactly one of the two.
+            at or after the step where no accumulation window is open. Give exactly one of the two, or neither
+            with schedule='auto'.
+        schedule: `fixed` (the growth points above) | `auto`: a check every `check_every` optimizer steps, where
+            each layer grows by the columns whose expected loss decrease clears `auto_threshold` × the loss
+            (`lit_growattn.growth.capacity`); it ends after `patience` checks in a row with no growth, or when
+            every layer is at max_d_head, and no statistics are taken after that.
+        check_every, patience, auto_threshold, realised_ratio: the automatic schedule's settings (realised_ratio:
+            the share of the first-order prediction a growth realises, measured on text).
         grow_by: new columns per head at each event: one int, or one per layer (default 1; with
-            `dynamic_rank`, a cap on the chosen growth, default none).
+            `dynamic_rank` or schedule='auto', a cap on the chosen growth, default none).
         dynamic_rank: if set, choose the growth per layer from the bottleneck spectrum instead: the number of
             singular values above `dynamic_rank` × the largest (at least 1).
         max_d_head: largest head size a layer may reach (default and maximum: the form's input size).
@@ -72,9 +81,23 @@ class GrowAttentionCallback(Callback):
         layers_per_step: int | None = None,
         capture: Capture = "auto",
         new_second_moment: growth.SecondMoment = "mean",
+        schedule: growth.ScheduleKind = "fixed",
+        check_every: int = 50,
+        patience: int = 2,
+        auto_threshold: float = 1e-4,
+        realised_ratio: float = REALISED_PER_PREDICTED,
     ):
         super().__init__()
-        self.schedule = Schedule(grow_at_epochs, grow_at_steps)
+        growth.check_choice("schedule", schedule, growth.SCHEDULE_KINDS)
+        capacity = None
+        if schedule == "auto":
+            if grow_at_epochs is not None or grow_at_steps is not None:
+                raise ValueError("schedule='auto' decides by itself when to grow: leave grow_at_epochs and "
+                                 "grow_at_steps out (null), or use schedule='fixed'")
+            self.schedule = AutoSchedule(check_every, patience)
+            capacity = CapacityRule(auto_threshold, realised_ratio)
+        else:
+            self.schedule = Schedule(grow_at_epochs, grow_at_steps)
         growth.check_choice("capture", capture, CAPTURES)
         if stats_batches <= 0:
             raise ValueError(f"stats_batches must be positive, got {stats_batches}")
@@ -90,7 +113,7 @@ class GrowAttentionCallback(Callback):
                 f"got {line_search_batches} and {stats_batches}"
             )
         self.settings = GrowthSettings(grow_by, dynamic_rank, max_d_head, method, mode, temperature, truncation,
-                                       alphas, line_search, new_second_moment, step_size)
+                                       alphas, line_search, new_second_moment, step_size, capacity)
         self.stats_batches, self.line_search_batches = stats_batches, line_search_batches
         self.layers, self.layers_per_step = layers, layers_per_step
         self.capture = capture
@@ -136,6 +159,9 @@ class GrowAttentionCallback(Callback):
             )
         self._layers = layers
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
+        if isinstance(self.schedule, AutoSchedule):
+            self.schedule.layers, self.schedule.max_d_head = layers, max_d
+            self.schedule.start_sizes = pl_module.model.head_sizes()
         end = trainer.max_epochs if self.schedule.unit == "epoch" else trainer.max_steps
         for point in self.schedule.points:
             if end is not None and end >= 0 and point.at >= end:
@@ -147,6 +173,14 @@ class GrowAttentionCallback(Callback):
             raise ValueError("GrowAttentionCallback needs epochs of known length (a sized train dataloader)")
         if self.schedule.unit == "epoch" and self.stats_batches > n:
             raise ValueError(f"stats_batches={self.stats_batches} is more than an epoch ({n} batches); lower it")
+        if isinstance(self.schedule, AutoSchedule):
+            self.schedule.end = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+            if self.schedule.check_every * trainer.accumulate_grad_batches < self.stats_batches:
+                raise ValueError(
+                    f"check_every={self.schedule.check_every} optimizer steps hold fewer than stats_batches="
+                    f"{self.stats_batches} micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): "
+                    "raise check_every or lower stats_batches"
+                )
         if self.schedule.unit == "step":
             steps = [0] + [p.at for p in self.schedule.points]
             if short := [b for a, b in zip(steps, steps[1:]) if (b - a) * trainer.accumulate_grad_batches < self.stats_batches]:
@@ -167,11 +201,10 @@ class GrowAttentionCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         clock = Clock(trainer.current_epoch, batch_idx, trainer.global_step, trainer.num_training_batches,
                       trainer.accumulate_grad_batches)
-        done = {event["event"] for event in self.history}
-        point = self.schedule.pending(done)
+        point = self.schedule.pending(self.history)
         if point is not None and point.reached(clock):
             self._grow(trainer, pl_module, point, batch_idx)
-            point = self.schedule.pending(done | {point.name})
+            point = self.schedule.pending(self.history)
         left = None if point is None else Schedule.batches_before(point, clock, self.stats_batches)
         if not left:
             return
@@ -223,6 +256,7 @@ class GrowAttentionCallback(Callback):
             loss_of=lambda candidates: kept_batch_losses(trainer, pl_module, forms, batches, candidates),
             install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
+            ratio=None if self.settings.capacity is None else current_ratio(self.history, self.settings.capacity),
         )
         try:
             record, spectra = event.run(forms, [st for _, st in kept], seed=point.at)

@@ -5,6 +5,8 @@
     python scripts/experiments.py --quick                  # a smoke run: 1 seed, a few steps, 3 runs
     python scripts/experiments.py --attention              # mha vs diff vs dint vs lowrank_dint (static),
                                                            # at about equal parameter count
+    python scripts/experiments.py --capacity --text …      # the automatic schedule against static and
+                                                           # shrunk widths (scripts/capacity_study.py)
 
 Every run is the project's own CLI config (configs/recall_grow.yaml or configs/text_grow.yaml) with
 overrides, trained in this process; static runs keep the config's callbacks except growth (the attention
@@ -65,6 +67,7 @@ class Curve(L.Callback):
             "step": trainer.global_step,
             "flops": float(pl_module.flops_seen),
             "loss": metrics["val/loss"],
+            "bpb": metrics.get("val/bpb"),
             "acc": metrics["val/acc"],
             "sets": sets,
             "entropy": {k.removeprefix("attention/entropy/"): v for k, v in metrics.items()
@@ -73,8 +76,9 @@ class Curve(L.Callback):
         })
 
 
-def run(config: str, overrides: list[str], log_dir: str, grow: bool) -> dict:
-    """One training run; without `grow` the config's growth callback is left out and every other callback kept."""
+def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path | None = None) -> dict:
+    """One training run; without `grow` the config's growth callback is left out and every other callback kept;
+    with `save`, the trained model's checkpoint is written there."""
     cli = cli_main(
         ["--config", str(REPO / config), "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          f"--trainer.logger.init_args.save_dir={log_dir}", *overrides],
@@ -86,9 +90,14 @@ def run(config: str, overrides: list[str], log_dir: str, grow: bool) -> dict:
     cli.trainer.callbacks.append(curve)
     start = time.perf_counter()
     cli.trainer.fit(cli.model, cli.datamodule)
+    if curve.points[-1]["step"] != cli.trainer.global_step:  # max_steps stopped it mid-epoch: validate the end
+        cli.trainer.validate(cli.model, cli.datamodule, verbose=False)
+    if save is not None:
+        cli.trainer.save_checkpoint(save)
     grow = next((c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)), None)
     return {
         "params": sum(p.numel() for p in cli.model.parameters()),
+        "n_head": cli.model.hparams["n_head"],
         "seconds": time.perf_counter() - start,
         "flops": float(cli.model.flops_seen),
         "final": curve.points[-1],
@@ -242,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", help="run names to keep (e.g. 'static d_head 1' 'grow natural/append')")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 3 runs, a few steps")
     parser.add_argument("--attention", action="store_true", help="compare attention variants instead of growth")
+    parser.add_argument("--capacity", action="store_true", help="the automatic schedule against static and shrunk "
+                        "widths (needs --text; --only picks among its rows)")
     parser.add_argument("--out", default=str(REPO / "docs"))
     parser.add_argument("--from-json", nargs="+", help="re-render the table and plots from the results JSONs of "
                         "earlier runs, merged run by run (e.g. parallel invocations with different --only); pass "
@@ -249,6 +260,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides for every run, e.g. --trainer.max_epochs=4")
     args = parser.parse_args(argv)
 
+    if args.capacity:
+        import capacity_study  # its own file, beside this one: the study has rows of its own
+
+        return capacity_study.main(args, parser)
     task = "text" if args.text else "recall"
     config = TASKS[task][0]
     runs = attention_variants(task) if args.attention else variants(task)

@@ -84,3 +84,30 @@ def test_a_table_of_the_baseline_alone_compares_nothing():
     table = experiments.summarise("text", {"static d_head 16": [fake_run(2.0)]})
     assert "× static d_head 16" not in table
     assert "No baseline to compare with: static d_head 16 is the only run" in table
+
+
+def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
+    out = tmp_path / "out"
+    tiny = ["--override=--trainer.limit_val_batches=2", "--override=--data.init_args.samples_per_epoch=384",
+            "--override=--trainer.callbacks.init_args.check_every=3",
+            "--override=--trainer.callbacks.init_args.stats_batches=2",
+            "--override=--trainer.callbacks.init_args.auto_threshold=1e-7",
+            "--override=--trainer.callbacks.init_args.grow_by=1"]
+    experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
+                      "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned"])
+    results = json.loads((out / "experiments_capacity.json").read_text())
+    (auto,), (shrunk,) = results["auto from d_head 1"], results["static 16, shrunk, fine-tuned"]
+    found = auto["final"]["d_head"]
+    assert auto["events"][0]["d_head_before"] == [1, 1] and max(found) > 1
+    assert shrunk["final"]["d_head"] == found and shrunk["events"][0]["d_head_before"] == [16, 16]
+    assert shrunk["final"]["step"] == auto["final"]["step"]  # equal total steps: 2/3 static, 1/3 fine-tune
+    assert shrunk["kcache_bytes"] == auto["kcache_bytes"] == 4 * sum(found) * 4
+    table = (out / "experiments_capacity.md").read_text()
+    assert f"| auto from d_head 1 | 1 | {found} |" in table
+    assert (out / "experiments_capacity_d_head.png").exists() and (out / "experiments_capacity_loss_vs_kcache.png").exists()
+
+    with pytest.raises(SystemExit):
+        experiments.main(["--capacity", "--text", str(corpus), "--only", "static at the auto sizes", "--out", str(out)])
+    assert "run 'auto from d_head 1' in the same invocation" in capsys.readouterr().err

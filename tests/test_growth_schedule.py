@@ -24,11 +24,11 @@ STEPS = [
 ]
 
 
-def cli_fit(out, schedule, ckpt_path=None):
-    """`python -m lit_growattn fit --config configs/recall_grow.yaml …` with a checkpoint after every optimizer
+def cli_fit(out, schedule, ckpt_path=None, config="configs/recall_grow.yaml"):
+    """`python -m lit_growattn fit --config configs/recall_grow.yaml …` (or `config`) with a checkpoint after every optimizer
     step (`step=N.ckpt`) and at every epoch end (`end-of-epoch=E.ckpt`); returns the last one's content."""
     main([
-        "fit", "--config", str(REPO / "configs/recall_grow.yaml"), *schedule,
+        "fit", "--config", str(REPO / config), *schedule,
         "--data.init_args.num_train_examples=320", "--data.init_args.num_val_examples=64",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         f"--trainer.logger.init_args.save_dir={out}",

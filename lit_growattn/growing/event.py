@@ -19,6 +19,7 @@ from torch import Tensor
 
 from lit_growattn import growth
 from lit_growattn.growing.window import NamedForms
+from lit_growattn.growth.capacity import CapacityRule, Decision, decide, observed_ratio
 
 LossOf = Callable[[Sequence[dict[str, growth.Growth] | None]], Tensor]
 
@@ -38,9 +39,13 @@ class GrowthSettings:
     line_search: growth.LineSearch = "low_rank"
     new_second_moment: growth.SecondMoment = "mean"
     step_size: growth.StepRule = "grid"
+    capacity: CapacityRule | None = None  # the automatic schedule's rule; grow_by then caps each event (None: no cap)
 
     def __post_init__(self):
-        if self.grow_by is None and self.dynamic_rank is None:
+        if self.capacity is not None and self.dynamic_rank is not None:
+            raise ValueError("dynamic_rank chooses the growth of fixed-schedule events; with schedule='auto' the "
+                             "capacity rule (auto_threshold) chooses it: leave dynamic_rank out")
+        if self.grow_by is None and self.dynamic_rank is None and self.capacity is None:
             object.__setattr__(self, "grow_by", 1)
         if any(p is not None and p <= 0 for p in (self.grow_by if isinstance(self.grow_by, list) else [self.grow_by])):
             raise ValueError(f"grow_by must be positive, got {self.grow_by}")
@@ -76,6 +81,8 @@ def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSetti
     """The GrowthPlan of `forms` (layer, name, form) from their reduced statistics; forms of a layer grow together."""
     layer_of = {name: layer for layer, name, _ in forms}
     grow_by = {name: s.grow_by[layer] for layer, name, _ in forms} if isinstance(s.grow_by, list) else s.grow_by
+    if s.capacity is not None:
+        grow_by = 0  # sized afterwards by `decide_sizes`, from this plan's bottlenecks
     return growth.GrowthPlan.build(
         {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
         dynamic_rank=s.dynamic_rank, max_d_head=s.max_d_head, group_of=layer_of.__getitem__, mode=s.mode,
@@ -83,6 +90,17 @@ def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSetti
         # Random columns of the baselines: the same draw on every rank, and on a resumed run.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, loss: float, ratio: float,
+                 s: GrowthSettings) -> list[Decision]:
+    """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks."""
+    by_layer: dict[int, list[str]] = {}
+    for layer, name, _ in forms:
+        by_layer.setdefault(layer, []).append(name)
+    cap = lambda layer: s.grow_by[layer] if isinstance(s.grow_by, list) else s.grow_by  # noqa: E731
+    return [decide(layer, [plan.forms[n] for n in names], loss, s.capacity, ratio, s.max_d_head, cap(layer))
+            for layer, names in by_layer.items()]
 
 
 def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf, s: GrowthSettings) -> StepChoice:
@@ -152,14 +170,26 @@ class GrowthEvent:
     install: Callable[[dict[str, growth.Growth]], None]
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
     choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, GrowthSettings], StepChoice] = choose_step_size
+    ratio: float | None = None  # the automatic schedule's realised/predicted calibration for this check
 
     def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int) -> tuple[dict, dict[str, Tensor]]:
         """Grows `forms` from their reduced `stats`; returns the event's record and the kept spectra per form.
         Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""
         clock = Stopwatch(forms[0][2].w_q.device)
         plan = plan_growth(forms, stats, self.settings, seed)
-        clock.lap("plan")
         names = [name for _, name, _ in forms]
+        decisions = None
+        if self.settings.capacity is not None:
+            loss = float(self.loss_of([None])[0])
+            # Rank 0's decisions on every rank, as for the grown tensors below.
+            decisions = self.broadcast([d.as_dict() for d in decide_sizes(plan, forms, loss, self.ratio, self.settings)])
+            columns = {d["layer"]: d["columns"] for d in decisions}
+            plan = plan.resized({name: form.d_head + columns[layer] for layer, name, form in forms})
+            if not any(columns.values()):
+                clock.lap("plan")
+                return {"alpha": None, "loss_before": loss, "loss_after": loss, "decisions": decisions,
+                        "timings": clock.seconds, "seconds": clock.total()}, {}
+        clock.lap("plan")
         choice = self.choose_step_size(plan, names, self.loss_of, self.settings)
         clock.lap("rating")
         # Rank 0's tensors for every rank, so replicas are bit-identical whatever the SVD did; through the CPU,
@@ -178,6 +208,9 @@ class GrowthEvent:
             "timings": clock.seconds,
             "seconds": clock.total(),
         }
+        if decisions is not None:
+            record["decisions"] = decisions
+            record["observed_ratio"] = observed_ratio(record["realised_decrease"], decisions)
         return record, {name: g.spectrum for name, g in grown.items()}
 
 

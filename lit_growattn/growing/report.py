@@ -33,22 +33,42 @@ def _sizes(before: list[int], after: list[int]) -> str:
     return f"d_head {before}→{after}"
 
 
+def grew(event: dict) -> bool:
+    """False for a skipped event and for an automatic check where no layer qualified (nothing was installed)."""
+    return not event["skipped"] and any(d["columns"] for d in event.get("decisions", [{"columns": 1}]))
+
+
+def decision_text(decisions: list[dict]) -> str:
+    """e.g. `layer 0 +2 of 15 (gains 3.1e-03 9.0e-04 2.0e-04 ≥ 5.0e-04?)`: per layer the columns taken, the
+    candidates, the expected gains of the first few and the bar they had to clear."""
+    parts = []
+    for d in decisions:
+        shown = " ".join(f"{g:.1e}" for g in d["gains"][: d["columns"] + 2])
+        parts.append(f"layer {d['layer']} +{d['columns']} of {d['candidates']} (gains {shown or '–'} vs bar {d['bar']:.1e})")
+    return f"gains × {decisions[0]['ratio']:.2g} (realised/predicted): " + "; ".join(parts)
+
+
 def event_line(event: dict) -> str:
-    """e.g. `growth at step 1200 (epoch 1): d_head 1→8 per layer, α=1/4, loss 2.70→2.41 on the kept batches, 0.4 s`."""
+    """e.g. `growth at step 1200 (epoch 1): d_head 1→8 per layer, α=1/4, loss 2.70→2.41 on the kept batches, 0.4 s`;
+    an automatic check adds its decision per layer (`decision_text`)."""
     where = f"growth at step {event['step']} (epoch {event['epoch']})"
+    decided = f"; {decision_text(event['decisions'])}" if "decisions" in event else ""
     if event["skipped"]:
         return f"{where}: skipped, {event['reason']}; d_head stays {event['d_head']}"
+    if not grew(event):
+        return f"growth check at step {event['step']} (epoch {event['epoch']}): no layer grows, d_head stays {event['d_head']}{decided}"
     return (
         f"{where}: {_sizes(event['d_head_before'], event['d_head'])}, α={_alpha(event['alpha'])}, "
-        f"loss {event['loss_before']:.4g}→{event['loss_after']:.4g} on the kept batches, {event['seconds']:.2g} s"
+        f"loss {event['loss_before']:.4g}→{event['loss_after']:.4g} on the kept batches, {event['seconds']:.2g} s{decided}"
     )
 
 
 def summary_table(history: list[dict]) -> str:
     rows = [("event", "step", "epoch", "d_head", "α", "loss before", "loss after", "seconds")]
     for e in history:
-        if e["skipped"]:
-            rows.append((e["event"], str(e["step"]), str(e["epoch"]), "skipped", "", "", "", ""))
+        if e["skipped"] or not grew(e):
+            what = "skipped" if e["skipped"] else "no growth"
+            rows.append((e["event"], str(e["step"]), str(e["epoch"]), what, "", "", "", ""))
         else:
             rows.append((e["event"], str(e["step"]), str(e["epoch"]), ",".join(map(str, e["d_head"])),
                          _alpha(e["alpha"]), f"{e['loss_before']:.4g}", f"{e['loss_after']:.4g}", f"{e['seconds']:.2g}"))
@@ -59,7 +79,11 @@ def summary_table(history: list[dict]) -> str:
 
 def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
     metrics = {"growth/skipped": float(event["skipped"])}
-    if event["skipped"]:
+    for d in event.get("decisions", []):
+        metrics[f"growth/auto/columns/layer_{d['layer']}"] = float(d["columns"])
+        metrics[f"growth/auto/best_gain/layer_{d['layer']}"] = max(d["gains"], default=0.0)
+        metrics["growth/auto/bar"] = d["bar"]
+    if not grew(event):
         return metrics
     keys = ["sign_fallbacks", "predicted_decrease", "realised_decrease", "seconds"]
     if event["alpha"] is not None:
@@ -100,6 +124,8 @@ def add_layout(trainer: L.Trainer, n_layer: int) -> None:
             "discarded energy": ["Multiline", per_layer("discarded_energy")],
             "sign fallbacks and skips": ["Multiline", ["growth/sign_fallbacks", "growth/skipped"]],
             "seconds": ["Multiline", ["growth/seconds"]],
+            "automatic schedule: columns taken": ["Multiline", per_layer("auto/columns")],
+            "automatic schedule: best expected gain vs bar": ["Multiline", [*per_layer("auto/best_gain"), "growth/auto/bar"]],
         },
         "training": {
             "loss": ["Multiline", ["train/loss", "val/loss"]],

@@ -5,6 +5,11 @@ A growth point is an epoch start (`grow_at_epochs`) or an optimizer step (`grow_
 accumulation window is open. Its statistics window is the `stats_batches` micro-batches just before it.
 `Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
 an epoch's last batch), so the window's position is known in advance from any resumed position.
+
+`AutoSchedule` (schedule='auto') checks every `check_every` optimizer steps instead, and ends by itself: after
+`patience` checks in a row where no layer grew, after a growth that realised nothing, or once every growing layer
+is at max_d_head. Its next point is
+read from the history alone (one record per check), so a resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -71,8 +76,9 @@ class Schedule:
         self.unit = unit
         self.points = [GrowthPoint(unit, at) for at in sorted(points)]
 
-    def pending(self, done: set[str]) -> GrowthPoint | None:
+    def pending(self, history: list[dict]) -> GrowthPoint | None:
         """The next point without an event in the history."""
+        done = {event["event"] for event in history}
         return next((p for p in self.points if p.name not in done), None)
 
     @staticmethod
@@ -84,3 +90,43 @@ class Schedule:
                 return left
             clock = clock.advance()
         return None
+
+
+class AutoSchedule:
+    """A check every `check_every` optimizer steps, until `patience` checks in a row grow nothing, a growth realised
+    nothing (its observed realised/predicted ratio is 0, so no later prediction can be trusted), every layer of
+    `layers` is at `max_d_head`, or the next check would come at or after `end` (the run's last step)."""
+
+    unit = "step"
+
+    def __init__(self, check_every: int, patience: int):
+        if check_every <= 0:
+            raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
+        if patience <= 0:
+            raise ValueError(f"patience must be a positive number of checks, got {patience}")
+        self.check_every, self.patience = check_every, patience
+        # Set by the callback once the model is known: the growing layers, their limit, their sizes at the start.
+        self.layers: list[int] = []
+        self.max_d_head: int | None = None
+        self.start_sizes: list[int] = []
+        self.end: int | None = None
+
+    @property
+    def points(self) -> list[GrowthPoint]:
+        return []  # none fixed in advance
+
+    def finished(self, history: list[dict]) -> bool:
+        recent = history[-self.patience:]
+        if len(recent) == self.patience and all(e["d_head"] == e["d_head_before"] for e in recent):
+            return True
+        observed = [e["observed_ratio"] for e in history if "observed_ratio" in e]
+        if observed and observed[-1] == 0:
+            return True
+        sizes = history[-1]["d_head"] if history else self.start_sizes
+        return all(sizes[i] >= self.max_d_head for i in self.layers)
+
+    def pending(self, history: list[dict]) -> GrowthPoint | None:
+        if self.finished(history):
+            return None
+        point = GrowthPoint("step", self.check_every * (len(history) + 1))
+        return None if self.end is not None and point.at >= self.end else point

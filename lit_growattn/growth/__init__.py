@@ -10,7 +10,7 @@ plan       GrowthPlan: a growth event over many forms, as the Lightning callback
 
 from lit_growattn.growth.choices import (
     BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
-    LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
+    LineSearch, Method, Mode, SCHEDULE_KINDS, SecondMoment, STEP_RULES, ScheduleKind, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
 from lit_growattn.growth.plan import GrowthPlan
@@ -41,7 +41,10 @@ __all__ = [
     "MODES",
     "Moments",
     "NonFiniteStatistics",
+    "SCHEDULE_KINDS",
     "STEP_RULES",
+    "ScheduleKind",
+    "StepRule",
     "TEMPERATURES",
     "TRUNCATIONS",
     "candidate_steps",

@@ -15,6 +15,7 @@ Mode = Literal["append", "replace"]
 Temperature = Literal["keep", "rescale"]
 Truncation = Literal["euclidean", "whitened"]
 LineSearch = Literal["low_rank", "full_rank"]
+ScheduleKind = Literal["fixed", "auto"]  # growth at listed epochs/steps, or decided from the statistics
 StepRule = Literal["grid", "quadratic"]  # the best of `alphas`, or also the minimiser of a fitted quadratic
 SecondMoment = Literal["mean", "zero"]  # Adam second moments of new columns
 
@@ -26,6 +27,7 @@ TEMPERATURES: tuple[str, ...] = get_args(Temperature)
 TRUNCATIONS: tuple[str, ...] = get_args(Truncation)
 LINE_SEARCHES: tuple[str, ...] = get_args(LineSearch)
 STEP_RULES: tuple[str, ...] = get_args(StepRule)
+SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
 SECOND_MOMENT_POLICIES: tuple[str, ...] = get_args(SecondMoment)
 
 

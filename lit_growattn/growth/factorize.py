@@ -142,6 +142,13 @@ class FormGrowth:
         count = int((s > threshold * s.max()).sum(-1).max())
         return max(0, min(max(count, 1), min(max_d_head, self.e_in) - self.d_head))
 
+    def column_gains(self) -> Tensor:
+        """First-order loss decrease −⟨N̄, σ_j u_j v_jᵀ⟩ of appending bottleneck pair j at α = 1, per head (h, e′),
+        in the order `append` takes the pairs (σ descending); the gradient's bottleneck for the baselines."""
+        u, s, v, _ = self.bottleneck(self.method if self.method in DIRECTIONS else "gradient")
+        u, v = self._cols_from_work(u), self._cols_from_work(v)
+        return -s * torch.einsum("hej,hef,hfj->hj", u, self.moments.n.to(u.dtype), v)
+
     def grow(
         self,
         alpha: float,

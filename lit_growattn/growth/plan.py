@@ -97,6 +97,11 @@ class GrowthPlan:
                 d_new.update({n: largest for n in names})
         return cls(growths, d_new, mode=mode, temperature=temperature, line_search=line_search, generator=generator)
 
+    def resized(self, d_new: Mapping[str, int]) -> GrowthPlan:
+        """The same growths (directions and bottlenecks computed once) to other head sizes."""
+        return GrowthPlan(self.forms, d_new, mode=self.mode, temperature=self.temperature,
+                          line_search=self.line_search, generator=self.generator)
+
     def grow(self, name: str, alpha: float) -> Growth:
         """The final growth of form `name` at step α."""
         form = self.forms[name]

@@ -1,0 +1,132 @@
+"""schedule='auto': grows where width pays and stops by itself, grows nothing without gain, resumes with the same
+decisions from checkpoints written by the CLI, refuses bad settings; the shipped auto configs grow."""
+
+import pytest
+import torch
+
+from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn.cli import main
+from lit_growattn.growing.event import GrowthEvent, GrowthSettings
+from lit_growattn.growing.window import StatsWindow
+from lit_growattn.growth import FormStats
+from lit_growattn.growth.capacity import CapacityRule
+
+from conftest import REPO, SHAKESPEARE, scalar_tags
+from test_growth import Problem
+from test_growth_schedule import assert_same_run, cli_fit, growth_history
+
+# Fused recall, 5 batches an epoch when run by cli_fit: a check every 5 optimizer steps from 3 statistics batches.
+AUTO = [
+    "--trainer.max_epochs=6", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.check_every=5",
+    "--trainer.callbacks.init_args.stats_batches=3", "--trainer.callbacks.init_args.patience=2",
+    # A tiny run sees small gains; the shipped threshold is for runs of hundreds of steps.
+    "--trainer.callbacks.init_args.auto_threshold=1e-6",
+]
+
+
+def fit(config: str, tmp_path, *overrides: str) -> GrowAttentionCallback:
+    cli = main(["--config", str(REPO / "configs" / config), "--trainer.enable_progress_bar=false",
+                f"--trainer.logger.init_args.save_dir={tmp_path}", *overrides], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    return next(c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback))
+
+
+def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_path, monkeypatch, capsys):
+    windows = []
+    begin = StatsWindow.begin_step
+    monkeypatch.setattr(StatsWindow, "begin_step", lambda self, event, *a, **k: (windows.append(event), begin(self, event, *a, **k)))
+    cb = fit("recall_auto.yaml", tmp_path, *AUTO[1:], "--trainer.max_epochs=4",
+             "--data.init_args.num_train_examples=640", "--data.init_args.num_val_examples=64")
+    history = cb.history
+    assert history[0]["d_head_before"] == [1] and history[0]["d_head"][0] > 1  # d_head 1 cannot solve recall
+    decision = history[0]["decisions"][0]
+    assert decision["columns"] == history[0]["d_head"][0] - 1 and decision["candidates"] == 63
+    assert all(g >= decision["bar"] for g in decision["gains"][: decision["columns"]])
+    assert decision["gains"][decision["columns"]] < decision["bar"]
+    # Stopped by itself, well before the 40 steps of the run: the last two checks grew nothing.
+    assert cb.schedule.finished(history) and cb.schedule.pending(history) is None
+    assert [e["d_head"] == e["d_head_before"] for e in history[-2:]] == [True, True]
+    assert history[-1]["step"] < 30
+    # Statistics were taken for the checks only (3 batches each), none after the schedule finished.
+    assert windows == [e["event"] for e in history for _ in range(3)]
+    # Each decision is shown: console line per check, TensorBoard scalars per layer.
+    printed = capsys.readouterr().out
+    assert f"growth at step 5 (epoch 0): d_head 1→{history[0]['d_head'][0]} per layer" in printed
+    assert f"layer 0 +{decision['columns']} of 63 (gains " in printed and "growth check at step" in printed
+    assert {"growth/auto/columns/layer_0", "growth/auto/best_gain/layer_0", "growth/auto/bar"} <= scalar_tags(tmp_path)
+
+
+def test_no_gain_no_growth_zero_gradient():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    still = FormStats.from_state_dict({**stats.state_dict(), "n_sum": torch.zeros_like(stats.n_sum)})
+    installed = []
+    event = GrowthEvent(GrowthSettings(max_d_head=8, capacity=CapacityRule(threshold=1e-12)),
+                        loss_of=lambda candidates: torch.ones(len(candidates)), install=installed.append,
+                        broadcast=lambda obj: obj, ratio=1.0)
+    record, spectra = event.run([(0, "form", p.form)], [still], seed=0)
+    assert [d["columns"] for d in record["decisions"]] == [0] and max(record["decisions"][0]["gains"]) == 0
+    assert installed == [] and spectra == {} and p.form.d_head == 2
+
+
+def test_no_gain_no_growth_at_ample_width_takes_no_statistics(tmp_path, tiny_cli_args, monkeypatch):
+    monkeypatch.setattr(StatsWindow, "begin_step", lambda *a, **k: pytest.fail("a statistics step at full width"))
+    cb = fit("recall_auto.yaml", tmp_path, *tiny_cli_args, "--model.init_args.d_head=8",
+             "--trainer.callbacks.init_args.max_d_head=8", "--trainer.callbacks.init_args.check_every=1",
+             "--trainer.callbacks.init_args.stats_batches=1", "--data.init_args.num_train_examples=320")
+    assert cb.history == [] and cb.schedule.pending([]) is None
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto")
+    return out, cli_fit(out, AUTO, config="configs/recall_auto.yaml")
+
+
+def test_auto_run_decides_at_every_check(auto_run):
+    _, full = auto_run
+    history = growth_history(full)
+    assert [e["step"] for e in history] == list(range(5, 5 * len(history) + 1, 5))
+    assert history[0]["d_head"][0] > 1 and all("decisions" in e for e in history)
+
+
+@pytest.mark.parametrize("checkpoint", [
+    "step=3.ckpt",  # inside the first check's window
+    "step=5.ckpt",  # between the window and the first check
+    "step=8.ckpt",  # inside the second window, with grown shapes
+    "step=11.ckpt",  # just after the second check
+])
+def test_auto_resumes_from_any_step_with_the_same_decisions(auto_run, tmp_path, checkpoint):
+    out, full = auto_run
+    assert_same_run(cli_fit(tmp_path, AUTO, ckpt_path=out / "ckpt" / checkpoint, config="configs/recall_auto.yaml"), full)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(schedule="auto", grow_at_epochs=[1]), "schedule='auto' decides by itself when to grow"),
+    (dict(schedule="sometimes"), "schedule"),
+    (dict(schedule="auto", check_every=0), "check_every must be a positive number of optimizer steps"),
+    (dict(schedule="auto", patience=0), "patience must be a positive number of checks"),
+    (dict(schedule="auto", auto_threshold=-1.0), "auto_threshold must be positive"),
+    (dict(schedule="auto", realised_ratio=1.5), "realised_ratio is a share"),
+    (dict(schedule="auto", dynamic_rank=0.5), "leave dynamic_rank out"),
+])
+def test_bad_auto_settings_fail_with_message(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GrowAttentionCallback(**kwargs)
+
+
+def test_checks_closer_than_the_window_fail_before_training(tmp_path, tiny_cli_args):
+    with pytest.raises(ValueError, match="check_every=2 optimizer steps hold fewer than stats_batches=3"):
+        fit("recall_auto.yaml", tmp_path, *tiny_cli_args, "--trainer.callbacks.init_args.check_every=2",
+            "--trainer.callbacks.init_args.stats_batches=3")
+
+
+@pytest.mark.parametrize("config", ["recall_auto.yaml", "text_auto.yaml"])
+def test_auto_configs_start_at_one_and_grow(tmp_path, tiny_cli_args, config):
+    data = ["--data.init_args.num_train_examples=320"] if config == "recall_auto.yaml" else [
+        f"--data.init_args.path={SHAKESPEARE}", "--data.init_args.samples_per_epoch=640"]
+    cb = fit(config, tmp_path, *tiny_cli_args, "--trainer.limit_train_batches=null", "--trainer.max_epochs=2",
+             "--trainer.callbacks.init_args.check_every=4", "--trainer.callbacks.init_args.stats_batches=2",
+             "--trainer.callbacks.init_args.auto_threshold=1e-7", *data)
+    assert cb.history[0]["d_head_before"][0] == 1
+    assert any(d > 1 for d in cb.history[0]["d_head"]), cb.history[0]
