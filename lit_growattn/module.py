@@ -24,16 +24,13 @@ from lit_growattn.attention.sdpa import SdpaPad
 from lit_growattn.attention.lowrank_dint import LowRankQK
 from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
+from lit_growattn.divergence import NonFiniteLosses, check_finite_weights
 from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model import GPT
 
 
 # The (h, e′, ·) tensors of the score maps; with `bias` the last row along e′ multiplies X′'s constant column.
 BIAS_ROW_PARAMETERS: dict[type[nn.Module], tuple[str, ...]] = {QKForm: ("w_q", "w_k"), LowRankQK: ("down_q", "down_k")}
-
-
-class TrainingDiverged(RuntimeError):
-    """The training loss stayed non-finite, or a checkpoint would have stored non-finite weights."""
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -92,9 +89,7 @@ class GrowAttentionLM(L.LightningModule):
         )
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"need warmup_steps ≥ 0 and 0 ≤ min_lr_ratio ≤ 1, got {warmup_steps}, {min_lr_ratio}")
-        if max_nonfinite_steps < 1:
-            raise ValueError(f"max_nonfinite_steps must be ≥ 1, got {max_nonfinite_steps}")
-        self._nonfinite_steps = 0
+        self._nonfinite_losses = NonFiniteLosses(max_nonfinite_steps)
         self.model = GPT(self.cfg)
         if compile:
             self.model.compile_blocks()
@@ -141,7 +136,8 @@ class GrowAttentionLM(L.LightningModule):
         inputs, labels = batch
         logits = self(inputs)
         loss = self.loss(logits, labels)
-        self._check_finite(loss, batch_idx)
+        where = f"step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+        self._nonfinite_losses.observe(loss, where)
         tokens = inputs.numel() * self.trainer.world_size
         self.tokens_seen += tokens
         self.flops_seen += tokens * self.model.flops_per_token(inputs.shape[1])
@@ -152,30 +148,9 @@ class GrowAttentionLM(L.LightningModule):
             self._log_step_scalars(logits, labels, loss)
         return loss
 
-    def _check_finite(self, loss: Tensor, batch_idx: int) -> None:
-        # One scalar read per step (the progress bar reads the loss every step anyway).
-        if torch.isfinite(loss):
-            self._nonfinite_steps = 0
-            return
-        self._nonfinite_steps += 1
-        if self._nonfinite_steps >= self.hparams.max_nonfinite_steps:
-            raise TrainingDiverged(
-                f"training diverged: the training loss has been non-finite for {self._nonfinite_steps} consecutive "
-                f"steps, the last {loss.item()} at step {self.trainer.global_step} (epoch {self.current_epoch}, batch "
-                f"{batch_idx}). Lower the learning rate, or raise warmup_steps or gradient clipping; "
-                f"max_nonfinite_steps (now {self.hparams.max_nonfinite_steps}) sets how many such steps are tolerated"
-            )
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Never replace a checkpoint (`last.ckpt` included) with non-finite weights: stop instead.
-        finite = torch.stack([torch.isfinite(p).all() for p in self.parameters()])
-        if not finite.all():
-            names = [name for (name, _), ok in zip(self.named_parameters(), finite.tolist()) if not ok]
-            raise TrainingDiverged(
-                f"training diverged: {len(names)} parameter tensors are non-finite at step {self.trainer.global_step} "
-                f"({', '.join(names[:3])}{', …' if len(names) > 3 else ''}), so no checkpoint is written (those already "
-                "written keep their finite weights). Lower the learning rate, or raise warmup_steps or gradient clipping"
-            )
+        check_finite_weights(self, self.trainer.global_step)
 
     def _log_step_scalars(self, logits: Tensor, labels: Tensor, loss: Tensor) -> None:
         self.train_acc(logits.detach().argmax(-1), labels)
