@@ -109,6 +109,7 @@ def test_auto_resumes_from_any_step_with_the_same_decisions(auto_run, tmp_path, 
     (dict(schedule="auto", auto_threshold=-1.0), "auto_threshold must be positive"),
     (dict(schedule="auto", realised_ratio=1.5), "realised_ratio is a share"),
     (dict(schedule="auto", dynamic_rank=0.5), "leave dynamic_rank out"),
+    (dict(schedule="auto", mode="replace"), "use mode='append'"),
 ])
 def test_bad_auto_settings_fail_with_message(kwargs, message):
     with pytest.raises(ValueError, match=message):

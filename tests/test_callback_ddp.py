@@ -118,3 +118,35 @@ def test_per_rank_statistics_refuse_another_world_size(ddp_full_run, tmp_path):
     with pytest.raises(RuntimeError, match="taken inside the statistics window of growth 'epoch 1' by 2 ranks"):
         trainer(tmp_path, [GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=3)], max_epochs=2).fit(
             tiny_module(data), data, ckpt_path=ddp_full_run / "ckpt" / "step=7.ckpt")
+
+
+class HistorySaver(GrowAttentionCallback):
+    def __init__(self, out: str, **kwargs):
+        super().__init__(**kwargs)
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        torch.save(self.history, f"{self.out}/history_{trainer.global_rank}.pt")
+
+
+def test_resume_on_more_ranks_than_kept_batches_rates_every_candidate(tmp_path):
+    """One rank closes its window keeping a single batch; resumed on 2 ranks, rank 1 holds no kept batch and the
+    candidates' losses must still be the mean over the kept batch (not 0/0), on both ranks alike."""
+    L.seed_everything(0)
+    data = recall_data(batch_size=8)  # 1 rank: 16 batches an epoch, checkpoint after the last one (step 16)
+    grow = dict(grow_at_epochs=[1], grow_by=2, stats_batches=3, line_search_batches=1, alphas=[0.0, 1.0])
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(tmp_path / "ckpt", filename="{step}", save_top_k=-1,
+                                                      every_n_train_steps=16)
+    trainer(tmp_path / "one", [HistorySaver(str(tmp_path), **grow), checkpoints], max_epochs=2).fit(
+        tiny_module(data), data)
+    (tmp_path / "two").mkdir()
+    L.seed_everything(0)
+    trainer(tmp_path / "two", [HistorySaver(str(tmp_path / "two"), **grow)], max_epochs=2, devices=2,
+            strategy="ddp_spawn").fit(tiny_module(data), data, ckpt_path=tmp_path / "ckpt" / "step=16.ckpt")
+    uninterrupted = torch.load(tmp_path / "history_0.pt", weights_only=False)[0]
+    for rank in (0, 1):
+        (event,) = torch.load(tmp_path / "two" / f"history_{rank}.pt", weights_only=False)
+        assert event["event"] == "epoch 1"
+        assert event["loss_before"] == pytest.approx(uninterrupted["loss_before"], rel=1e-5)
+        assert event["alpha"] == uninterrupted["alpha"]

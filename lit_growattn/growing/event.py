@@ -42,6 +42,9 @@ class GrowthSettings:
     capacity: CapacityRule | None = None  # the automatic schedule's rule; grow_by then caps each event (None: no cap)
 
     def __post_init__(self):
+        if self.capacity is not None and self.mode != "append":
+            raise ValueError("schedule='auto' sizes each layer from the gains of appended columns, and replace would "
+                             "also refactor the layers it leaves as they are: use mode='append'")
         if self.capacity is not None and self.dynamic_rank is not None:
             raise ValueError("dynamic_rank chooses the growth of fixed-schedule events; with schedule='auto' the "
                              "capacity rule (auto_threshold) chooses it: leave dynamic_rank out")
@@ -180,7 +183,8 @@ class GrowthEvent:
         names = [name for _, name, _ in forms]
         decisions = None
         if self.settings.capacity is not None:
-            loss = float(self.loss_of([None])[0])
+            current = self.loss_of([None])
+            loss = float(current[0])
             # Rank 0's decisions on every rank, as for the grown tensors below.
             decisions = self.broadcast([d.as_dict() for d in decide_sizes(plan, forms, loss, self.ratio, self.settings)])
             columns = {d["layer"]: d["columns"] for d in decisions}
@@ -190,7 +194,8 @@ class GrowthEvent:
                 return {"alpha": None, "loss_before": loss, "loss_after": loss, "decisions": decisions,
                         "timings": clock.seconds, "seconds": clock.total()}, {}
         clock.lap("plan")
-        choice = self.choose_step_size(plan, names, self.loss_of, self.settings)
+        loss_of = self.loss_of if decisions is None else _knowing_current(self.loss_of, current)
+        choice = self.choose_step_size(plan, names, loss_of, self.settings)
         clock.lap("rating")
         # Rank 0's tensors for every rank, so replicas are bit-identical whatever the SVD did; through the CPU,
         # since a pickled CUDA tensor would land on rank 0's device.
@@ -212,6 +217,17 @@ class GrowthEvent:
             record["decisions"] = decisions
             record["observed_ratio"] = observed_ratio(record["realised_decrease"], decisions)
         return record, {name: g.spectrum for name, g in grown.items()}
+
+
+def _knowing_current(loss_of: LossOf, current: Tensor) -> LossOf:
+    """`loss_of` that answers the forms as they are (None) with `current` instead of another forward pass."""
+
+    def rated(candidates: Sequence[dict[str, growth.Growth] | None]) -> Tensor:
+        grown = [c for c in candidates if c is not None]
+        losses = iter(loss_of(grown) if grown else [])
+        return torch.stack([current[0] if c is None else next(losses) for c in candidates])
+
+    return rated
 
 
 def _to_cpu(g: growth.Growth) -> growth.Growth:

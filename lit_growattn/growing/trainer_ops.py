@@ -20,8 +20,10 @@ def kept_batch_losses(
     trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[tuple[Tensor, Tensor]],
     candidates: Sequence[dict[str, Growth] | None],
 ) -> Tensor:
-    """Mean loss on `batches` of each candidate (name → Growth installed; None: the forms as they are),
-    forward only, averaged over ranks so that every rank makes the same choice. The forms are restored after."""
+    """Mean loss over the kept batches of all ranks (`batches`: this rank's share, possibly none) of each candidate
+    (name → Growth installed; None: the forms as they are), forward only, so that every rank makes the same
+    choice. Sums and counts are reduced, not per-rank means: a run resumed on more ranks than there are kept
+    batches leaves some ranks without any. The forms are restored after."""
     originals = [(form, (form.w_q, form.w_k, form.log_tau)) for _, _, form in forms]
 
     def restore() -> None:
@@ -41,12 +43,14 @@ def kept_batch_losses(
                 for inputs, labels in batches:
                     inputs, labels = inputs.to(pl_module.device), labels.to(pl_module.device)
                     total += pl_module.loss(pl_module(inputs), labels).float()
-                losses.append(total / len(batches))
+                losses.append(total)
                 restore()
     finally:
         restore()
         pl_module.train(was_training)
-    return trainer.strategy.reduce(torch.stack(losses), reduce_op="mean")
+    count = torch.tensor([float(len(batches))], device=pl_module.device)
+    totals = trainer.strategy.reduce(torch.cat([torch.stack(losses), count]), reduce_op="sum")
+    return totals[:-1] / totals[-1]
 
 
 def install_growth(
