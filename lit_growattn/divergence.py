@@ -6,6 +6,8 @@ training recovers. Several in a row mean the run has diverged, and going on woul
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -17,24 +19,41 @@ class TrainingDiverged(RuntimeError):
 
 
 class NonFiniteLosses:
-    """Counts consecutive non-finite training losses and raises TrainingDiverged at `limit` of them."""
+    """Counts consecutive optimizer steps with a non-finite training loss and raises TrainingDiverged at `limit`.
+
+    A step counts as non-finite when any of its micro-batches, on any process, had a non-finite loss. The count is
+    kept in checkpoints (`count`, under CHECKPOINT_KEY), so that a resumed run goes on counting instead of starting
+    again at 0.
+    """
+
+    CHECKPOINT_KEY = "nonfinite_loss_steps"
 
     def __init__(self, limit: int):
         if limit < 1:
             raise ValueError(f"max_nonfinite_steps must be ≥ 1, got {limit}")
         self.limit, self.count = limit, 0
+        self._bad: tuple[float, str] | None = None  # (loss, where) of this process's last non-finite micro-batch
 
-    def observe(self, loss: Tensor, where: str) -> None:
-        # One scalar read per step (the progress bar reads the loss every step anyway).
-        if torch.isfinite(loss):
+    def observe(self, loss: Tensor, where: str, step_ends: bool, any_process: Callable[[bool], bool]) -> None:
+        """`step_ends`: this is the last micro-batch before an optimizer step. `any_process`: True when the flag is
+        True on any process (every process gets the same answer, so all of them count, and raise, together)."""
+        # One scalar read per micro-batch (the progress bar reads the loss every step anyway).
+        if not torch.isfinite(loss):
+            self._bad = (loss.item(), where)
+        if not step_ends:  # decide once per optimizer step, not per micro-batch
+            return
+        bad, self._bad = self._bad, None
+        # Every process makes this call at the same micro-batch: one small all-reduce per optimizer step under DDP.
+        if not any_process(bad is not None):
             self.count = 0
             return
         self.count += 1
         if self.count >= self.limit:
+            last = f"{bad[0]} at {bad[1]}" if bad else f"on another process (finite on this one) at {where}"
             raise TrainingDiverged(
                 f"training diverged: the training loss has been non-finite for {self.count} consecutive steps, the "
-                f"last {loss.item()} at {where}. {ADVICE}; max_nonfinite_steps (now {self.limit}) sets how many such "
-                "steps are tolerated"
+                f"last {last}. {ADVICE}; max_nonfinite_steps (now {self.limit}) sets how many such steps are "
+                "tolerated"
             )
 
 

@@ -117,7 +117,8 @@ class GrowAttentionLM(L.LightningModule):
         # shapes first, then record them, so that checkpoints saved from now on describe their weights.
         resize_to_checkpoint(self, state_dict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if self.model.head_sizes() != [self.cfg.head_size(i) for i in range(self.cfg.n_layer)]:
+        recorded = self.hparams["d_head"]
+        if self.model.head_sizes() != (recorded if isinstance(recorded, list) else [recorded] * self.cfg.n_layer):
             self.record_head_sizes()
         return result
 
@@ -137,7 +138,10 @@ class GrowAttentionLM(L.LightningModule):
         logits = self(inputs)
         loss = self.loss(logits, labels)
         where = f"step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
-        self._nonfinite_losses.observe(loss, where)
+        self._nonfinite_losses.observe(
+            loss, where, step_ends=not accumulation_open_after_this_batch(self.trainer),
+            any_process=lambda flag: self.trainer.strategy.reduce_boolean_decision(flag, all=False),
+        )
         tokens = inputs.numel() * self.trainer.world_size
         self.tokens_seen += tokens
         self.flops_seen += tokens * self.model.flops_per_token(inputs.shape[1])
@@ -151,6 +155,12 @@ class GrowAttentionLM(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Never replace a checkpoint (`last.ckpt` included) with non-finite weights: stop instead.
         check_finite_weights(self, self.trainer.global_step)
+        # Checkpoints are written between optimizer steps: the count of non-finite steps is all there is to keep.
+        checkpoint[NonFiniteLosses.CHECKPOINT_KEY] = self._nonfinite_losses.count
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A resumed run goes on counting non-finite steps (checkpoints from before this key: 0).
+        self._nonfinite_losses.count = checkpoint.get(NonFiniteLosses.CHECKPOINT_KEY, 0)
 
     def _log_step_scalars(self, logits: Tensor, labels: Tensor, loss: Tensor) -> None:
         self.train_acc(logits.detach().argmax(-1), labels)

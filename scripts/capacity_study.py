@@ -176,7 +176,7 @@ def write(results: dict[str, list[dict]], out: Path, command: str) -> str:
 
 def main(args, parser) -> None:
     """experiments.py's `--capacity`: --text, --seeds, --only, --override, --out and --from-json as there."""
-    if not args.text:
+    if not args.text and not args.from_json:
         parser.error("--capacity runs on text: give --text FILE")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,5 +188,6 @@ def main(args, parser) -> None:
                 results = run_rows(args.text, args.seeds, args.only, args.override, Path(work), work)
     except ValueError as error:
         parser.error(str(error))
-    print(write(results, out, f"--capacity on {Path(args.text).name}: {GROW_CONFIG} and {AUTO_CONFIG} with "
+    source = Path(args.text).name if args.text else "merged JSON"
+    print(write(results, out, f"--capacity on {source}: {GROW_CONFIG} and {AUTO_CONFIG} with "
                               f"{SETTING + args.override}; events of the first seed"))

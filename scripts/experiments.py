@@ -34,6 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from lit_growattn import growth  # noqa: E402
 from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
 from lit_growattn.cli import main as cli_main  # noqa: E402
 
@@ -42,8 +43,8 @@ TASKS = {
     "recall": ("configs/recall_grow.yaml", 1, 15, "acc"),
     "text": ("configs/text_grow.yaml", 2, 16, "loss"),
 }
-GROWTH = [(m, mode) for m in ("natural", "gradient", "pinv") for mode in ("append", "replace")]
-GROWTH += [("random", "append"), ("zero", "append")]
+GROWTH = [(m, mode) for m in growth.DIRECTION_NAMES for mode in growth.MODES]
+GROWTH += [(baseline, "append") for baseline in growth.BASELINES]
 
 
 class Curve(L.Callback):

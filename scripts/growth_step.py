@@ -138,8 +138,8 @@ def train(text: str, name: str, seed: int, log_dir: str, extra: list[str]) -> di
 
 # -- probe: L(α) and the noise of the statistics at real growth events ------------------------------------
 GRID = [0.0] + [2.0**-k for k in range(13)]  # 1 … 1/4096
-PAIRS = [(m, mode) for m in ("natural", "gradient", "pinv") for mode in ("append", "replace")]
-PAIRS += [("zero", "append"), ("random", "append")]
+PAIRS = [(m, mode) for m in growth.DIRECTION_NAMES for mode in growth.MODES]
+PAIRS += [(baseline, "append") for baseline in growth.BASELINES]
 WINDOW, KEPT, MAX_BATCHES = 16, 2, 64  # configs/text_grow.yaml's stats_batches; line_search_batches' default
 GRIDS = {"1 … 1/16": [2.0**-k for k in range(5)], "1 … 1/256": [2.0**-k for k in range(9)]}  # candidates of a rule
 

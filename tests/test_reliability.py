@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lit_growattn.__main__ import main as command_line
 from lit_growattn.cli import main
 from lit_growattn.convert import convert_checkpoint
+from lit_growattn.divergence import NonFiniteLosses, TrainingDiverged
 from lit_growattn.module import GrowAttentionLM
 
 from conftest import REPO
@@ -118,6 +119,68 @@ def test_a_diverged_run_never_overwrites_the_last_finite_checkpoint(tmp_path, ca
     (last,) = tmp_path.rglob("last.ckpt")
     state = torch.load(last, weights_only=True)["state_dict"]
     assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+class NanLosses(GrowAttentionLM):
+    """A tiny model whose training loss is NaN on the micro-batches `nan_at(batch_idx)` picks. The NaN is added as a
+    constant, so the gradients, and the weights, stay finite: only the divergence check sees it."""
+
+    def __init__(self, nan_at, **kwargs):
+        super().__init__(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16, d_head=4, **kwargs)
+        self.nan_at = nan_at
+
+    def training_step(self, batch, batch_idx):
+        self.batch_idx = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def loss(self, logits, labels):
+        loss = super().loss(logits, labels)
+        return loss + float("nan") if self.training and self.nan_at(self.batch_idx) else loss
+
+
+def nan_fit(model, ckpt_path=None, **trainer_args):
+    tokens = torch.randint(0, 16, (64, 8))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, tokens), batch_size=2)
+    trainer = L.Trainer(**{**dict(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                                  enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0),
+                           **trainer_args})
+    trainer.fit(model, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_divergence_counts_optimizer_steps_not_micro_batches():
+    # NaN on the first micro-batch of each window of 2: every optimizer step is non-finite, though no two
+    # micro-batches in a row are.
+    model = NanLosses(lambda batch_idx: batch_idx % 2 == 0, max_nonfinite_steps=3)
+    with pytest.raises(TrainingDiverged, match=r"non-finite for 3 consecutive steps, the last nan at step 2 \(epoch 0, "
+                                               r"batch 4\)"):
+        nan_fit(model, accumulate_grad_batches=2)
+    assert model.trainer.global_step == 2  # stopped before the 3rd optimizer step, after 6 micro-batches
+
+
+def test_the_count_of_nonfinite_steps_survives_a_checkpoint_round_trip(tmp_path):
+    always = lambda batch_idx: True  # noqa: E731
+    nan_fit(NanLosses(always, max_nonfinite_steps=3), max_steps=2, enable_checkpointing=True,
+            callbacks=[ModelCheckpoint(tmp_path, every_n_train_steps=2)])
+    (ckpt,) = tmp_path.glob("*.ckpt")  # mid-epoch, after 2 non-finite steps
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved[NonFiniteLosses.CHECKPOINT_KEY] == 2
+    resumed = NanLosses(always, max_nonfinite_steps=3)
+    with pytest.raises(TrainingDiverged, match=r"non-finite for 3 consecutive steps, the last nan at step 2 "):
+        nan_fit(resumed, ckpt_path=ckpt, max_steps=10)  # at the 1st step after the resume
+
+    del saved[NonFiniteLosses.CHECKPOINT_KEY]  # a checkpoint from before the count was saved
+    resumed.on_load_checkpoint(saved)
+    assert resumed._nonfinite_losses.count == 0
+
+
+def test_a_process_whose_own_losses_were_finite_raises_with_the_others():
+    losses = NonFiniteLosses(2)
+    another_process_diverged = lambda flag: True  # noqa: E731
+    losses.observe(torch.tensor(1.0), "step 0", step_ends=True, any_process=another_process_diverged)
+    with pytest.raises(TrainingDiverged, match="non-finite for 2 consecutive steps, the last on another process "
+                                               r"\(finite on this one\) at step 1"):
+        losses.observe(torch.tensor(1.0), "step 1", step_ends=True, any_process=another_process_diverged)
 
 
 # -- error reports and failed starts -------------------------------------------------------------

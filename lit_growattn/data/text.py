@@ -202,7 +202,7 @@ class TextDataModule(BaseDataModule):
                 self._token_file(LocalFiles([val_path]), 1.0, build)
 
     def prepare_data(self) -> None:
-        # One process per node: trains the BPE and writes the token files that every rank then maps in `setup`.
+        # One process per node: trains the BPE and writes the token files that every rank then reads in `setup`.
         self._prepare(build=True)
 
     # -- datasets -----------------------------------------------------------------------------------------------

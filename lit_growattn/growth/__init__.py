@@ -6,10 +6,13 @@ factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | a
 choices    the allowed values of every setting (one Literal each).
 step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
+capacity   the automatic schedule's rule: predicted gain of each candidate column, calibrated.
+shrink     the closest form of a smaller head size (truncated SVD).
+linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
 """
 
 from lit_growattn.growth.choices import (
-    BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
+    BASELINES, DIRECTION_NAMES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
     LineSearch, Method, Mode, SCHEDULE_KINDS, SecondMoment, STEP_RULES, ScheduleKind, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
@@ -32,6 +35,7 @@ __all__ = [
     "check_choice",
     "Carry",
     "DIRECTIONS",
+    "DIRECTION_NAMES",
     "FormGrowth",
     "FormStats",
     "Growth",

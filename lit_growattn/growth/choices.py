@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-Direction = Literal["gradient", "natural", "pinv"]  # solvers.DIRECTIONS has one function per name
+Direction = Literal["natural", "gradient", "pinv"]  # solvers.DIRECTIONS has one function per name
 Baseline = Literal["random", "zero"]  # random columns, no direction
 Method = Literal[Direction, Baseline]
 Mode = Literal["append", "replace"]

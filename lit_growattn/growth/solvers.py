@@ -34,7 +34,7 @@ def pinv(mo: Moments, rcond: float) -> Tensor:
     return -mo.p
 
 
-DIRECTIONS: dict[Direction, Callable[[Moments, float], Tensor]] = {"gradient": gradient, "natural": natural, "pinv": pinv}
+DIRECTIONS: dict[Direction, Callable[[Moments, float], Tensor]] = {"natural": natural, "gradient": gradient, "pinv": pinv}
 
 
 def direction(method: str, mo: Moments, m_energy: Tensor, rcond: float = 1e-6) -> Tensor:
