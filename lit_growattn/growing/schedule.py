@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from lit_growattn.growth.capacity import latest_observed_ratio
+
 
 @dataclass(frozen=True)
 class Clock:
@@ -119,8 +121,7 @@ class AutoSchedule:
         recent = history[-self.patience:]
         if len(recent) == self.patience and all(e["d_head"] == e["d_head_before"] for e in recent):
             return True
-        observed = [e["observed_ratio"] for e in history if "observed_ratio" in e]
-        if observed and observed[-1] == 0:
+        if latest_observed_ratio(history) == 0:
             return True
         sizes = history[-1]["d_head"] if history else self.start_sizes
         return all(sizes[i] >= self.max_d_head for i in self.layers)

@@ -66,10 +66,15 @@ def layer_gains(growths: Sequence[FormGrowth]) -> Tensor:
     return torch.stack([g.column_gains().sum(0) for g in growths]).sum(0)
 
 
+def latest_observed_ratio(history: list[dict]) -> float | None:
+    """The observed ratio of the schedule's latest growth (None before its first)."""
+    return next((e["observed_ratio"] for e in reversed(history) if "observed_ratio" in e), None)
+
+
 def current_ratio(history: list[dict], rule: CapacityRule) -> float:
     """The calibration for the next check: the measured prior, lowered to the latest growth's observed ratio."""
-    observed = [e["observed_ratio"] for e in history if "observed_ratio" in e]
-    return min(rule.realised_ratio, observed[-1]) if observed else rule.realised_ratio
+    observed = latest_observed_ratio(history)
+    return rule.realised_ratio if observed is None else min(rule.realised_ratio, observed)
 
 
 def observed_ratio(realised: float, decisions: Sequence[dict]) -> float:
