@@ -34,12 +34,13 @@ class NonFiniteLosses:
         self.limit, self.count = limit, 0
         self._bad: tuple[float, str] | None = None  # (loss, where) of this process's last non-finite micro-batch
 
-    def observe(self, loss: Tensor, where: str, step_ends: bool, any_process: Callable[[bool], bool]) -> None:
-        """`step_ends`: this is the last micro-batch before an optimizer step. `any_process`: True when the flag is
-        True on any process (every process gets the same answer, so all of them count, and raise, together)."""
+    def observe(self, loss: Tensor, where: Callable[[], str], step_ends: bool, any_process: Callable[[bool], bool]) -> None:
+        """`where()`: the position, for the message. `step_ends`: this is the last micro-batch before an optimizer
+        step. `any_process`: True when the flag is True on any process (every process gets the same answer, so
+        all of them count, and raise, together)."""
         # One scalar read per micro-batch (the progress bar reads the loss every step anyway).
         if not torch.isfinite(loss):
-            self._bad = (loss.item(), where)
+            self._bad = (loss.item(), where())
         if not step_ends:  # decide once per optimizer step, not per micro-batch
             return
         bad, self._bad = self._bad, None
@@ -49,7 +50,7 @@ class NonFiniteLosses:
             return
         self.count += 1
         if self.count >= self.limit:
-            last = f"{bad[0]} at {bad[1]}" if bad else f"on another process (finite on this one) at {where}"
+            last = f"{bad[0]} at {bad[1]}" if bad else f"on another process (finite on this one) at {where()}"
             raise TrainingDiverged(
                 f"training diverged: the training loss has been non-finite for {self.count} consecutive steps, the "
                 f"last {last}. {ADVICE}; max_nonfinite_steps (now {self.limit}) sets how many such steps are "

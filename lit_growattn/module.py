@@ -137,7 +137,8 @@ class GrowAttentionLM(L.LightningModule):
         inputs, labels = batch
         logits = self(inputs)
         loss = self.loss(logits, labels)
-        where = f"step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+        # `where` is only formatted when it is reported: this runs on every micro-batch.
+        where = lambda: f"step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"  # noqa: E731
         self._nonfinite_losses.observe(
             loss, where, step_ends=not accumulation_open_after_this_batch(self.trainer),
             any_process=lambda flag: self.trainer.strategy.reduce_boolean_decision(flag, all=False),

@@ -177,10 +177,10 @@ def test_the_count_of_nonfinite_steps_survives_a_checkpoint_round_trip(tmp_path)
 def test_a_process_whose_own_losses_were_finite_raises_with_the_others():
     losses = NonFiniteLosses(2)
     another_process_diverged = lambda flag: True  # noqa: E731
-    losses.observe(torch.tensor(1.0), "step 0", step_ends=True, any_process=another_process_diverged)
+    losses.observe(torch.tensor(1.0), lambda: "step 0", step_ends=True, any_process=another_process_diverged)
     with pytest.raises(TrainingDiverged, match="non-finite for 2 consecutive steps, the last on another process "
                                                r"\(finite on this one\) at step 1"):
-        losses.observe(torch.tensor(1.0), "step 1", step_ends=True, any_process=another_process_diverged)
+        losses.observe(torch.tensor(1.0), lambda: "step 1", step_ends=True, any_process=another_process_diverged)
 
 
 # -- error reports and failed starts -------------------------------------------------------------
