@@ -99,6 +99,7 @@ class TextDataModule(BaseDataModule):
         self.tokenizer_spec, self.bpe_vocab_size, self.bpe_sample_mb = tokenizer, bpe_vocab_size, bpe_sample_mb
         # A trained BPE is made (or read from the cache) in prepare_data, once the corpus is known to be wanted.
         self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else None if tokenizer == "bpe" else load_tokenizer(tokenizer)
+        self._token_files: dict = {}  # filled by `_prepare`: the corpus's under None, each val file's under its path
         self.streaming, self.val_rows, self.num_proc = streaming, val_rows, num_proc
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE).expanduser()
         self.block_size = block_size
@@ -193,13 +194,15 @@ class TextDataModule(BaseDataModule):
             return write_token_file(directory, key, tokenized, held_out, self.tokenizer)
 
     def _prepare(self, build: bool) -> None:
+        """The tokenizer and the token files, checked (and built when `build`) and kept for `setup` to read from."""
         if self.tokenizer is None:
             self.tokenizer = self._bpe(build, stream=self.source.stream().skip(self.val_rows) if self.streaming else None)
+        self._token_files = {}
         if not self.streaming and not self.byte_files:
-            self._token_file(self.source, self.val_fraction, build)
+            self._token_files[None] = self._token_file(self.source, self.val_fraction, build)
         if self.tokenizer_spec != "bytes":
             for val_path in self.val_paths.values():
-                self._token_file(LocalFiles([val_path]), 1.0, build)
+                self._token_files[val_path] = self._token_file(LocalFiles([val_path]), 1.0, build)
 
     def prepare_data(self) -> None:
         # One process per node: trains the BPE and writes the token files that every rank then reads in `setup`.
@@ -230,7 +233,7 @@ class TextDataModule(BaseDataModule):
             sizes = [os.path.getsize(p) for p in self.source.paths]
             parts = [FileTokens(p, "uint8").split(n - int(n * self.val_fraction)) for p, n in zip(self.source.paths, sizes)]
             return Concatenated([train for train, _ in parts]), (Concatenated([held for _, held in parts]), 1.0)
-        token_file = self._token_file(self.source, self.val_fraction, build=False)
+        token_file = self._token_files[None]
         train, held_out = token_file.tokens()
         return train, (held_out, token_file.bytes_per_token("val"))
 
@@ -238,7 +241,7 @@ class TextDataModule(BaseDataModule):
         """A whole validation file's (tokens, bytes per token)."""
         if self.tokenizer_spec == "bytes":
             return FileTokens(path, "uint8"), 1.0
-        token_file = self._token_file(LocalFiles([path]), 1.0, build=False)
+        token_file = self._token_files[path]
         return token_file.tokens()[1], token_file.bytes_per_token("val")
 
     def _streamed(self, world_size: int, rank: int):
