@@ -2,9 +2,11 @@
 
 surgery   replace each layer's native attention by a module built from it, by model type.
 growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA.
+module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
 """
 
 from lit_growattn.hf.growable import GrowableAttention
+from lit_growattn.hf.module import HFCausalLM
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, attention_modules, replace_attention
 
 
@@ -13,4 +15,4 @@ def make_growable(model) -> list[str]:
     return replace_attention(model, GrowableAttention.from_native)
 
 
-__all__ = ["GrowableAttention", "NATIVE_ATTENTION", "attention_modules", "make_growable", "replace_attention"]
+__all__ = ["GrowableAttention", "HFCausalLM", "NATIVE_ATTENTION", "attention_modules", "make_growable", "replace_attention"]
