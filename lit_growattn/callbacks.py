@@ -26,6 +26,8 @@ from lit_growattn import growth
 from lit_growattn.contract import check_module
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent, GrowthSettings
+from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
+from lit_growattn.growth.grouped import check_modes
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
 from lit_growattn.growing.schedule import AutoSchedule, Clock, GrowthPoint, Schedule
 from lit_growattn.growth.capacity import REALISED_PER_PREDICTED, CapacityRule, current_ratio
@@ -60,6 +62,8 @@ class GrowAttentionCallback(Callback):
         layers_per_step: statistics of only this many of those layers per statistics step, taken in turn
             (round-robin), to make statistics steps cheaper on deep models (default: all every step).
         capture: how statistics steps get G·X′: extend (SDPA zero-extension) | explicit (score map) | auto.
+        layers_per_event: each event grows only this many layers, in turn, each from its own window (`growing.memory`).
+        max_stats_memory_gb: refuse at setup when a window's statistics would need more (the estimate is printed).
     """
 
     def __init__(
@@ -81,6 +85,8 @@ class GrowAttentionCallback(Callback):
         layers: list[int] | None = None,
         layers_per_step: int | None = None,
         capture: Capture = "auto",
+        layers_per_event: int | None = None,
+        max_stats_memory_gb: float | None = None,
         new_second_moment: growth.SecondMoment = "mean",
         schedule: growth.ScheduleKind = "fixed",
         check_every: int = 50,
@@ -104,10 +110,10 @@ class GrowAttentionCallback(Callback):
             raise ValueError(f"stats_batches must be positive, got {stats_batches}")
         if layers is not None and (not layers or len(set(layers)) != len(layers)):
             raise ValueError(f"layers must list each layer to grow once (0-based), got {layers}; leave it out to grow all")
-        if layers_per_step is not None and layers_per_step <= 0:
-            raise ValueError(f"layers_per_step must be positive (or None for all layers), got {layers_per_step}")
-        if line_search_batches is None:
-            line_search_batches = min(2, stats_batches)
+        for name, value in [("layers_per_step", layers_per_step), ("layers_per_event", layers_per_event)]:
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (or None for all layers), got {value}")
+        line_search_batches = min(2, stats_batches) if line_search_batches is None else line_search_batches
         if not 0 < line_search_batches <= stats_batches:
             raise ValueError(
                 f"need 0 < line_search_batches ≤ stats_batches (the kept batches come from the statistics window), "
@@ -116,7 +122,8 @@ class GrowAttentionCallback(Callback):
         self.settings = GrowthSettings(grow_by, dynamic_rank, max_d_head, method, mode, temperature, truncation,
                                        alphas, line_search, new_second_moment, step_size, capacity)
         self.stats_batches, self.line_search_batches = stats_batches, line_search_batches
-        self.layers, self.layers_per_step = layers, layers_per_step
+        self.layers, self.layers_per_step, self.layers_per_event = layers, layers_per_step, layers_per_event
+        self.max_stats_memory_gb = max_stats_memory_gb
         self.capture = capture
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints
         self.window = StatsWindow(method)
@@ -160,6 +167,9 @@ class GrowAttentionCallback(Callback):
                 "stats_batches or layers_per_step"
             )
         self._layers = layers
+        check_modes(named, self.settings.mode, self.settings.line_search)
+        report.say(trainer, check_statistics_memory(named, layers, self.layers_per_event, self.settings.method,
+                                                    self.max_stats_memory_gb))
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
         if isinstance(self.schedule, AutoSchedule):
             self.schedule.layers, self.schedule.max_d_head = layers, max_d
@@ -198,7 +208,7 @@ class GrowAttentionCallback(Callback):
     # -- statistics window and growth, decided from the trainer's counters ---------------------------
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
         """The forms that grow (layer, qualified parameter-name prefix, form)."""
-        return [named for named in pl_module.growable_forms() if named.layer in self._layers]
+        return [f for f in pl_module.growable_forms() if f.layer in layers_of_event(self._layers, self.layers_per_event, len(self.history))]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         clock = Clock(trainer.current_epoch, batch_idx, trainer.global_step, trainer.num_training_batches,
@@ -211,7 +221,7 @@ class GrowAttentionCallback(Callback):
         if not left:
             return
         forms = self._forms(pl_module)
-        active = layers_in_turn(self._layers, self._per_step, self.stats_batches - left)
+        active = layers_in_turn(sorted({f.layer for f in forms}), self._per_step, self.stats_batches - left)
         mode = capture_mode(self.capture, pl_module.device)
         self.window.begin_step(point.name, forms, active, mode, keep=batch if left <= self.line_search_batches else None)
         self._capturing, self._closes_window = True, left == 1
@@ -274,7 +284,7 @@ class GrowAttentionCallback(Callback):
     def _finish(self, trainer: L.Trainer, event: dict, spectra: dict | None = None) -> None:
         self.history.append(event)
         self.window.clear()
-        report.log_event(trainer, event, {name: layer for layer, name, _ in self._forms(trainer.lightning_module)}, spectra)
+        report.log_event(trainer, event, {f.name: f.layer for f in trainer.lightning_module.growable_forms()}, spectra)
         report.say(trainer, report.event_line(event))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
