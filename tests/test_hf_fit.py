@@ -37,11 +37,12 @@ def _fit(tmp_path, *args: str, config=CONFIG, expect_ok: bool = True) -> subproc
     return done
 
 
-def _callbacks(tmp_path, growth: dict, extra: list[dict] = ()) -> str:
-    """A second config replacing the callbacks: the growth callback with `growth`, then `extra`."""
+def _callbacks(tmp_path, steps: list[int], batches: int = 2, extra: list[dict] = ()) -> str:
+    """A second config replacing the callbacks: `extra`, then growth by 4 columns at `steps` from `batches`."""
     path = tmp_path / "callbacks.yaml"
-    grow = {"class_path": "lit_growattn.callbacks.GrowAttentionCallback",
-            "init_args": {"grow_by": 4, "stats_batches": 2, "grow_at_epochs": None, **growth}}
+    grow = {"class_path": "lit_growattn.GrowAttentionCallback",
+            "init_args": {"schedule": {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": steps}},
+                          "growth": {"columns": 4}, "statistics": {"batches": batches}}}
     path.write_text(yaml.safe_dump({"trainer": {"callbacks": [*extra, grow]}}))
     return f"--config={path}"
 
@@ -52,14 +53,15 @@ def _last_head_sizes(tmp_path) -> list[int]:
 
 
 def test_hf_llama_config_grows(tmp_path):
-    done = _fit(tmp_path, "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2")
+    done = _fit(tmp_path, "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+                "--trainer.callbacks.init_args.statistics.batches=2")
     assert "d_head 8→16 per layer" in done.stdout + done.stderr
     assert _last_head_sizes(tmp_path) == [16, 16]
 
 
 def test_hf_grows_under_ddp_with_identical_replicas(tmp_path):
     dump = {"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(tmp_path)}}
-    _fit(tmp_path, _callbacks(tmp_path, {"grow_at_steps": [4]}, [dump]), "--trainer.devices=2",
+    _fit(tmp_path, _callbacks(tmp_path, [4], extra=[dump]), "--trainer.devices=2",
          "--trainer.strategy=ddp", "--trainer.max_steps=6")
     p0, p1 = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
     assert p0["model.model.layers.0.self_attn.w_q"].shape == (4, 64, 12)
@@ -67,27 +69,23 @@ def test_hf_grows_under_ddp_with_identical_replicas(tmp_path):
 
 
 def test_hf_resume_inside_statistics_window_is_bit_equal(tmp_path):
-    every = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-             "init_args": {"dirpath": str(tmp_path / "ckpts"), "every_n_train_steps": 1, "save_top_k": -1,
-                           "filename": "{step}", "save_last": True}}
-    # Growth at step 5 from the 4 micro-batches of steps 1–4: step 3's checkpoint falls inside the window.
-    grow = {"grow_at_steps": [5], "stats_batches": 4}
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    for out in (full, resumed):
-        out.mkdir()
-    _fit(full, _callbacks(full, grow, [every | {"init_args": {**every["init_args"], "dirpath": str(full / "ckpts")}},
-                                       {"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(full)}}]),
-         "--trainer.max_steps=7")
-    (ckpt,) = (full / "ckpts").glob("step=3.ckpt")
-    _fit(resumed, _callbacks(resumed, grow, [{"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(resumed)}}]),
-         "--trainer.max_steps=7", f"--ckpt_path={ckpt}")
+    dump = lambda out: {"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(out)}}  # noqa: E731
+    every_step = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(full / "ckpts"), "every_n_train_steps": 1, "save_top_k": -1,
+                                "filename": "{step}", "save_last": True}}
+    # Growth at step 5 from the 4 micro-batches of steps 1–4: step 3's checkpoint falls inside the window.
+    full.mkdir(), resumed.mkdir()
+    _fit(full, _callbacks(full, [5], 4, [every_step, dump(full)]), "--trainer.max_steps=7")
+    _fit(resumed, _callbacks(resumed, [5], 4, [dump(resumed)]), "--trainer.max_steps=7",
+         f"--ckpt_path={full / 'ckpts' / 'step=3.ckpt'}")
     a, b = torch.load(full / "params_0.pt"), torch.load(resumed / "params_0.pt")
     assert a["model.model.layers.1.self_attn.w_k"].shape[-1] == 12
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_hf_grows_in_bf16_mixed(tmp_path):
-    _fit(tmp_path, _callbacks(tmp_path, {"grow_at_steps": [4]}), "--trainer.precision=bf16-mixed", "--trainer.max_steps=6")
+    _fit(tmp_path, _callbacks(tmp_path, [4]), "--trainer.precision=bf16-mixed", "--trainer.max_steps=6")
     assert _last_head_sizes(tmp_path) == [12, 12]
 
 
@@ -95,7 +93,7 @@ def test_pretrained_folder_fine_tunes_and_grows(tmp_path):
     model_dir = tmp_path / "model"
     saved_tiny_model("qwen3", model_dir, vocab=320)
     saved_tokenizer(model_dir, [TEXT] * 20, vocab_size=300)  # byte-level BPE: 256 bytes, <eos> and merges
-    _fit(tmp_path, _callbacks(tmp_path, {"grow_at_steps": [4]}), "--model.init_args.config=null",
+    _fit(tmp_path, _callbacks(tmp_path, [4]), "--model.init_args.config=null",
          f"--model.init_args.pretrained={model_dir}", f"--data.init_args.tokenizer={model_dir}", "--trainer.max_steps=6")
     assert _last_head_sizes(tmp_path) == [12, 12]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
 from lit_growattn.contract import NamedForm
 from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 
@@ -21,7 +21,7 @@ def test_llama_1b_estimate_and_the_fix_it_names():
     forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(16)]
     line = check_statistics_memory(forms, list(range(16)), None, "natural", None)
     assert line.startswith("growth statistics: 8.86 GB per rank (16 of 16 layers per window × 32 heads")
-    with pytest.raises(ValueError, match="exceed max_stats_memory_gb=2.0: set layers_per_event: 3"):
+    with pytest.raises(ValueError, match="exceed statistics.max_memory_gb=2.0: set statistics.layers_per_event: 3"):
         check_statistics_memory(forms, list(range(16)), None, "natural", 2.0)
     assert "1.66 GB" in check_statistics_memory(forms, list(range(16)), 3, "natural", 2.0)
 
@@ -33,8 +33,8 @@ def test_layers_of_event_take_turns():
 
 def test_each_event_grows_its_own_layers(tmp_path, capsys):
     data = recall_data()
-    grow = GrowAttentionCallback(grow_at_epochs=[1, 2], grow_by=1, stats_batches=2, layers_per_event=1,
-                                 max_stats_memory_gb=1.0)
+    grow = GrowAttentionCallback(AtEpochs([1, 2]), GrowthSettings(columns=1),
+                                 StatisticsSettings(batches=2, layers_per_event=1, max_memory_gb=1.0))
     module = tiny_module(data)
     trainer(tmp_path, [grow], max_epochs=3).fit(module, data)
     assert [e["d_head"] for e in grow.history] == [[3, 2], [3, 3]]

@@ -44,7 +44,7 @@ def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event
             f"e′² = {e_in}² × {BYTES} B{', twice for pinv' if method == 'pinv' else ''})")
     if limit_gb is not None and worst > limit_gb * 1e9:
         fits = math.floor(limit_gb * 1e9 / max(per_layer.values()))
-        fix = (f"set layers_per_event: {fits} (each event then grows {fits} layers in turn, each from its own window)"
-               if fits >= 1 else "one layer alone does not fit: raise max_stats_memory_gb or use method gradient/natural")
-        raise ValueError(f"{line} exceed max_stats_memory_gb={limit_gb}: {fix}")
+        fix = (f"set statistics.layers_per_event: {fits} (each event then grows {fits} layers in turn, each from its own window)"
+               if fits >= 1 else "one layer alone does not fit: raise statistics.max_memory_gb or use method gradient/natural")
+        raise ValueError(f"{line} exceed statistics.max_memory_gb={limit_gb}: {fix}")
     return line
