@@ -46,7 +46,7 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
         if model_type not in NATIVE_ATTENTION:
             raise ValueError(f"model_type {model_type!r} is not supported; supported model types: {supported()}")
         hf_config = AutoConfig.for_model(model_type, **settings)
-    if hf_config.model_type not in NATIVE_ATTENTION:
+    if getattr(hf_config, "base_model_type", hf_config.model_type) not in NATIVE_ATTENTION:
         raise ValueError(f"{pretrained} is a {hf_config.model_type!r} model; supported model types: {supported()}")
     if pretrained is not None:
         return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn_implementation)
@@ -86,7 +86,8 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         self._check_data_fits(vocab_size, block_size)
         from lit_growattn.hf import make_growable
 
-        make_growable(self.model)
+        if not self.growable_forms():  # an exported grown model (growattn_<type>) comes growable
+            make_growable(self.model)
         if head_sizes is not None:
             if len(head_sizes) != len(self.growable_forms()):
                 raise ValueError(f"head_sizes has {len(head_sizes)} entries for {len(self.growable_forms())} layers")

@@ -38,10 +38,12 @@ def native_attention_class(model_type: str) -> type[nn.Module]:
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every native attention module of `model` (a PreTrainedModel), in layer order."""
-    cls = native_attention_class(model.config.model_type)
+    # A registered derived config (e.g. an exported grown model's) names the model type it builds on.
+    model_type = getattr(model.config, "base_model_type", model.config.model_type)
+    cls = native_attention_class(model_type)
     found = [(name, m) for name, m in model.named_modules() if type(m) is cls]
     if not found:
-        raise ValueError(f"no {cls.__name__} module found in this {model.config.model_type} model "
+        raise ValueError(f"no {cls.__name__} module found in this {model_type} model "
                          f"({type(model).__name__}): was it converted already?")
     return found
 
