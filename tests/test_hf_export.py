@@ -67,3 +67,14 @@ def test_qwen3_with_per_head_temperatures_keeps_the_growable_form(tmp_path):
     _perturb(model, grow_by=0)
     assert export(model, tmp_path / "out") == "growattn_qwen3"
     _same_model(model.eval(), load(tmp_path / "out"))
+
+
+def test_exported_grown_folder_continues_training_from_its_sizes(tmp_path):
+    from lit_growattn.hf import HFCausalLM
+
+    model = _growable(tmp_path, "llama")
+    _perturb(model, grow_by=2)
+    export(model, tmp_path / "out")
+    module = HFCausalLM(pretrained=str(tmp_path / "out"))
+    assert module.head_sizes() == [10, 10]
+    _same_model(model.eval(), module.model.eval())
