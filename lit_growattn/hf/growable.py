@@ -102,24 +102,30 @@ class GrowableAttention(nn.Module):
         return out
 
     # -- forward pieces --------------------------------------------------------------------------------
-    def queries_keys(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
-        """x (b, s, e) → (X′ (b, s, e′), τ·q (b, H, s, d), k (b, KV, s, d)), RoPE on the first `rotary` columns."""
-        xa = augment(x, self.qk_bias)
-        q = torch.einsum("bse,hed->bhsd", xa, self.w_q.to(xa.dtype))
-        k = torch.einsum("bse,hed->bhsd", xa, self.w_k.to(xa.dtype))
+    def project(self, x: Tensor, w: Tensor) -> Tensor:
+        """x (b, s, e) through per-head columns w (heads, e′, d) → (b, heads, s, d): one matmul, as the native Linear."""
+        heads, e_in, d = w.shape
+        flat = w.to(x.dtype).transpose(0, 1).reshape(e_in, heads * d)  # (e′, heads·d), the bias as its last row
+        out = x @ flat[: x.shape[-1]] + flat[-1] if self.qk_bias else x @ flat
+        return out.view(*x.shape[:-1], heads, d).transpose(1, 2)
+
+    def queries_keys(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """x (b, s, e) → (τ·q (b, H, s, d), k (b, KV, s, d)), RoPE (and Qwen3's norms) on the first `rotary` columns."""
+        q, k = self.project(x, self.w_q), self.project(x, self.w_k)
         if r := self.rotary:
-            q_rot, k_rot = q[..., :r], k[..., :r]
+            q_rot, k_rot = (q, k) if self.d_head == r else (q[..., :r], k[..., :r])
             if hasattr(self, "q_norm"):
                 q_rot, k_rot = self.q_norm(q_rot), self.k_norm(k_rot)
             q_rot, k_rot = self.apply_rotary(q_rot, k_rot, *position_embeddings)
-            q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)
-        return xa, q * self.tau.to(q.dtype)[:, None, None], k
+            q, k = (q_rot, k_rot) if self.d_head == r else (torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1))
+        return q * self.tau.to(q.dtype)[:, None, None], k
 
-    def attend(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float, **kwargs):
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float, **kwargs):
         """Through the configured attention interface with scaling 1; the statistics extension when capturing."""
         if self.capture is not None and torch.is_grad_enabled():
-            if k.shape[2] != xa.shape[1]:
+            if k.shape[2] != x.shape[1]:
                 raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
+            xa = augment(x, self.qk_bias)
             b, s, e_in = xa.shape
             ext = q.new_zeros(b, self.n_head, s, e_in, requires_grad=True)
             kept = xa.detach()
@@ -151,12 +157,12 @@ class GrowableRopeAttention(GrowableAttention):
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
                 attention_mask: Tensor | None = None, past_key_values=None, **kwargs) -> tuple[Tensor, Tensor | None]:
         input_shape = hidden_states.shape[:-1]
-        xa, q, k = self.queries_keys(hidden_states, position_embeddings)
+        q, k = self.queries_keys(hidden_states, position_embeddings)
         v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
-        out, weights = self.attend(xa, q, k, v, attention_mask, 0.0 if not self.training else self.attention_dropout,
+        out, weights = self.attend(hidden_states, q, k, v, attention_mask, 0.0 if not self.training else self.attention_dropout,
                                    sliding_window=window, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
@@ -183,12 +189,12 @@ class GrowableGPT2Attention(GrowableAttention):
         if encoder_hidden_states is not None:
             raise ValueError("growable GPT-2 attention is causal self-attention only")
         input_shape = hidden_states.shape[:-1]
-        xa, q, k = self.queries_keys(hidden_states, None)
+        q, k = self.queries_keys(hidden_states, None)
         v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
         if past_key_values is not None:
             cache = getattr(past_key_values, "self_attention_cache", past_key_values)
             k, v = cache.update(k, v, self.layer_idx)
-        out, weights = self.attend(xa, q, k, v, attention_mask, self.attn_dropout.p if self.training else 0.0, **kwargs)
+        out, weights = self.attend(hidden_states, q, k, v, attention_mask, self.attn_dropout.p if self.training else 0.0, **kwargs)
         out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
         return self.resid_dropout(out), weights
 
