@@ -10,8 +10,9 @@ the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE colu
 form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave it exact.
 The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface gets
 scaling = 1. The value projection keeps its width: q/k width is independent of v width.
-Statistics capture (`capture` set, grad enabled) appends E = 0 (b, H, s, e′) to q and X′ to k, so that
-E.grad = G X′ per query head, exactly as `attention.qk` does (DESIGN §4).
+Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (DESIGN §4):
+`extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
+its gradient (cheaper on CPU; the callback's capture=auto picks it there).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention.qk import augment
+from lit_growattn.attention.qk import augment, causal_scores
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
 
 _CLASSES: dict[str, type[nn.Module]] = {}
@@ -121,14 +122,17 @@ class GrowableAttention(nn.Module):
         return q * self.tau.to(q.dtype)[:, None, None], k
 
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float, **kwargs):
-        """Through the configured attention interface with scaling 1; the statistics extension when capturing."""
-        if self.capture is not None and torch.is_grad_enabled():
-            if k.shape[2] != x.shape[1]:
-                raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
-            xa = augment(x, self.qk_bias)
-            b, s, e_in = xa.shape
+        """Through the configured attention interface with scaling 1; with statistics capture on, the queries'
+        zero-extension (`extend`) or an explicit score map whose gradient is recorded (`explicit`), DESIGN §4."""
+        capturing = self.capture is not None and torch.is_grad_enabled()
+        if capturing and k.shape[2] != x.shape[1]:
+            raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
+        if capturing and self.capture == "explicit":
+            return self._attend_explicit(augment(x, self.qk_bias).detach(), q, k, v, attention_mask, dropout)
+        if capturing:
+            kept = augment(x, self.qk_bias).detach()
+            b, s, e_in = kept.shape
             ext = q.new_zeros(b, self.n_head, s, e_in, requires_grad=True)
-            kept = xa.detach()
             ext.register_hook(lambda grad: self.captured.append((kept, grad.detach().to(kept.dtype))))
             q = torch.cat([q, ext], -1)
             k = torch.cat([k, kept.to(k.dtype).unsqueeze(1).expand(b, self.n_kv_head, s, e_in)], -1)
@@ -136,6 +140,21 @@ class GrowableAttention(nn.Module):
 
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.eager_attention)
         return interface(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
+
+    def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float):
+        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, d_v), None."""
+        groups = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        if attention_mask is None:  # sdpa's is_causal path: the model passed no mask
+            scores = causal_scores(q, k)
+        elif attention_mask.dtype == torch.bool:  # True: attend
+            scores = (q @ k.transpose(-1, -2)).masked_fill(~attention_mask, float("-inf"))
+        else:  # additive
+            scores = q @ k.transpose(-1, -2) + attention_mask
+        scores.register_hook(lambda grad: self.captured.append((xa, grad.to(xa.dtype) @ xa.unsqueeze(1))))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+        weights = nn.functional.dropout(weights, p=dropout, training=self.training)
+        return (weights @ v).transpose(1, 2), None
 
 
 class GrowableRopeAttention(GrowableAttention):
