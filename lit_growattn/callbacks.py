@@ -53,6 +53,9 @@ class GrowAttentionCallback(Callback):
         step_search: StepSearch = StepSearch(),
     ):
         super().__init__()
+        if not isinstance(schedule, GrowthSchedule):
+            raise TypeError(f"schedule must be AtEpochs([...]), AtSteps([...]) or AutoSchedule(...) from lit_growattn, "
+                            f"got {schedule!r}")
         self.schedule, self.settings, self.statistics, self.search = schedule, growth, statistics, step_search
         self.line_search_batches = step_search.kept_batches(statistics)
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints

@@ -4,8 +4,9 @@ The schedule is one object, chosen in a config by its class: `AtEpochs`, `AtStep
 its own settings when built, what the other settings and the model must be for it in `bind`, and the run's
 length in `check_run`; the callback never asks which kind it has.
 
-A growth point is an epoch start (`AtEpochs`) or an optimizer step (`AtSteps`, as `trainer.global_step`). The event happens at the first training-batch start at or after its point where no
-accumulation window is open. Its statistics window is the `stats_batches` micro-batches just before it.
+A growth point is an epoch start (`AtEpochs`) or an optimizer step (`AtSteps`, as `trainer.global_step`). The
+event happens at the first training-batch start at or after its point where no accumulation window is open. Its
+statistics window is the `statistics.batches` micro-batches just before it.
 `Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
