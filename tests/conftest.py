@@ -6,6 +6,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+# Every test that reads ../shared carries this mark: a clone without the shared data skips them.
+needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not beside this clone")
 
 
 @pytest.fixture(autouse=True, scope="session")
