@@ -1,3 +1,6 @@
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,11 @@ def token_cache(tmp_path_factory):
     folder, text.DEFAULT_CACHE = text.DEFAULT_CACHE, str(tmp_path_factory.mktemp("token_cache"))
     yield
     text.DEFAULT_CACHE = folder
+
+
+def run_command(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m lit_growattn ARGS` as a user runs it: the exit code and what it printed (stdout, stderr)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "LIT_GROWATTN_DEBUG": "", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lit_growattn", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or REPO, env=env, timeout=300)
