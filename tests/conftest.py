@@ -13,6 +13,12 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not beside this clone")
 
 
+@pytest.fixture(autouse=True)
+def command_line_of_its_own(monkeypatch):
+    """LightningCLI gets its arguments from each test; pytest's own (`-q -x …`) are not the command line's."""
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+
+
 @pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """The models here are tiny: a second OpenMP thread only adds spin-waits (5× slower on a busy 2-core machine)."""

@@ -1,5 +1,6 @@
-"""Hostile input through the command line (`python -m lit_growattn …` as a subprocess): each case is refused with
-the project's own message naming the problem and its fix, or handled, before any training is lost."""
+"""Hostile input through the command line: each case is refused with the project's own message naming the problem
+and its fix, or handled, before any training is lost. The error reports run `python -m lit_growattn` as a subprocess;
+the other cases call its `main` in this process (the same code path, without the seconds of a fresh import)."""
 
 import json
 import os
@@ -8,7 +9,25 @@ import socket
 import pytest
 import torch
 
+from lit_growattn.__main__ import main as command_line
+
 from conftest import REPO, run_command
+
+
+class Done:
+    """What `python -m lit_growattn ARGS` returned and printed, run in this process."""
+
+    def __init__(self, args, capsys):
+        capsys.readouterr()
+        self.returncode = command_line([str(a) for a in args])
+        out = capsys.readouterr()
+        self.stdout, self.stderr = out.out, out.err
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    monkeypatch.delenv("LIT_GROWATTN_DEBUG", raising=False)
+    return lambda *args: Done(args, capsys)
 
 RECALL = ["fit", "--config", REPO / "configs/recall_grow.yaml", "--trainer.enable_progress_bar=false",
           "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
@@ -43,9 +62,8 @@ def corpus(tmp_path):
 def fixed_run(tmp_path_factory):
     """A fixed-schedule run of two epochs that grew at epoch 1: its last checkpoint."""
     out = tmp_path_factory.mktemp("fixed")
-    done = run_command(*RECALL, *logs(out), "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
-                       "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert command_line([str(a) for a in (*RECALL, *logs(out), "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
+                         "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2")]) == 0
     (last,) = out.rglob("last.ckpt")
     return last
 
@@ -74,26 +92,26 @@ def test_a_checkpoint_holding_objects_is_refused_without_unsafe_advice(tmp_path,
 
 
 # 4. A damaged checkpoint is named as damaged.
-def test_a_truncated_checkpoint_is_named_as_damaged(tmp_path, fixed_run):
+def test_a_truncated_checkpoint_is_named_as_damaged(tmp_path, fixed_run, cli):
     cut = tmp_path / "cut.ckpt"
     cut.write_bytes(fixed_run.read_bytes()[: fixed_run.stat().st_size // 2])
     for where in (["convert", "--ckpt", cut, "--to", "dint", "--out", tmp_path / "out.ckpt"],
                   [*RECALL, *logs(tmp_path), f"--model.init_args.init_from={cut}"],
                   [*RECALL, *logs(tmp_path), f"--ckpt_path={cut}"]):
-        refused(run_command(*where), cut, "is damaged")
+        refused(cli(*where), cut, "is damaged")
 
 
 # 2. Step sizes that are not finite numbers fail at setup.
 @pytest.mark.parametrize("alphas", ["[.nan]", "[0, .inf]", "[0, .nan]"])
-def test_non_finite_step_sizes_fail_before_training(tmp_path, alphas):
-    done = run_command(*RECALL, *logs(tmp_path), f"--trainer.callbacks.init_args.alphas={alphas}")
+def test_non_finite_step_sizes_fail_before_training(tmp_path, alphas, cli):
+    done = cli(*RECALL, *logs(tmp_path), f"--trainer.callbacks.init_args.alphas={alphas}")
     refused(done, "step-size candidates must be a non-empty list of finite values")
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
 # 3. The model's vocabulary is the one the tokenizer learned.
-def test_the_model_takes_the_vocabulary_the_bpe_learned(tmp_path, corpus):
-    done = run_command(*TEXT, *logs(tmp_path), f"--data.init_args.path={corpus}", "--data.init_args.tokenizer=bpe",
+def test_the_model_takes_the_vocabulary_the_bpe_learned(tmp_path, corpus, cli):
+    done = cli(*TEXT, *logs(tmp_path), f"--data.init_args.path={corpus}", "--data.init_args.tokenizer=bpe",
                        "--data.init_args.bpe_vocab_size=1000000", f"--data.init_args.cache_dir={tmp_path / 'cache'}")
     assert done.returncode == 0, done.stderr[-3000:]
     (last,) = tmp_path.rglob("last.ckpt")
@@ -102,58 +120,59 @@ def test_the_model_takes_the_vocabulary_the_bpe_learned(tmp_path, corpus):
 
 
 # 5 and 6. Resuming with another schedule kind is refused; changed model settings are named.
-def test_resuming_a_fixed_schedule_as_auto_is_refused(tmp_path, fixed_run):
-    done = run_command(*RECALL, *logs(tmp_path), "--trainer.max_epochs=3", f"--ckpt_path={fixed_run}",
+def test_resuming_a_fixed_schedule_as_auto_is_refused(tmp_path, fixed_run, cli):
+    done = cli(*RECALL, *logs(tmp_path), "--trainer.max_epochs=3", f"--ckpt_path={fixed_run}",
                        "--trainer.callbacks.init_args.schedule=auto", "--trainer.callbacks.init_args.grow_at_epochs=null")
     refused(done, "schedule='fixed'", "schedule='auto'", "init_from")
 
 
-def test_resuming_with_changed_model_settings_names_them(tmp_path, fixed_run):
-    done = run_command(*RECALL, *logs(tmp_path), "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
-                       f"--ckpt_path={fixed_run}", "--model.init_args.n_embd=48", "--model.init_args.d_v=48")
+def test_resuming_with_changed_model_settings_names_them(tmp_path, fixed_run, cli):
+    with pytest.warns(UserWarning, match="n_embd: 48 given, the checkpoint's 64 used; d_v: 48 given") as caught:
+        done = cli(*RECALL, *logs(tmp_path), "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
+                   f"--ckpt_path={fixed_run}", "--model.init_args.n_embd=48", "--model.init_args.d_v=48")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "n_embd: 48 given, the checkpoint's 64 used" in done.stderr and "d_v: 48 given" in done.stderr
+    assert sum("given, the checkpoint's" in str(w.message) for w in caught) == 1
 
 
 # 7. A token file overwritten in place is rebuilt, not read.
-def test_a_token_file_overwritten_in_place_is_rebuilt(tmp_path, corpus):
+def test_a_token_file_overwritten_in_place_is_rebuilt(tmp_path, corpus, cli):
     args = [*TEXT, *logs(tmp_path), f"--data.init_args.path={corpus}", "--data.init_args.tokenizer=bpe",
             "--data.init_args.bpe_vocab_size=300", f"--data.init_args.cache_dir={tmp_path / 'cache'}"]
-    assert run_command(*args).returncode == 0
+    assert cli(*args).returncode == 0
     (tokens,) = (tmp_path / "cache").rglob("tokens.bin")
     size = tokens.stat().st_size
     with open(tokens, "r+b") as f:
         f.seek(size // 2)
         f.write(b"\xff" * 64)  # ids far outside the vocabulary, same size
-    done = run_command(*args)
+    done = cli(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert b"\xff" * 64 not in tokens.read_bytes()
 
 
 # 8. A growth step past the end of an epoch-bounded run warns.
-def test_a_growth_step_past_the_end_of_the_epochs_warns(tmp_path):
-    done = run_command(*RECALL, *logs(tmp_path), "--trainer.max_epochs=1", "--trainer.limit_train_batches=4",
-                       "--trainer.callbacks.init_args.grow_at_epochs=null", "--trainer.callbacks.init_args.grow_at_steps=[50]",
-                       "--trainer.callbacks.init_args.stats_batches=2")
+def test_a_growth_step_past_the_end_of_the_epochs_warns(tmp_path, cli):
+    with pytest.warns(UserWarning, match="grow_at_steps has step 50 but the run ends after about 4 optimizer steps"):
+        done = cli(*RECALL, *logs(tmp_path), "--trainer.max_epochs=1", "--trainer.limit_train_batches=4",
+                   "--trainer.callbacks.init_args.grow_at_epochs=null", "--trainer.callbacks.init_args.grow_at_steps=[50]",
+                   "--trainer.callbacks.init_args.stats_batches=2")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "grow_at_steps has step 50 but the run ends after about 4 optimizer steps" in done.stderr
 
 
 # 9. A conversion rank beyond what the form can hold.
-def test_a_lowrank_dint_rank_beyond_the_embedding_is_refused(tmp_path, fixed_run):
-    done = run_command("convert", "--ckpt", fixed_run, "--to", "lowrank_dint", "--rank", 100, "--out", tmp_path / "o.ckpt")
+def test_a_lowrank_dint_rank_beyond_the_embedding_is_refused(tmp_path, fixed_run, cli):
+    done = cli("convert", "--ckpt", fixed_run, "--to", "lowrank_dint", "--rank", 100, "--out", tmp_path / "o.ckpt")
     refused(done, "rank=100 exceeds n_embd = 64", "use rank ≤ 64")
     assert not (tmp_path / "o.ckpt").exists()
 
 
 # 10. Build folders of killed builds are removed by the next build; a live build's are kept.
-def test_build_folders_of_dead_builds_are_removed(tmp_path, corpus):
+def test_build_folders_of_dead_builds_are_removed(tmp_path, corpus, cli):
     cache, host = tmp_path / "cache", socket.gethostname()
     dead, live = cache / f"tmp-{host}-999999999-abcd1234", cache / f"tmp-{host}-{os.getpid()}-abcd1234"
     for folder in (dead, live):
         folder.mkdir(parents=True)
         (folder / "tokens-0.arrow").write_bytes(b"x" * 100)
-    done = run_command(*TEXT, *logs(tmp_path), f"--data.init_args.path={corpus}", "--data.init_args.tokenizer=bpe",
+    done = cli(*TEXT, *logs(tmp_path), f"--data.init_args.path={corpus}", "--data.init_args.tokenizer=bpe",
                        "--data.init_args.bpe_vocab_size=300", f"--data.init_args.cache_dir={cache}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert not dead.exists() and live.exists()
@@ -161,10 +180,10 @@ def test_build_folders_of_dead_builds_are_removed(tmp_path, corpus):
 
 
 # Minor: settings that could not mean what they say.
-def test_a_static_head_wider_than_the_embedding_is_refused(tmp_path):
-    refused(run_command(*RECALL, *logs(tmp_path), "--model.init_args.d_head=65"), "d_head=65 exceeds n_embd = 64")
+def test_a_static_head_wider_than_the_embedding_is_refused(tmp_path, cli):
+    refused(cli(*RECALL, *logs(tmp_path), "--model.init_args.d_head=65"), "d_head=65 exceeds n_embd = 64")
 
 
-def test_the_same_file_twice_in_path_is_refused(tmp_path, corpus):
-    refused(run_command(*TEXT, *logs(tmp_path), f"--data.init_args.path=[{corpus}, {corpus}]"),
+def test_the_same_file_twice_in_path_is_refused(tmp_path, corpus, cli):
+    refused(cli(*TEXT, *logs(tmp_path), f"--data.init_args.path=[{corpus}, {corpus}]"),
             "more than once", corpus.name)
