@@ -187,3 +187,12 @@ def test_a_static_head_wider_than_the_embedding_is_refused(tmp_path, cli):
 def test_the_same_file_twice_in_path_is_refused(tmp_path, corpus, cli):
     refused(cli(*TEXT, *logs(tmp_path), f"--data.init_args.path=[{corpus}, {corpus}]"),
             "more than once", corpus.name)
+
+
+def test_token_metadata_whose_dtype_cannot_hold_its_vocabulary_is_refused(tmp_path):
+    from lit_growattn.data.token_file import CacheError, open_token_file
+
+    (tmp_path / "meta.json").write_text(json.dumps({"dtype": "uint8", "vocab_size": 1000, "num_train": 4, "num_val": 4}))
+    (tmp_path / "tokens.bin").write_bytes(bytes(8))
+    with pytest.raises(CacheError, match="dtype uint8 cannot hold its vocabulary of 1000"):
+        open_token_file(tmp_path, {})
