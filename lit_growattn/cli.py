@@ -78,9 +78,11 @@ DERIVED_SETTINGS = {"vocab_size", "block_size"}
 
 
 def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
-    """One warning naming every model setting whose value on the command line differs from the checkpoint's."""
+    """One warning naming every model setting whose value on the command line differs from the checkpoint's (plain
+    values only: nested settings such as the optimizer are recorded in another form than the command gives them)."""
     changed = {k: (given[k], v) for k, v in stored.items()
                if not k.startswith("_") and k not in DERIVED_SETTINGS and k in given and given[k] is not None
+               and isinstance(v, (int, float, str, bool, list))
                and given[k] != v and not (k == "d_head" and isinstance(v, list))}
     if changed:
         listed = "; ".join(f"{k}: {new!r} given, the checkpoint's {old!r} used" for k, (new, old) in changed.items())
