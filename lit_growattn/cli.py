@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from lit_growattn.checkpoint import read_checkpoint
+from lit_growattn.legacy import refuse_flat_config
 from lit_growattn.module import GrowAttentionLM
 
 TRAINER_DEFAULTS = {
@@ -28,6 +30,11 @@ class GrowAttentionCLI(LightningCLI):
         commands = LightningCLI.subcommands()
         del commands["predict"]
         return commands
+
+    def parse_arguments(self, parser, args) -> None:
+        if args is None or isinstance(args, list):
+            refuse_flat_config(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         # The vocabulary and the longest sequence come from the data, so the model cannot disagree with it.
