@@ -18,7 +18,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from experiments import merge, run
+from study_runs import merge, run
 from lit_growattn.convert import convert_checkpoint
 
 GROW_CONFIG, AUTO_CONFIG = "configs/text_grow.yaml", "configs/text_auto.yaml"
