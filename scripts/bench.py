@@ -15,8 +15,7 @@ Measurements (one function each):
    GrowAttentionCallback in a real fit, timed by the event itself (all-reduce, plan, line search, optimizer rebuild).
 4. stats_peak_memory_ratio: bytes of tensors saved for backward in a statistics step ÷ a normal step
    (saved_tensors_hooks, deterministic); beside it the allocation peak of the whole step (profiler memory
-   events, *_alloc_peak_ratio) and the captured G X′ pairs held until on_after_backward. On CUDA:
-   torch.cuda.max_memory_allocated over one step.
+   events, *_alloc_peak_ratio) and the captured G X′ pairs held until on_after_backward.
 5. capture_sweep: one attention layer (QKForm.attend fwd+bwd+fold) at a fixed token count over sequence
    lengths, to check the callback's capture="auto" rule.
 
@@ -27,16 +26,14 @@ default (--threads): see its help for why.
 
     python scripts/bench.py            # full CPU run (several minutes on 2 cores)
     python scripts/bench.py --quick    # small shapes, < 1 minute, same keys
-    python scripts/bench.py --accelerator gpu [--bf16]
+    python scripts/bench.py --accelerator gpu   # the GPU benchmark (bf16): runs scripts/bench_gpu.py
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
-import logging
 import os
 import statistics
 import sys
@@ -46,22 +43,22 @@ import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+import lightning as L
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+import bench_common
+from bench_common import StepTimer, json_only_stdout, plain_step_times
 
-import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lit_growattn import growth  # bench_common has put the repository on the path
+from lit_growattn.attention import QKForm
+from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn.growing.event import GrowthSettings, plan_growth
+from lit_growattn.growing.window import NamedForms, capture_mode, fold_captured
+from lit_growattn.module import GrowAttentionLM
 
-from lit_growattn import growth  # noqa: E402
-from lit_growattn.attention import QKForm  # noqa: E402
-from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
-from lit_growattn.growing.event import GrowthSettings, plan_growth  # noqa: E402
-from lit_growattn.growing.window import NamedForms, capture_mode, fold_captured  # noqa: E402
-from lit_growattn.module import GrowAttentionLM  # noqa: E402
+CPU = torch.device("cpu")  # on a GPU, scripts/bench_gpu.py
 
 VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin")
 # The round_robin variant: capture="auto" on a third of the layers, as GrowAttentionCallback(layers_per_step=n/3).
@@ -122,39 +119,18 @@ PRESETS = {
 
 @dataclass
 class Env:
-    device: torch.device
-    bf16: bool
     logger: str
     log: Callable[[str], None] = field(default=lambda msg: None)
-
-    @property
-    def cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    def sync(self) -> None:
-        # CUDA kernels are asynchronous: a timer read without a sync measures the launch, not the work.
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-    def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 and self.cuda else contextlib.nullcontext()
 
 
 # -- shared pieces ---------------------------------------------------------------------------------
 def make_lm(shape: Shape, seed: int = 0, cls: type[GrowAttentionLM] = GrowAttentionLM) -> GrowAttentionLM:
-    # Constant schedule without warm-up: the plain loop can then run the module's own LambdaLR without a trainer.
-    torch.manual_seed(seed)
-    return cls(
-        vocab_size=shape.vocab, block_size=shape.seq_len, n_layer=shape.n_layer, n_head=shape.n_head,
-        n_embd=shape.n_embd, d_head=shape.d_head, lr_schedule="constant", warmup_steps=0,
-    )
+    return bench_common.make_lm(seed, cls, vocab_size=shape.vocab, block_size=shape.seq_len, n_layer=shape.n_layer,
+                                n_head=shape.n_head, n_embd=shape.n_embd, d_head=shape.d_head)
 
 
 def token_data(shape: Shape, n_batches: int, seed: int = 0) -> TensorDataset:
-    """Random next-token data: labels are the inputs shifted by one (the cost does not depend on the values)."""
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.randint(0, shape.vocab, (n_batches * shape.batch, shape.seq_len + 1), generator=g)
-    return TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous())
+    return bench_common.token_data(shape.vocab, shape.seq_len, shape.batch, n_batches, seed)
 
 
 def named_forms(lm: GrowAttentionLM) -> NamedForms:
@@ -181,21 +157,6 @@ def median(xs) -> float:
     return float(statistics.median(xs))
 
 
-class StepTimer(Callback):
-    """Wall time between consecutive on_train_batch_start calls: the whole Lightning loop per step (hooks,
-    training_step with its logging and metrics, backward, optimizer, scheduler, fetch of the next batch)."""
-
-    def __init__(self, env: Env):
-        self.env, self.starts = env, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.env.sync()
-        self.starts.append(time.perf_counter())
-
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:])]
-
-
 def make_trainer(env: Env, callbacks, tmp: str, **kwargs) -> L.Trainer:
     logger = False
     if env.logger == "tensorboard":
@@ -203,8 +164,7 @@ def make_trainer(env: Env, callbacks, tmp: str, **kwargs) -> L.Trainer:
 
         logger = TensorBoardLogger(tmp, name="bench")
     args = dict(
-        accelerator="gpu" if env.cuda else "cpu", devices=1, precision="bf16-mixed" if env.bf16 else "32-true",
-        logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=1, precision="32-true", logger=logger, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
     )
     return L.Trainer(**{**args, **kwargs})
@@ -222,40 +182,23 @@ class BareLM(GrowAttentionLM):
 
 
 def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
-    n = p.fit_warmup + p.fit_steps + 1  # +1: a step's time ends at the next step's start
-    data = token_data(shape, n)
+    data = token_data(shape, p.fit_warmup + p.fit_steps)
     lit = make_lm(shape)
     bare = make_lm(shape, cls=BareLM)
     plain = copy.deepcopy(lit)  # same GPT, same initial weights
-    plain.to(env.device)
-    optim_cfg = plain.configure_optimizers()  # same AdamW, param groups and LambdaLR as under Lightning
-    optimizer, scheduler = optim_cfg["optimizer"], optim_cfg["lr_scheduler"]["scheduler"]
-
-    def plain_run() -> list[float]:
-        stamps = []
-        for inputs, labels in DataLoader(data, batch_size=shape.batch):
-            env.sync()
-            stamps.append(time.perf_counter())
-            inputs, labels = inputs.to(env.device), labels.to(env.device)
-            with env.autocast():
-                loss = plain.loss(plain(inputs), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-        return [b - a for a, b in zip(stamps, stamps[1:])][p.fit_warmup:]
 
     def lightning_run(module: GrowAttentionLM, tmp: str) -> list[float]:
-        timer = StepTimer(env)
+        timer = StepTimer(CPU)
         # Growth scheduled at epoch 2 of a 1-epoch fit: its statistics window (end of epoch 1) is never reached,
         # but every hook of the callback still runs on every step.
         grow = GrowAttentionCallback(grow_at_epochs=[2], stats_batches=1)
         trainer = make_trainer(env, [grow, timer], tmp, max_epochs=1)
         trainer.fit(module, DataLoader(data, batch_size=shape.batch))
-        return timer.step_times()[p.fit_warmup:]
+        return timer.step_times(p.fit_warmup)
 
     sides = {"lightning": lambda tmp: lightning_run(lit, tmp), "bare": lambda tmp: lightning_run(bare, tmp),
-             "plain": lambda tmp: plain_run()}
+             "plain": lambda tmp: plain_step_times(plain, DataLoader(data, batch_size=shape.batch), CPU, False,
+                                                   p.fit_warmup)}
     steps = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(p.fit_repeats):
@@ -282,10 +225,10 @@ def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
 
 # -- 2. statistics step vs normal step -------------------------------------------------------------
 def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
-    lm = make_lm(shape).to(env.device)
+    lm = make_lm(shape)
     forms = named_forms(lm)
     opt = lm.configure_optimizers()["optimizer"]
-    inputs, labels = (t.to(env.device) for t in token_data(shape, 1).tensors)
+    inputs, labels = (t for t in token_data(shape, 1).tensors)
     stats = {
         "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],  # gradient: same sums
         "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
@@ -301,20 +244,15 @@ def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
         mode, _, method = (auto, "", "") if variant == "round_robin" else variant.partition("_")
         mode = None if mode == "normal" else mode
         set_capture(in_turn if variant == "round_robin" else forms, mode)
-        env.sync()
         t0 = time.perf_counter()
-        with env.autocast():
-            loss = lm.loss(lm(inputs), labels)
+        loss = lm.loss(lm(inputs), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        env.sync()
         t1 = time.perf_counter()
         if mode is not None:
             fold(forms, stats[method or "natural"])
-        env.sync()
         t2 = time.perf_counter()
         opt.step()
-        env.sync()
         t3 = time.perf_counter()
         set_capture(forms, None)
         return t3 - t0, t2 - t1
@@ -361,11 +299,9 @@ def gather_stats(lm: GrowAttentionLM, forms, p: Preset, env: Env) -> dict[str, l
         "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],
         "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
     }
-    set_capture(forms, auto_capture(data.tensors[0].to(env.device)))
+    set_capture(forms, auto_capture(data.tensors[0]))
     for inputs, labels in DataLoader(data, batch_size=shape.batch):
-        inputs, labels = inputs.to(env.device), labels.to(env.device)
-        with env.autocast():
-            loss = lm.loss(lm(inputs), labels) / p.growth_micro_batches
+        loss = lm.loss(lm(inputs), labels) / p.growth_micro_batches
         loss.backward()
         captured = [(name, f.take_captured()) for _, name, f in forms]
         for key, stats in sums.items():
@@ -382,13 +318,11 @@ def growth_compute_seconds(forms: NamedForms, stats, method: str, alphas: list[f
     round trip (the all-reduce is the identity on one rank), the plan, plan.grow for every form at every α in
     `alphas`. The callback's defaults otherwise: append, keep, euclidean, low_rank."""
     settings = GrowthSettings(grow_by=grow_by, method=method, max_d_head=forms[0][2].w_q.shape[1])
-    env.sync()
     t = time.perf_counter()
     reduced = growth.unflatten_stats(growth.flatten_stats(stats), stats)
     plan = plan_growth(forms, reduced, settings, seed=1)
     for alpha in alphas:
         grown = {name: plan.grow(name, alpha) for _, name, _ in forms}
-    env.sync()
     assert all(g.w_q.shape[-1] == forms[0][2].d_head + grow_by for g in grown.values())
     return time.perf_counter() - t
 
@@ -406,7 +340,7 @@ class StopAfterGrowth(Callback):
 
 def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float) -> dict:
     shape = p.growth_shape
-    lm = make_lm(shape).to(env.device)
+    lm = make_lm(shape)
     forms = named_forms(lm)
     sums = gather_stats(lm, forms, p, env)
     alphas = GrowthSettings().alphas
@@ -421,7 +355,7 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
     # nothing from a second thread, and MKL's OpenMP team spin-waits when another job holds a core (measured on
     # the shared 2-core machine: 4 to 90 s instead of 2 s).
     threads = torch.get_num_threads()
-    if not env.cuda and (os.cpu_count() or 1) > threads:
+    if (os.cpu_count() or 1) > threads:
         torch.set_num_threads(os.cpu_count())
         try:
             all_cores = median(growth_compute_seconds(forms, sums["natural"], "natural", [1.0], p.grow_by, env)
@@ -487,9 +421,9 @@ def cpu_allocation_peak(fn: Callable[[], None]) -> int:
 
 
 def measure_memory(shape: Shape, env: Env) -> dict:
-    lm = make_lm(shape).to(env.device)
+    lm = make_lm(shape)
     forms = named_forms(lm)
-    inputs, labels = (t.to(env.device) for t in token_data(shape, 1).tensors)
+    inputs, labels = (t for t in token_data(shape, 1).tensors)
     params = {p.untyped_storage().data_ptr() for p in lm.parameters()}
     stats = [growth.FormStats.empty_like(f, "natural") for _, _, f in forms]
 
@@ -505,7 +439,7 @@ def measure_memory(shape: Shape, env: Env) -> dict:
             return t
 
         set_capture(forms, mode)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), env.autocast():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = lm.loss(lm(inputs), labels)
         loss.backward()
         # The pairs wait in the forms until on_after_backward folds them: G X′ is new memory, X′ is an
@@ -517,29 +451,21 @@ def measure_memory(shape: Shape, env: Env) -> dict:
 
     def one(mode: str | None) -> dict:
         out: dict = {}
-        if env.cuda:
-            env.sync()
-            torch.cuda.reset_peak_memory_stats(env.device)
-            base = torch.cuda.memory_allocated(env.device)
-            step(mode, out)
-            env.sync()
-            out["peak_bytes"] = torch.cuda.max_memory_allocated(env.device) - base
-        else:
-            out["peak_bytes"] = cpu_allocation_peak(lambda: step(mode, out))
+        out["peak_bytes"] = cpu_allocation_peak(lambda: step(mode, out))
         lm.zero_grad(set_to_none=True)  # gradients are allocated inside every measured step, as in training
         return out
 
     one(None)  # first step: lazily created state is not part of the comparison
     got = {name: one(mode) for name, mode in (("normal", None), ("extend", "extend"), ("explicit", "explicit"))}
     base = got["normal"]
-    # The headline follows docs/design.md §9: saved-for-backward bytes on CPU, max_memory_allocated on CUDA.
-    key = "peak_bytes" if env.cuda else "saved_bytes"
+    # The headline follows docs/design.md §9: saved-for-backward bytes (deterministic on CPU).
+    key = "saved_bytes"
     return {
         "bytes": got,
-        "measure": "torch.cuda.max_memory_allocated" if env.cuda else "bytes saved for backward",
+        "measure": "bytes saved for backward",
         "stats_peak_memory_ratio": got["extend"][key] / base[key],
         "explicit_peak_memory_ratio": got["explicit"][key] / base[key],
-        # Allocation peak of the whole step (CPU: profiler memory events; CUDA: the same as the headline).
+        # Allocation peak of the whole step (profiler memory events).
         "stats_alloc_peak_ratio": got["extend"]["peak_bytes"] / base["peak_bytes"],
         "explicit_alloc_peak_ratio": got["explicit"]["peak_bytes"] / base["peak_bytes"],
         # Saved tensors plus the captured pairs still held at the end of backward: an upper bound of the extra.
@@ -558,9 +484,9 @@ def measure_capture_sweep(shape: Shape, p: Preset, env: Env) -> dict:
     for s in p.sweep_seqs:
         b = max(1, p.sweep_tokens // s)
         torch.manual_seed(0)
-        form = QKForm(shape.n_embd, shape.n_head, shape.d_head).to(env.device)
-        x = torch.randn(b, s, shape.n_embd, device=env.device, requires_grad=True)
-        v = torch.randn(b, shape.n_head, s, shape.n_embd // shape.n_head, device=env.device, requires_grad=True)
+        form = QKForm(shape.n_embd, shape.n_head, shape.d_head)
+        x = torch.randn(b, s, shape.n_embd, requires_grad=True)
+        v = torch.randn(b, shape.n_head, s, shape.n_embd // shape.n_head, requires_grad=True)
         w = torch.randn_like(v)
         st = growth.FormStats.empty_like(form, "natural")
         params = {q.untyped_storage().data_ptr() for q in form.parameters()}
@@ -574,14 +500,12 @@ def measure_capture_sweep(shape: Shape, p: Preset, env: Env) -> dict:
                     saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
                 return t
 
-            env.sync()
             t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), env.autocast():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 loss = (form.attend(x, v) * w).sum()
             loss.backward()
             for xa, gx in form.take_captured():
                 st.update(xa, gx)
-            env.sync()
             form.capture = None
             return time.perf_counter() - t0, sum(saved.values())
 
@@ -603,7 +527,7 @@ def measure_capture_sweep(shape: Shape, p: Preset, env: Env) -> dict:
             "extend_saved_over_explicit_saved": mem["extend"] / mem["explicit"],
             "faster": "extend" if ratio("extend", "explicit") < 1 else "explicit",
             "smaller": "extend" if mem["extend"] < mem["explicit"] else "explicit",
-            "auto_rule_picks": auto_capture(torch.zeros(b, s, dtype=torch.long, device=env.device)),
+            "auto_rule_picks": auto_capture(torch.zeros(b, s, dtype=torch.long)),
         }
         env.log(f"  sweep s{s}: {out[f's{s}_b{b}']}")
     return out
@@ -616,10 +540,9 @@ def run(preset_name: str, env: Env) -> dict:
     started = time.perf_counter()
     result: dict = {
         "preset": preset_name,
-        "device": torch.cuda.get_device_name(env.device) if env.cuda else f"cpu ({torch.get_num_threads()} threads)",
+        "device": f"cpu ({torch.get_num_threads()} threads)",
         "torch": torch.__version__,
         "lightning": L.__version__,
-        "bf16": env.bf16,
         "logger": env.logger,
         "default_shape": {**asdict(default), "name": default.name},
     }
@@ -674,9 +597,12 @@ def run(preset_name: str, env: Env) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small shapes and fewer repeats (< 1 minute on 2 cores)")
-    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU only; bf16-mixed under Lightning)")
+    parser.add_argument("--quick", action="store_true", help="small shapes and fewer repeats (< 1 minute on 2 cores); "
+                        "with --accelerator gpu: bench_gpu.py --dry-run's tiny shapes")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu",
+                        help="gpu: the GPU benchmark, scripts/bench_gpu.py (bf16-mixed)")
+    parser.add_argument("--bf16", action="store_true", help="bf16-mixed: the GPU benchmark's precision, so only "
+                        "with --accelerator gpu (the CPU benchmark runs in float32)")
     parser.add_argument("--logger", choices=("none", "tensorboard"), default="none",
                         help="Lightning logger of the throughput fits (TensorBoard writes to a temp dir)")
     parser.add_argument("--threads", type=int, default=1,
@@ -685,23 +611,21 @@ def main(argv: list[str] | None = None) -> None:
                              "steps with 4x the spread), which swamps the differences measured here")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     args = parser.parse_args(argv)
-    if args.accelerator == "gpu":  # fused kernels, bf16, grown vs static: scripts/bench_gpu.py
+    if args.accelerator == "gpu":  # fused kernels, bf16, grown vs static
+        cpu_only = [flag for flag, given in (("--logger", args.logger != "none"), ("--threads", args.threads != 1),
+                                             ("--verbose", args.verbose)) if given]
+        if cpu_only:
+            parser.error(f"{', '.join(cpu_only)}: options of the CPU benchmark; the GPU benchmark "
+                         "(scripts/bench_gpu.py) takes --dry-run, --compile and --out")
         import bench_gpu
 
-        return bench_gpu.main([])
-    if args.accelerator == "gpu" and not torch.cuda.is_available():
-        parser.error("--accelerator gpu but CUDA is not available")
-    if args.bf16 and args.accelerator != "gpu":
-        parser.error("--bf16 needs --accelerator gpu")
+        return bench_gpu.main(["--dry-run"] if args.quick else [])
+    if args.bf16:
+        parser.error("--bf16 is the GPU benchmark's precision: add --accelerator gpu (the CPU benchmark runs in float32)")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    env = Env(torch.device("cuda" if args.accelerator == "gpu" else "cpu"), args.bf16, args.logger,
-              log=(lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else (lambda msg: None))
-    # Only the JSON goes to stdout: Lightning's banners and warnings are silenced or sent to stderr.
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with contextlib.redirect_stdout(sys.stderr):
+    env = Env(args.logger, log=(lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else (lambda msg: None))
+    with json_only_stdout():
         result = run("quick" if args.quick else "full", env)
     print(json.dumps(result, indent=2))
 

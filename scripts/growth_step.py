@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import lightning as L
 import torch
@@ -33,6 +34,7 @@ sys.path.insert(0, str(REPO))
 from lit_growattn import growth  # noqa: E402
 from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
 from lit_growattn.cli import main as cli_main  # noqa: E402
+from lit_growattn.growing.event import GrowthSettings, choose_step_size  # noqa: E402
 
 CONFIG = "configs/text_grow.yaml"
 SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # as docs/experiments_text.md
@@ -138,7 +140,7 @@ def train(text: str, name: str, seed: int, log_dir: str, extra: list[str]) -> di
 
 # -- probe: L(α) and the noise of the statistics at real growth events ------------------------------------
 GRID = [0.0] + [2.0**-k for k in range(13)]  # 1 … 1/4096
-PAIRS = [(m, mode) for m in growth.DIRECTION_NAMES for mode in growth.MODES]
+PAIRS = [(m, mode) for m in growth.DIRECTIONS for mode in growth.MODES]
 PAIRS += [(baseline, "append") for baseline in growth.BASELINES]
 WINDOW, KEPT, MAX_BATCHES = 16, 2, 64  # configs/text_grow.yaml's stats_batches; line_search_batches' default
 GRIDS = {"1 … 1/16": [2.0**-k for k in range(5)], "1 … 1/256": [2.0**-k for k in range(9)]}  # candidates of a rule
@@ -160,15 +162,14 @@ def random_batches(train_set, n: int, batch_size: int, generator) -> list[tuple[
     return out
 
 
-def per_batch_stats(model, forms: dict, batches) -> list[list[growth.FormStats]]:
+def per_batch_stats(model, loss, forms: dict, batches) -> list[list[growth.FormStats]]:
     """Statistics of each batch alone, at the frozen model (the callback gathers them while training)."""
     out = []
     for x, y in batches:
         stats = [growth.FormStats.empty_like(f, "pinv", dtype=torch.float64) for f in forms.values()]
         for f in forms.values():
             f.capture = "explicit"
-        logits = model(x)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        loss(model(x), y).backward()
         for st, f in zip(stats, forms.values()):
             for xa, gx in f.take_captured():
                 st.update(xa, gx)
@@ -186,16 +187,22 @@ def summed(stats: list[list[growth.FormStats]]) -> list[growth.FormStats]:
 
 
 @torch.no_grad()
-def losses_with(model, forms: dict, grown: dict | None, batches) -> list[float]:
-    originals = {n: (f.w_q, f.w_k, f.log_tau) for n, f in forms.items()}
-    try:
-        for n, f in forms.items():
-            if grown is not None:
-                f.set_weights(grown[n].w_q, grown[n].w_k, grown[n].log_tau)
-        return [float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in batches]
-    finally:
-        for n, f in forms.items():
-            f.w_q, f.w_k, f.log_tau = originals[n]
+def losses_with(model, loss, forms: dict, grown: dict | None, batches) -> list[float]:
+    with growth.installed(forms, grown):
+        return [float(loss(model(x), y)) for x, y in batches]
+
+
+def rate_rule(plan, forms: dict, settings: GrowthSettings, kept_loss: Callable[[float], float]) -> tuple[float, list[float]]:
+    """The step the callback's own choice (`choose_step_size`) installs under `settings`, rated on the kept
+    batches through `kept_loss(α)`; and every α it rated (the quadratic rule adds its minimiser α*)."""
+    rated: list[float] = []
+
+    def loss_of(candidates) -> torch.Tensor:
+        alphas = [0.0 if c is None else next(iter(c.values())).alpha for c in candidates]
+        rated.extend(alphas)
+        return torch.tensor([kept_loss(a) for a in alphas])
+
+    return choose_step_size(plan, list(forms), loss_of, settings).alpha, rated
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -220,34 +227,40 @@ def noise(forms: dict, stats: list[list[growth.FormStats]], p: int) -> list[dict
     return rows
 
 
-def measure_event(model, train_set, held: list, generator, grow_by: int = 7) -> dict:
-    model = copy.deepcopy(model).train(False)
+def measure_event(pl_module, train_set, held: list, generator, grow_by: int = 7) -> dict:
+    model, loss = copy.deepcopy(pl_module.model).train(False), pl_module.loss  # the module's own loss
     forms = named_forms(model)
     batches = random_batches(train_set, MAX_BATCHES, held[0][0].shape[0], generator)
-    stats = per_batch_stats(model, forms, batches)
+    stats = per_batch_stats(model, loss, forms, batches)
     window, kept = batches[:WINDOW], batches[WINDOW - KEPT:WINDOW]
     evaluate = {"window": window, "held_out": held}
-    base = {k: losses_with(model, forms, None, b) for k, b in evaluate.items()}
+    base = {k: losses_with(model, loss, forms, None, b) for k, b in evaluate.items()}
     curves = []
     for method, mode in PAIRS:
         plan = growth.GrowthPlan.build(forms, summed(stats[:WINDOW]), method=method, grow_by=grow_by, mode=mode,
                                        group_of=layer_of, generator=torch.Generator().manual_seed(0))
+
         def at(alpha: float) -> dict:
             grown = {n: plan.grow(n, alpha) for n in forms}
-            out = {k: losses_with(model, forms, grown, b) for k, b in evaluate.items()}
+            out = {k: losses_with(model, loss, forms, grown, b) for k, b in evaluate.items()}
             return {"alpha": alpha, "predicted": sum(g.predicted_decrease for g in grown.values()),
                     "fell_back": any(g.fell_back for g in grown.values()), **out}
+
         points = [at(a) for a in (GRID if method not in growth.BASELINES else [0.0])]
         rules = {}
         if method not in growth.BASELINES:
-            kept_loss = lambda pt: sum(pt["window"][WINDOW - KEPT:]) / KEPT  # noqa: E731
             by_alpha = {pt["alpha"]: pt for pt in points}
-            for label, grid in GRIDS.items():  # what the callback would choose, from the kept batches
-                decreases = [kept_loss(by_alpha[0.0]) - kept_loss(by_alpha[a]) for a in grid]
-                best = growth.choose_step([-d for d in [0.0, *decreases]], [0.0, *grid])
-                slope = by_alpha[min(grid)]["predicted"] / min(grid)
-                star = growth.quadratic_step(slope, grid, decreases)
-                rules[label] = {"grid": [0.0, *grid][best], "quadratic": at(star)}
+
+            def kept_loss(alpha: float) -> float:  # the window's last KEPT batches, as the callback keeps them
+                point = by_alpha.get(alpha) or at(alpha)
+                return sum(point["window"][WINDOW - KEPT:]) / KEPT
+
+            for label, grid in GRIDS.items():
+                rule = lambda step: GrowthSettings(method=method, mode=mode, alphas=[0.0, *grid], step_size=step)  # noqa: E731
+                chosen, _ = rate_rule(plan, forms, rule("grid"), kept_loss)
+                _, rated = rate_rule(plan, forms, rule("quadratic"), kept_loss)
+                star = next((a for a in rated if a not in (0.0, *grid)), None)  # None: α* is a grid point
+                rules[label] = {"grid": chosen, **({"quadratic": at(star)} if star is not None else {})}
         curves.append({"method": method, "mode": mode, "points": points, "rules": rules})
     return {"base": base, "curves": curves, "noise": noise(forms, stats, grow_by)}
 
@@ -264,7 +277,7 @@ class Probe(L.Callback):
             return
         start = time.perf_counter()
         generator = torch.Generator().manual_seed(1000 * self.seed + epoch)
-        event = measure_event(pl_module.model, trainer.datamodule.train_set, held_out(trainer.datamodule), generator)
+        event = measure_event(pl_module, trainer.datamodule.train_set, held_out(trainer.datamodule), generator)
         self.events.append({"seed": self.seed, "epoch": epoch, "step": trainer.global_step,
                             "seconds": time.perf_counter() - start, **event})
         self.out.write_text(json.dumps(self.events))
@@ -310,7 +323,7 @@ def rule_outcomes(event: dict, curve: dict) -> dict[str, dict]:
 
     def pick(alphas, extra=()):
         candidates = [by_alpha[a] for a in alphas] + list(extra)
-        return max(candidates, key=lambda p: (kept(p), -p["alpha"]))
+        return candidates[growth.choose_step([-kept(p) for p in candidates], [p["alpha"] for p in candidates])]
 
     out = {}
     for label, grid in GRIDS.items():

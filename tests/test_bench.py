@@ -8,6 +8,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 HEADLINE = (
@@ -71,3 +73,20 @@ def test_bench_uses_only_public_names_of_the_package():
     assert not private, private
     assert not [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
                 and any(getattr(base, "id", "") == "GrowAttentionCallback" for base in node.bases)]
+
+
+def test_the_gpu_options_go_to_the_gpu_benchmark_and_are_refused_on_cpu(monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench
+    import bench_gpu
+
+    calls = []
+    monkeypatch.setattr(bench_gpu, "main", calls.append)
+    bench.main(["--accelerator", "gpu", "--bf16"])
+    bench.main(["--accelerator", "gpu", "--quick"])
+    assert calls == [[], ["--dry-run"]]  # bench_gpu.py always runs bf16-mixed; --quick is its tiny dry run
+    for argv, refusal in ((["--bf16"], "--bf16 is the GPU benchmark's precision"),
+                          (["--accelerator", "gpu", "--threads", "2"], "--threads: options of the CPU benchmark")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert refusal in capsys.readouterr().err

@@ -7,11 +7,12 @@ registers the same way, from a module imported before the model is built (from t
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
+from lit_growattn.registry import registrar
 
 
 @runtime_checkable
@@ -37,19 +38,8 @@ class Attention(Protocol):
 
 
 ATTENTIONS: dict[str, type[nn.Module]] = {}  # name → variant class, filled by @register_attention
-V = TypeVar("V", bound=type[nn.Module])
-
-
-def register_attention(name: str) -> Callable[[V], V]:
-    """Register an `Attention` class as variant `name`."""
-
-    def register(cls: V) -> V:
-        if name in ATTENTIONS and ATTENTIONS[name] is not cls:
-            raise ValueError(f"attention {name!r} is already registered (by {ATTENTIONS[name].__module__})")
-        ATTENTIONS[name] = cls
-        return cls
-
-    return register
+# @register_attention("name") on an `Attention` class makes it variant `name`.
+register_attention = registrar(ATTENTIONS, "attention")
 
 
 def attention_class(name: str) -> type[nn.Module]:

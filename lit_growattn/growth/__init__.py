@@ -16,7 +16,7 @@ from lit_growattn.growth.choices import (
     LineSearch, Method, Mode, SCHEDULE_KINDS, SecondMoment, STEP_RULES, ScheduleKind, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
-from lit_growattn.growth.plan import GrowthPlan
+from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
 from lit_growattn.growth.step_size import candidate_steps, choose_step, quadratic_step
@@ -54,6 +54,7 @@ __all__ = [
     "choose_step",
     "direction",
     "flatten_stats",
+    "installed",
     "quadratic_step",
     "register_direction",
     "unflatten_stats",

@@ -14,22 +14,12 @@ from torch import Tensor
 
 from lit_growattn.growth.linalg import psd_pinv, score_energy
 from lit_growattn.growth.stats import Moments
-
+from lit_growattn.registry import registrar
 
 DirectionFn = Callable[[Moments, float], Tensor]
 DIRECTIONS: dict[str, DirectionFn] = {}  # method name → direction, filled by @register_direction (natural first)
-
-
-def register_direction(name: str) -> Callable[[DirectionFn], DirectionFn]:
-    """Register `fn(moments, rcond) → ΔM (h, e′, e′)` as growth method `name`."""
-
-    def register(fn: DirectionFn) -> DirectionFn:
-        if name in DIRECTIONS and DIRECTIONS[name] is not fn:
-            raise ValueError(f"growth direction {name!r} is already registered (by {DIRECTIONS[name].__module__})")
-        DIRECTIONS[name] = fn
-        return fn
-
-    return register
+# @register_direction("name") on `fn(moments, rcond) → ΔM (h, e′, e′)` makes it growth method `name`.
+register_direction = registrar(DIRECTIONS, "growth direction")
 
 
 @register_direction("natural")
