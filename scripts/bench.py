@@ -352,8 +352,8 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
         compute[method] = {"one_alpha_s": median(one), "all_candidates_s": median(every)}
         env.log(f"  growth compute {method}: {compute[method]}")
     # The same computation on all cores (torch's default in training), for context: the batched float64 SVDs gain
-    # nothing from a second thread, and MKL's OpenMP team spin-waits when another job holds a core (measured on
-    # the shared 2-core machine: 4 to 90 s instead of 2 s).
+    # nothing from a second thread, and MKL's OpenMP team spin-waits when another job holds a core
+    # (docs/performance.md).
     threads = torch.get_num_threads()
     if (os.cpu_count() or 1) > threads:
         torch.set_num_threads(os.cpu_count())
@@ -606,9 +606,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--logger", choices=("none", "tensorboard"), default="none",
                         help="Lightning logger of the throughput fits (TensorBoard writes to a temp dir)")
     parser.add_argument("--threads", type=int, default=1,
-                        help="CPU intra-op threads (0: torch's default). Default 1: on a shared machine a 2-thread "
-                             "OpenMP team stalls at every barrier while another job holds a core (measured: 4x slower "
-                             "steps with 4x the spread), which swamps the differences measured here")
+                        help="CPU intra-op threads (0: torch's default). Default 1: on a busy machine a 2-thread "
+                             "OpenMP team stalls at every barrier while another job holds a core, which swamps the "
+                             "differences measured here (docs/performance.md)")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     args = parser.parse_args(argv)
     if args.accelerator == "gpu":  # fused kernels, bf16, grown vs static
