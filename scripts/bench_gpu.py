@@ -37,7 +37,7 @@ from bench_common import REPO, StepTimer, json_only_stdout, make_lm, plain_step_
 
 from lit_growattn import growth  # bench_common has put the repository on the path
 from lit_growattn.attention import QKForm
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
 from lit_growattn.module import GrowAttentionLM
 
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -122,7 +122,8 @@ def lightning_steps(s: Setup, device: torch.device, compile: bool, grow: bool) -
     timer = StepTimer(device, epoch=1)
     callbacks = [timer]
     if grow:
-        callbacks.append(GrowAttentionCallback(grow_at_epochs=[1], grow_by=s.d_head_grown - s.d_head, stats_batches=2))
+        callbacks.append(GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=s.d_head_grown - s.d_head),
+                                               StatisticsSettings(batches=2)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with tempfile.TemporaryDirectory() as tmp:

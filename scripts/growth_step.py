@@ -34,19 +34,20 @@ sys.path.insert(0, str(REPO))
 from lit_growattn import growth  # noqa: E402
 from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
 from lit_growattn.cli import main as cli_main  # noqa: E402
-from lit_growattn.growing.event import GrowthSettings, choose_step_size  # noqa: E402
+from lit_growattn import StepSearch  # noqa: E402
+from lit_growattn.growing.event import choose_step_size  # noqa: E402
 
 CONFIG = "configs/text_grow.yaml"
 SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # as docs/experiments_text.md
 GROW_EPOCHS = (1, 2)
 HELD_OUT_BATCHES = 8
 FINE_GRID = [0.0] + [2.0**-k for k in range(9)]  # 1 … 1/256: on text the best step lies at 1/256 … 1/32
-OLD_GRID = "--trainer.callbacks.init_args.alphas=[0,0.0625,0.125,0.25,0.5,1]"
+OLD_GRID = "--trainer.callbacks.init_args.step_search.alphas=[0,0.0625,0.125,0.25,0.5,1]"
 STATIC = ["--trainer.callbacks=null"]
 
 
 def grow_args(method: str, mode: str, *extra: str) -> list[str]:
-    return [f"--trainer.callbacks.init_args.method={method}", f"--trainer.callbacks.init_args.mode={mode}", *extra]
+    return [f"--trainer.callbacks.init_args.growth.method={method}", f"--trainer.callbacks.init_args.growth.mode={mode}", *extra]
 
 
 # name → (CLI overrides, reset the Q/K Adam moments at the growth epochs)
@@ -56,16 +57,16 @@ RUNS: dict[str, tuple[list[str], bool]] = {
     "static d_head 2 + Q/K reset": ([*STATIC, "--model.init_args.d_head=2"], True),
     "grow zero/append": (grow_args("zero", "append"), False),
     "grow random/append": (grow_args("random", "append"), False),
-    "grow natural/append α=0": (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0]"), False),
-    "grow natural/append α=0 + Q/K reset": (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0]"), True),
-    "grow natural/replace α=0": (grow_args("natural", "replace", "--trainer.callbacks.init_args.alphas=[0]"), False),
+    "grow natural/append α=0": (grow_args("natural", "append", "--trainer.callbacks.init_args.step_search.alphas=[0]"), False),
+    "grow natural/append α=0 + Q/K reset": (grow_args("natural", "append", "--trainer.callbacks.init_args.step_search.alphas=[0]"), True),
+    "grow natural/replace α=0": (grow_args("natural", "replace", "--trainer.callbacks.init_args.step_search.alphas=[0]"), False),
 }
-QUADRATIC = ["--trainer.callbacks.init_args.step_size=quadratic", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"]
+QUADRATIC = ["--trainer.callbacks.init_args.step_search.rule=quadratic", f"--trainer.callbacks.init_args.step_search.alphas={FINE_GRID}"]
 RUNS |= {f"grow {m}/{mode} quadratic": (grow_args(m, mode, *QUADRATIC), False)
          for m in ("natural", "gradient") for mode in ("append", "replace")}
 # A step far below the minimum of L(α): new pairs along the same directions, function all but kept.
-RUNS["grow natural/append α=1/4096"] = (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0.000244140625]"), False)
-RUNS["grow natural/append grid 1 … 1/256"] = (grow_args("natural", "append", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"), False)
+RUNS["grow natural/append α=1/4096"] = (grow_args("natural", "append", "--trainer.callbacks.init_args.step_search.alphas=[0.000244140625]"), False)
+RUNS["grow natural/append grid 1 … 1/256"] = (grow_args("natural", "append", f"--trainer.callbacks.init_args.step_search.alphas={FINE_GRID}"), False)
 RUNS["grow natural/append grid 1 … 1/256 + Q/K reset"] = (RUNS["grow natural/append grid 1 … 1/256"][0], True)
 
 
@@ -192,8 +193,9 @@ def losses_with(model, loss, forms: dict, grown: dict | None, batches) -> list[f
         return [float(loss(model(x), y)) for x, y in batches]
 
 
-def rate_rule(plan, forms: dict, settings: GrowthSettings, kept_loss: Callable[[float], float]) -> tuple[float, list[float]]:
-    """The step the callback's own choice (`choose_step_size`) installs under `settings`, rated on the kept
+def rate_rule(plan, forms: dict, search: StepSearch, method: str,
+              kept_loss: Callable[[float], float]) -> tuple[float, list[float]]:
+    """The step the callback's own choice (`choose_step_size`) installs under `search`, rated on the kept
     batches through `kept_loss(α)`; and every α it rated (the quadratic rule adds its minimiser α*)."""
     rated: list[float] = []
 
@@ -202,7 +204,7 @@ def rate_rule(plan, forms: dict, settings: GrowthSettings, kept_loss: Callable[[
         rated.extend(alphas)
         return torch.tensor([kept_loss(a) for a in alphas])
 
-    return choose_step_size(plan, list(forms), loss_of, settings).alpha, rated
+    return choose_step_size(plan, list(forms), loss_of, search, method).alpha, rated
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -256,9 +258,8 @@ def measure_event(pl_module, train_set, held: list, generator, grow_by: int = 7)
                 return sum(point["window"][WINDOW - KEPT:]) / KEPT
 
             for label, grid in GRIDS.items():
-                rule = lambda step: GrowthSettings(method=method, mode=mode, alphas=[0.0, *grid], step_size=step)  # noqa: E731
-                chosen, _ = rate_rule(plan, forms, rule("grid"), kept_loss)
-                _, rated = rate_rule(plan, forms, rule("quadratic"), kept_loss)
+                chosen, _ = rate_rule(plan, forms, StepSearch([0.0, *grid], rule="grid"), method, kept_loss)
+                _, rated = rate_rule(plan, forms, StepSearch([0.0, *grid], rule="quadratic"), method, kept_loss)
                 star = next((a for a in rated if a not in (0.0, *grid)), None)  # None: α* is a grid point
                 rules[label] = {"grid": chosen, **({"quadratic": at(star)} if star is not None else {})}
         curves.append({"method": method, "mode": mode, "points": points, "rules": rules})

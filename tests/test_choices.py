@@ -15,7 +15,7 @@ def test_the_methods_are_the_registered_directions_and_the_baselines():
 
 def test_the_command_line_lists_the_allowed_methods(tmp_path, capsys):
     assert command_line(["fit", "--config", str(REPO / "configs/recall_grow.yaml"),
-                         "--trainer.callbacks.init_args.method=svd", f"--trainer.logger.init_args.save_dir={tmp_path}"]) == 1
+                         "--trainer.callbacks.init_args.growth.method=svd", f"--trainer.logger.init_args.save_dir={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert "'svd'" in err and all(method in err for method in growth.METHODS), err[-2000:]
 

@@ -24,7 +24,7 @@ def fit(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
                "--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
                "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}",
                "--data.init_args.num_train_examples=512", "--data.init_args.num_val_examples=128",
-               "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2",
+               "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2",
                *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=TESTS, env=env, capture_output=True, text=True, timeout=300)
@@ -32,7 +32,7 @@ def fit(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
 
 def test_a_toy_direction_and_variant_from_outside_the_package_grow_through_the_cli(tmp_path):
     proc = fit(tmp_path, "--extensions=[toy_extension]", "--model.init_args.attention=toy_mha",
-               "--trainer.callbacks.init_args.method=toy_sign")
+               "--trainer.callbacks.init_args.growth.method=toy_sign")
     assert proc.returncode == 0, proc.stderr[-4000:]
     # Read without loading: this process keeps the registries as shipped (loading would need `import toy_extension`).
     checkpoint = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False)

@@ -1,7 +1,7 @@
 """A growth direction and an attention variant of a user's own, registered from outside the package.
 
     python -m lit_growattn fit --config configs/mqar_grow.yaml --extensions=[toy_extension] \
-        --model.init_args.attention=toy_mha --trainer.callbacks.init_args.method=toy_sign
+        --model.init_args.attention=toy_mha --trainer.callbacks.init_args.growth.method=toy_sign
 """
 
 from torch import Tensor
