@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from lit_growattn.legacy import refuse_flat_config
 from lit_growattn.module import GrowAttentionLM
 
 TRAINER_DEFAULTS = {
@@ -27,6 +29,11 @@ class GrowAttentionCLI(LightningCLI):
         commands = LightningCLI.subcommands()
         del commands["predict"]
         return commands
+
+    def parse_arguments(self, parser, args) -> None:
+        if args is None or isinstance(args, list):
+            refuse_flat_config(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument(

@@ -26,10 +26,7 @@ from lit_growattn.contract import NamedForm, ScoreMap
 from lit_growattn.divergence import NonFiniteLosses, check_finite_weights
 from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model import GPT
-
-
-def default_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+from lit_growattn.optimization import default_optimizer, lr_factor
 
 
 class GrowAttentionLM(L.LightningModule):
@@ -295,12 +292,5 @@ class GrowAttentionLM(L.LightningModule):
         self._total_steps = self.trainer.estimated_stepping_batches
 
     def _lr_factor(self, step: int) -> float:
-        warmup = self.hparams.warmup_steps
-        if step < warmup:
-            return (step + 1) / warmup
-        if self.hparams.lr_schedule == "constant":
-            return 1.0
-        total = max(self._total_steps, warmup + 1)
-        progress = min((step - warmup) / (total - warmup), 1.0)
-        floor = self.hparams.min_lr_ratio
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        h = self.hparams
+        return lr_factor(step, h.warmup_steps, self._total_steps, h.min_lr_ratio, h.lr_schedule)
