@@ -49,16 +49,16 @@ class StepTimer(Callback):
     def __init__(self, device: torch.device, epoch: int | None = None):
         self.device, self.epoch, self.stamps = device, epoch, []
 
-    def _stamp(self, trainer) -> None:
+    def stamp(self, trainer) -> None:
         if self.epoch in (None, trainer.current_epoch):
             sync(self.device)
             self.stamps.append(time.perf_counter())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._stamp(trainer)
+        self.stamp(trainer)
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self._stamp(trainer)
+        self.stamp(trainer)
 
     def step_times(self, skip: int = 0) -> list[float]:
         return [b - a for a, b in zip(self.stamps, self.stamps[1:])][skip:]
