@@ -93,6 +93,9 @@ class DictBatches(GrowAttentionLM):
     def training_step(self, batch, batch_idx):
         return super().training_step((batch["inputs"], batch["labels"]), batch_idx)
 
+    def validation_step(self, batch, batch_idx):
+        return super().validation_step((batch["inputs"], batch["labels"]), batch_idx)
+
     def batch_loss(self, batch):
         return super().batch_loss((batch["inputs"], batch["labels"]))
 
@@ -105,7 +108,7 @@ def test_batches_need_not_be_pairs(tmp_path):
     loader = DataLoader([{"inputs": x, "labels": y} for x, y in pairs], batch_size=16)
     module = DictBatches(**{k: v for k, v in tiny_module(data).hparams.items()})
     grow = grow_once()
-    trainer(tmp_path, [grow], max_epochs=2).fit(module, loader)
+    trainer(tmp_path, [grow], max_epochs=2, limit_val_batches=1).fit(module, loader, loader)
     assert module.head_sizes() == [4, 4] and not grow.history[0]["skipped"]
 
 

@@ -13,13 +13,13 @@ linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bas
 
 from lit_growattn.growth.choices import (
     BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
-    LineSearch, Method, Mode, SCHEDULE_KINDS, SecondMoment, STEP_RULES, ScheduleKind, StepRule, Temperature, Truncation, check_choice,
+    LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
-from lit_growattn.growth.step_size import candidate_steps, choose_step, quadratic_step
+from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
 
 __all__ = [
     "BASELINES",
@@ -44,14 +44,13 @@ __all__ = [
     "MODES",
     "Moments",
     "NonFiniteStatistics",
-    "SCHEDULE_KINDS",
     "STEP_RULES",
-    "ScheduleKind",
     "StepRule",
     "TEMPERATURES",
     "TRUNCATIONS",
     "candidate_steps",
     "choose_step",
+    "loss_rounding",
     "direction",
     "flatten_stats",
     "installed",

@@ -1,6 +1,6 @@
 """Every set of allowed values of a growth setting, as one Literal each, or one registry.
 
-A Literal is the single source of a fixed set: it types the callback's arguments (so LightningCLI lists the
+A Literal is the single source of a fixed set: it types the settings' fields (so LightningCLI lists the
 choices in `--help` and refuses others), and the tuples below are derived from it for run-time checks. The growth
 methods are open: their names are the keys of `solvers.DIRECTIONS` (filled by `@register_direction`) and the
 baselines, read when a setting is checked, so a direction registered by the user's own module is allowed too.
@@ -37,7 +37,6 @@ Mode = Literal["append", "replace"]
 Temperature = Literal["keep", "rescale"]
 Truncation = Literal["euclidean", "whitened"]
 LineSearch = Literal["low_rank", "full_rank"]
-ScheduleKind = Literal["fixed", "auto"]  # growth at listed epochs/steps, or decided from the statistics
 StepRule = Literal["grid", "quadratic"]  # the best of `alphas`, or also the minimiser of a fitted quadratic
 SecondMoment = Literal["mean", "zero"]  # Adam second moments of new columns
 
@@ -48,7 +47,6 @@ TEMPERATURES: tuple[str, ...] = get_args(Temperature)
 TRUNCATIONS: tuple[str, ...] = get_args(Truncation)
 LINE_SEARCHES: tuple[str, ...] = get_args(LineSearch)
 STEP_RULES: tuple[str, ...] = get_args(StepRule)
-SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
 SECOND_MOMENT_POLICIES: tuple[str, ...] = get_args(SecondMoment)
 
 
