@@ -13,6 +13,7 @@ from lit_growattn.model import GPT
 
 from conftest import REPO, required_args
 
+
 @pytest.mark.parametrize("d_v", [16, 32, 64])
 def test_padding_is_exact_in_float64_for_every_head_size(d_v):
     g = torch.Generator().manual_seed(d_v)
