@@ -17,7 +17,7 @@ import os
 import torch
 from torch import nn
 
-from lit_growattn.hf.growable import GrowableAttention
+from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
 
 PREFIX = "growattn_"
@@ -99,8 +99,6 @@ def grown_classes(base_type: str) -> tuple[type, type]:
 
         def model_init(self, config):
             base_model.__init__(self, config)
-            from lit_growattn.hf import make_growable
-
             make_growable(self)
             for (_, attn), d in zip(_growables(self), config.qk_head_sizes or []):
                 attn.resize(d)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import augment, causal_scores
-from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
+from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class, replace_attention
 
 _CLASSES: dict[str, type[nn.Module]] = {}
 
@@ -217,6 +217,11 @@ class GrowableGPT2Attention(GrowableAttention):
         out, weights = self.attend(hidden_states, q, k, v, attention_mask, self.attn_dropout.p if self.training else 0.0, **kwargs)
         out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
         return self.resid_dropout(out), weights
+
+
+def make_growable(model: nn.Module) -> list[str]:
+    """Converts the attention of a llama/mistral/qwen2/qwen3/gpt2 model in place; returns the converted names."""
+    return replace_attention(model, GrowableAttention.from_native)
 
 
 def growable_class(native: type[nn.Module]) -> type[GrowableAttention]:

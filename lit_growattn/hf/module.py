@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lit_growattn.checkpoint import resize_to_checkpoint
 from lit_growattn.contract import NamedForm
-from lit_growattn.hf.growable import GrowableAttention
+from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, supported
 from lit_growattn.optimization import GrowthOptimization, default_optimizer
 
@@ -84,8 +84,6 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
             config = {"vocab_size": vocab_size, **config}  # from scratch: the tokenizer's size unless given
         self.model = build_model(pretrained, config, attn_implementation)
         self._check_data_fits(vocab_size, block_size)
-        from lit_growattn.hf import make_growable
-
         if not self.growable_forms():  # an exported grown model (growattn_<type>) comes growable
             make_growable(self.model)
         if head_sizes is not None:
