@@ -26,10 +26,12 @@ from lit_growattn import growth
 from lit_growattn.contract import check_module
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent
+from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.capacity import current_ratio
+from lit_growattn.growth.grouped import check_modes
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.lightning_private import should_update_logs
 
@@ -102,6 +104,9 @@ class GrowAttentionCallback(Callback):
                 "batches; raise statistics.batches or statistics.layers_per_step"
             )
         self._layers = layers
+        check_modes(named, self.settings.mode, self.search.line_search)
+        report.say(trainer, check_statistics_memory(named, layers, self.statistics.layers_per_event, self.settings.method,
+                                                    self.statistics.max_memory_gb))
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
         self.schedule.bind(self.settings, layers, sizes)
 
@@ -124,8 +129,9 @@ class GrowAttentionCallback(Callback):
 
     # -- statistics window and growth, decided from the trainer's counters ---------------------------
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
-        """The forms that grow (layer, qualified parameter-name prefix, form)."""
-        return [named for named in pl_module.growable_forms() if named.layer in self._layers]
+        """The forms that grow at the next event (layer, qualified parameter-name prefix, form)."""
+        layers = layers_of_event(self._layers, self.statistics.layers_per_event, len(self.history))
+        return [named for named in pl_module.growable_forms() if named.layer in layers]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         clock = Clock(trainer.current_epoch, batch_idx, trainer.global_step, trainer.num_training_batches,
@@ -139,7 +145,7 @@ class GrowAttentionCallback(Callback):
         if not left:
             return
         forms = self._forms(pl_module)
-        active = layers_in_turn(self._layers, self._per_step, batches - left)
+        active = layers_in_turn(sorted({f.layer for f in forms}), self._per_step, batches - left)
         mode = capture_mode(self.statistics.capture, pl_module.device)
         self.window.begin_step(point.name, forms, active, mode, keep=batch if left <= self.line_search_batches else None)
         self._capturing, self._closes_window = True, left == 1
@@ -205,7 +211,7 @@ class GrowAttentionCallback(Callback):
     def _finish(self, trainer: L.Trainer, event: dict, spectra: dict | None = None) -> None:
         self.history.append(event)
         self.window.clear()
-        report.log_event(trainer, event, {name: layer for layer, name, _ in self._forms(trainer.lightning_module)}, spectra)
+        report.log_event(trainer, event, {f.name: f.layer for f in trainer.lightning_module.growable_forms()}, spectra)
         report.say(trainer, report.event_line(event))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
