@@ -1,11 +1,61 @@
-"""Offline Hugging Face fixtures: a byte-level BPE tokenizer trained in memory (with or without a chat template)
-and tiny random Llama-family models, saved to folders and loaded back as a user's download would be."""
+"""Offline Hugging Face fixtures (DESIGN §11): tiny random configs saved and loaded back like a downloaded model, and
+a byte-level BPE tokenizer trained in memory, with or without a chat template."""
 
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+VOCAB = 96
+
+
+def tiny_config(model_type: str):
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    if model_type == "llama":
+        return LlamaConfig(**common)
+    if model_type == "mistral":
+        return MistralConfig(**common, sliding_window=4)
+    if model_type == "qwen2":
+        return Qwen2Config(**common)
+    if model_type == "qwen3":
+        return Qwen3Config(**common, head_dim=8)
+    if model_type == "gpt2":
+        return GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    raise ValueError(model_type)
+
+
+def saved_tiny_model(model_type: str, folder, seed: int = 0) -> str:
+    """A tiny random model of `model_type` written with save_pretrained into `folder`; returns the folder."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    if model_type == "qwen2":  # biases are zero-initialised: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    if model_type == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def load(folder, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
