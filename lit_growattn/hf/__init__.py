@@ -2,8 +2,14 @@
 
 surgery   replace each layer's native attention by a module built from it, by model type.
 growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA.
+dint      DINT / low-rank DINT attention (seed 001); dint_models: its registered model classes and conversion.
+
+Importing this package registers the DINT model types (`dint_llama`, …) with transformers' Auto classes, so a
+converted model folder loads with `AutoModelForCausalLM.from_pretrained` and no remote code.
 """
 
+from lit_growattn.hf.dint import DintAttention, DintSettings
+from lit_growattn.hf.dint_models import convert_to_dint, register_all
 from lit_growattn.hf.growable import GrowableAttention
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, attention_modules, replace_attention
 
@@ -13,4 +19,6 @@ def make_growable(model) -> list[str]:
     return replace_attention(model, GrowableAttention.from_native)
 
 
-__all__ = ["GrowableAttention", "NATIVE_ATTENTION", "attention_modules", "make_growable", "replace_attention"]
+register_all()
+
+__all__ = ["DintAttention", "DintSettings", "GrowableAttention", "convert_to_dint", "NATIVE_ATTENTION", "attention_modules", "make_growable", "replace_attention"]

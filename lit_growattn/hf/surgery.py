@@ -36,9 +36,10 @@ def native_attention_class(model_type: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module), name)
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every native attention module of `model` (a PreTrainedModel), in layer order."""
-    cls = native_attention_class(model.config.model_type)
+def attention_modules(model: nn.Module, model_type: str | None = None) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every native attention module of `model` (a PreTrainedModel), in layer order;
+    `model_type` (default: the config's) names the native family, for models registered under a type of their own."""
+    cls = native_attention_class(model_type or model.config.model_type)
     found = [(name, m) for name, m in model.named_modules() if type(m) is cls]
     if not found:
         raise ValueError(f"no {cls.__name__} module found in this {model.config.model_type} model "
@@ -46,11 +47,11 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def replace_attention(model: nn.Module, build: Callable[[nn.Module], nn.Module]) -> list[str]:
+def replace_attention(model: nn.Module, build: Callable[[nn.Module], nn.Module], model_type: str | None = None) -> list[str]:
     """Replaces, in place, every native attention module m of `model` by `build(m)`, moved to m's device and
     dtype; returns the replaced modules' qualified names (e.g. 'model.layers.0.self_attn')."""
     names = []
-    for name, original in attention_modules(model):
+    for name, original in attention_modules(model, model_type):
         parent_name, _, child = name.rpartition(".")
         weight = next(original.parameters())
         replacement = build(original).to(device=weight.device, dtype=weight.dtype)
