@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lit_growattn import growth
+from lit_growattn.contract import check_module
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent, GrowthSettings
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
@@ -133,17 +134,18 @@ class GrowAttentionCallback(Callback):
                 "FSDP and DeepSpeed shard parameters, and resizing a sharded parameter needs a full re-shard. "
                 "Use strategy='ddp' (any number of nodes) or 'ddp_spawn'."
             )
-        forms = pl_module.model.qk_forms()
-        n_layer = len(forms)
-        layers = self.layers if self.layers is not None else list(range(n_layer))
+        named = check_module(pl_module)
+        n_layer = len(pl_module.head_sizes())
+        forms = {layer: form for layer, _, form in reversed(named)}  # the first form of each layer
+        layers = self.layers if self.layers is not None else sorted(forms)
         if bad := [i for i in layers if not 0 <= i < n_layer]:
             raise ValueError(f"layers {bad} do not exist: the model has {n_layer} layers (0-based)")
-        if not_growable := [i for i in layers if not forms[i]]:
-            raise ValueError(f"attention {pl_module.model.cfg.attention!r} has no growable query/key pair in layers {not_growable}")
+        if not_growable := [i for i in layers if i not in forms]:
+            raise ValueError(f"{type(pl_module).__name__} has no growable query/key form in layers {not_growable}")
         if isinstance(self.settings.grow_by, list) and len(self.settings.grow_by) != n_layer:
             raise ValueError(f"grow_by has {len(self.settings.grow_by)} entries but the model has {n_layer} layers")
-        e_in = forms[layers[0]][0].w_q.shape[1]
-        current = max(forms[i][0].d_head for i in layers)
+        e_in = forms[layers[0]].w_q.shape[1]
+        current = max(forms[i].d_head for i in layers)
         max_d = self.settings.max_d_head if self.settings.max_d_head is not None else e_in
         if not current <= max_d <= e_in:
             raise ValueError(
@@ -161,7 +163,7 @@ class GrowAttentionCallback(Callback):
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
         if isinstance(self.schedule, AutoSchedule):
             self.schedule.layers, self.schedule.max_d_head = layers, max_d
-            self.schedule.start_sizes = pl_module.model.head_sizes()
+            self.schedule.start_sizes = pl_module.head_sizes()
         end = trainer.max_epochs if self.schedule.unit == "epoch" else trainer.max_steps
         for point in self.schedule.points:
             if end is not None and end >= 0 and point.at >= end:
@@ -189,14 +191,14 @@ class GrowAttentionCallback(Callback):
                     f"previous growth (or the start) with accumulate_grad_batches={trainer.accumulate_grad_batches}: "
                     "space the steps further apart or lower stats_batches"
                 )
-        report.add_layout(trainer, len(pl_module.model.qk_forms()))
+        report.add_layout(trainer, len(pl_module.head_sizes()))
         if trainer.logger is not None:
-            trainer.logger.log_metrics(report.head_size_metrics(pl_module.model.head_sizes()), step=trainer.global_step)
+            trainer.logger.log_metrics(report.head_size_metrics(pl_module.head_sizes()), step=trainer.global_step)
 
     # -- statistics window and growth, decided from the trainer's counters ---------------------------
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
-        """(layer, parameter-name prefix, form) of every form that grows; GrowAttentionLM keeps its GPT at `.model`."""
-        return [(i, f"model.{name}", f) for i, name, f in pl_module.model.named_qk_forms() if i in self._layers]
+        """The forms that grow (layer, qualified parameter-name prefix, form)."""
+        return [named for named in pl_module.growable_forms() if named.layer in self._layers]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         clock = Clock(trainer.current_epoch, batch_idx, trainer.global_step, trainer.num_training_batches,
@@ -210,7 +212,7 @@ class GrowAttentionCallback(Callback):
             return
         forms = self._forms(pl_module)
         active = layers_in_turn(self._layers, self._per_step, self.stats_batches - left)
-        mode = capture_mode(self.capture, batch[0].device)
+        mode = capture_mode(self.capture, pl_module.device)
         self.window.begin_step(point.name, forms, active, mode, keep=batch if left <= self.line_search_batches else None)
         self._capturing, self._closes_window = True, left == 1
 
@@ -228,13 +230,13 @@ class GrowAttentionCallback(Callback):
                 self.window.close(trainer.strategy, trainer.world_size, pl_module.device)
             self._capturing = False
         if should_update_logs(trainer):
-            for key, value in report.head_size_metrics(pl_module.model.head_sizes()).items():
+            for key, value in report.head_size_metrics(pl_module.head_sizes()).items():
                 pl_module.log(key, value, on_step=True, on_epoch=False)
 
     def _grow(self, trainer: L.Trainer, pl_module: L.LightningModule, point: GrowthPoint, batch_idx: int) -> None:
         forms = self._forms(pl_module)
         where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch": batch_idx,
-                 "d_head_before": pl_module.model.head_sizes()}
+                 "d_head_before": pl_module.head_sizes()}
         window = self.window
         if window.event != point.name or window.stats is None:
             return self._skip(trainer, pl_module, where, "no statistics were gathered for it")
@@ -263,11 +265,11 @@ class GrowAttentionCallback(Callback):
         except growth.NonFiniteStatistics as err:
             return self._skip(trainer, pl_module, where, str(err))
         pl_module.record_head_sizes()
-        self._finish(trainer, {**where, "skipped": False, "d_head": pl_module.model.head_sizes(), **record}, spectra)
+        self._finish(trainer, {**where, "skipped": False, "d_head": pl_module.head_sizes(), **record}, spectra)
 
     def _skip(self, trainer, pl_module, where: dict, reason: str) -> None:
         warnings.warn(f"growth at {where['event']} skipped: {reason}; training continues with the current sizes")
-        self._finish(trainer, {**where, "skipped": True, "reason": reason, "d_head": pl_module.model.head_sizes()})
+        self._finish(trainer, {**where, "skipped": True, "reason": reason, "d_head": pl_module.head_sizes()})
 
     def _finish(self, trainer: L.Trainer, event: dict, spectra: dict | None = None) -> None:
         self.history.append(event)

@@ -19,25 +19,17 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
-from lit_growattn.attention import QKForm
 from lit_growattn.attention.sdpa import SdpaPad
-from lit_growattn.attention.lowrank_dint import LowRankQK
 from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
+from lit_growattn.contract import NamedForm
 from lit_growattn.divergence import NonFiniteLosses, check_finite_weights
 from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model import GPT
+from lit_growattn.optimization import GrowthOptimization, default_optimizer
 
 
-# The (h, e′, ·) tensors of the score maps; with `bias` the last row along e′ multiplies X′'s constant column.
-BIAS_ROW_PARAMETERS: dict[type[nn.Module], tuple[str, ...]] = {QKForm: ("w_q", "w_k"), LowRankQK: ("down_q", "down_k")}
-
-
-def default_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-
-
-class GrowAttentionLM(L.LightningModule):
+class GrowAttentionLM(GrowthOptimization, L.LightningModule):
     """Args:
         vocab_size, block_size: normally linked from the data module by the CLI.
         n_layer, n_head, n_embd: transformer size.
@@ -111,6 +103,17 @@ class GrowAttentionLM(L.LightningModule):
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
+    # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
+    def growable_forms(self) -> list[NamedForm]:
+        return [NamedForm(i, f"model.{name}", form) for i, name, form in self.model.named_qk_forms()]
+
+    def head_sizes(self) -> list[int]:
+        return self.model.head_sizes()
+
+    def batch_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs, labels = batch
+        return self.loss(self(inputs), labels)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown
         # checkpoint has other Q/K widths than the hparams the module was built from: resize to the checkpoint's
@@ -118,7 +121,7 @@ class GrowAttentionLM(L.LightningModule):
         resize_to_checkpoint(self, state_dict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         recorded = self.hparams["d_head"]
-        if self.model.head_sizes() != (recorded if isinstance(recorded, list) else [recorded] * self.cfg.n_layer):
+        if self.head_sizes() != (recorded if isinstance(recorded, list) else [recorded] * self.cfg.n_layer):
             self.record_head_sizes()
         return result
 
@@ -130,7 +133,7 @@ class GrowAttentionLM(L.LightningModule):
 
     def record_head_sizes(self) -> None:
         """Keeps hparams in step with the grown shapes, so `load_from_checkpoint` builds the right sizes."""
-        self.hparams["d_head"] = self.model.head_sizes()
+        self.hparams["d_head"] = self.head_sizes()
 
     # -- steps ---------------------------------------------------------------------------------
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -243,61 +246,3 @@ class GrowAttentionLM(L.LightningModule):
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         return self(batch[0]).argmax(-1)
-
-    # -- optimisation --------------------------------------------------------------------------
-    def parameter_groups(self) -> list[dict[str, Any]]:
-        """Weight decay only on ≥2-D weights; never on temperatures, biases, norms or gates.
-
-        The query/key bias is the last row of W_Q/W_K (and of the low-rank map's down factors): those tensors are
-        in the no-decay group, and `on_before_optimizer_step` decays their other rows.
-        """
-        with_bias_row = {id(p) for p in self._bias_row_parameters()}
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 and id(p) not in with_bias_row else no_decay).append(p)
-        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-    def _bias_row_parameters(self) -> list[nn.Parameter]:
-        return [
-            getattr(m, name) for m in self.modules() if type(m) in BIAS_ROW_PARAMETERS and m.bias
-            for name in BIAS_ROW_PARAMETERS[type(m)]
-        ]
-
-    @torch.no_grad()
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Decoupled weight decay, as AdamW applies it, on every row but the bias row of the Q/K tensors that carry one.
-
-        Reads the decay group's weight_decay and the no-decay group's learning rate (`parameter_groups`' order).
-        """
-        params = [p for p in self._bias_row_parameters() if p.grad is not None]  # AdamW skips the others too
-        if not params:
-            return
-        decay_group, no_decay_group = optimizer.param_groups
-        shrink = 1.0 - no_decay_group["lr"] * decay_group.get("weight_decay", 0.0)
-        for p in params:
-            p[:, :-1].mul_(shrink)
-
-    def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.parameter_groups())
-        if self.scheduler_factory is not None:
-            scheduler = self.scheduler_factory(optimizer)
-        else:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_train_start(self) -> None:
-        # Read here, not when the scheduler is built: `estimated_stepping_batches` loads the train dataloader,
-        # and loading it before a checkpoint is restored would lose the dataloader's mid-epoch position.
-        self._total_steps = self.trainer.estimated_stepping_batches
-
-    def _lr_factor(self, step: int) -> float:
-        warmup = self.hparams.warmup_steps
-        if step < warmup:
-            return (step + 1) / warmup
-        if self.hparams.lr_schedule == "constant":
-            return 1.0
-        total = max(self._total_steps, warmup + 1)
-        progress = min((step - warmup) / (total - warmup), 1.0)
-        floor = self.hparams.min_lr_ratio
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))

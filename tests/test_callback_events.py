@@ -239,7 +239,7 @@ class NoQK(torch.nn.Module):
 def test_growth_on_attention_without_qk_pair_is_refused(tmp_path, monkeypatch):
     monkeypatch.setitem(ATTENTIONS, "noqk", NoQK)
     data = recall_data()
-    with pytest.raises(ValueError, match="attention 'noqk' has no growable query/key pair"):
+    with pytest.raises(ValueError, match=r"growable_forms\(\) is empty: no attention layer has a growable query/key form"):
         trainer(tmp_path, [GrowAttentionCallback(grow_at_epochs=[1])]).fit(tiny_module(data, attention="noqk"), data)
 
 

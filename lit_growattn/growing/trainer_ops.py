@@ -4,10 +4,11 @@ docs/design.md, "Lightning mechanics")."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
@@ -17,13 +18,13 @@ from lit_growattn.optim_state import carry_state, snapshot_state
 
 
 def kept_batch_losses(
-    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[tuple[Tensor, Tensor]],
+    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[Any],
     candidates: Sequence[dict[str, Growth] | None],
 ) -> Tensor:
     """Mean loss over the kept batches of all ranks (`batches`: this rank's share, possibly none) of each candidate
     (name → Growth installed; None: the forms as they are), forward only, so that every rank makes the same
     choice. Sums and counts are reduced, not per-rank means: a run resumed on more ranks than there are kept
-    batches leaves some ranks without any. The forms are restored after."""
+    batches leaves some ranks without any. The forms are restored after. `pl_module.batch_loss` rates a batch."""
     originals = [(form, (form.w_q, form.w_k, form.log_tau)) for _, _, form in forms]
 
     def restore() -> None:
@@ -40,9 +41,8 @@ def kept_batch_losses(
                     if grown is not None:
                         form.set_weights(grown[name].w_q, grown[name].w_k, grown[name].log_tau)
                 total = torch.zeros((), device=pl_module.device)
-                for inputs, labels in batches:
-                    inputs, labels = inputs.to(pl_module.device), labels.to(pl_module.device)
-                    total += pl_module.loss(pl_module(inputs), labels).float()
+                for batch in batches:
+                    total += pl_module.batch_loss(move_data_to_device(batch, pl_module.device)).float()
                 losses.append(total)
                 restore()
     finally:

@@ -2,6 +2,7 @@
 
 surgery   replace each layer's native attention by a module built from it, by model type.
 growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA.
+module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
 dint      DINT / low-rank DINT attention (seed 001); dint_models: its registered model classes and conversion.
 
 Importing this package registers the DINT model types (`dint_llama`, …) with transformers' Auto classes, so a
@@ -11,6 +12,7 @@ converted model folder loads with `AutoModelForCausalLM.from_pretrained` and no 
 from lit_growattn.hf.dint import DintAttention, DintSettings
 from lit_growattn.hf.dint_models import convert_to_dint, register_all
 from lit_growattn.hf.growable import GrowableAttention
+from lit_growattn.hf.module import HFCausalLM
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, attention_modules, replace_attention
 
 
@@ -21,4 +23,5 @@ def make_growable(model) -> list[str]:
 
 register_all()
 
-__all__ = ["DintAttention", "DintSettings", "GrowableAttention", "convert_to_dint", "NATIVE_ATTENTION", "attention_modules", "make_growable", "replace_attention"]
+__all__ = ["DintAttention", "DintSettings", "GrowableAttention", "HFCausalLM", "NATIVE_ATTENTION", "attention_modules",
+           "convert_to_dint", "make_growable", "replace_attention"]

@@ -82,12 +82,19 @@ class GrowableAttention(nn.Module):
         self.w_k = nn.Parameter(w_k.to(like.device, like.dtype).contiguous())
         self.log_tau = nn.Parameter(log_tau.to(like.device, like.dtype).clone())
 
+    def resize_to(self, state_dict, prefix: str) -> None:
+        """Takes the head size of `state_dict[prefix + "w_q"]` (zero NoPE columns; loading then fills them)."""
+        if (key := f"{prefix}w_q") in state_dict:
+            self.resize(state_dict[key].shape[-1])
+
     def resize(self, d_head: int) -> None:
-        """Resizes to d_head with zero NoPE columns (before loading a checkpoint of a grown model)."""
+        """Resizes to d_head ≥ rotary, keeping the leading columns and appending zero NoPE columns."""
         if d_head != self.d_head:
-            pad = lambda w: torch.cat([w[..., : min(d_head, w.shape[-1])],  # noqa: E731
-                                       w.new_zeros(*w.shape[:-1], max(0, d_head - w.shape[-1]))], -1)
-            self.set_weights(pad(self.w_q), pad(self.w_k), self.log_tau)
+            fit = lambda w: torch.cat([w[..., :d_head], w.new_zeros(*w.shape[:-1], max(0, d_head - w.shape[-1]))], -1)  # noqa: E731
+            self.set_weights(fit(self.w_q), fit(self.w_k), self.log_tau)
+
+    def bias_row_parameters(self) -> list[nn.Parameter]:
+        return [self.w_q, self.w_k] if self.qk_bias else []
 
     def take_captured(self) -> list[tuple[Tensor, Tensor]]:
         """The (X′, G X′) pairs recorded since the last call; G X′ is (b, H, s, e′)."""
