@@ -37,26 +37,23 @@ def module(tmp_path, tokenizer_dir, **kwargs):
 def test_labels_are_exactly_the_response_and_eos(tmp_path, tokenizer_dir):
     dm = module(tmp_path, tokenizer_dir)
     tok = dm.tokenizer
-    batch = next(iter(dm.train_dataloader()))
-    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    inputs, labels = next(iter(dm.train_dataloader()))
+    assert inputs.shape == labels.shape
     seen = set()
-    for ids, mask, labels in zip(batch["input_ids"], batch["attention_mask"], batch["labels"]):
-        n = int(mask.sum())
-        assert mask[:n].all() and not mask[n:].any()  # right padding
-        assert (ids[n:] == dm.pad_id).all() and (labels[n:] == -100).all()
-        supervised = labels[:n] != -100
-        first = int(supervised.float().argmax())
-        assert supervised[first:].all() and not supervised[:first].any()  # one response span, to the end
-        assert torch.equal(labels[first:n], ids[first:n])  # not shifted: the HF loss shifts
-        assert ids[n - 1] == tok.eos_token_id
-        prompt, response = tok.decode(ids[:first]), tok.decode(ids[first:n - 1])
+    for ids, targets in zip(inputs, labels):
+        supervised = targets != -100
+        first, last = int(supervised.float().argmax()), int(supervised.nonzero().max())
+        assert supervised[first:last + 1].all() and not supervised[:first].any()  # one response span
+        assert torch.equal(targets[:-1][supervised[:-1]], ids[1:][supervised[:-1]])  # shifted once: target = next input
+        assert targets[last] == tok.eos_token_id and (ids[last + 2:] == dm.pad_id).all()  # right padding after EOS
+        prompt, response = tok.decode(ids[:first + 1]), tok.decode(targets[first:last])
         row = next(r for r in ROWS if r["generated_solution"] == response)
         seen.add(row["problem"])
         if tok.chat_template:
             assert prompt == f"<|user|>{row['problem']}\n<|assistant|>"
         else:
             assert prompt == "<s>" + PLAIN_TEMPLATE.format(prompt=row["problem"])
-    assert len(seen) == len(batch["input_ids"])
+    assert len(seen) == len(inputs)
 
 
 def test_over_long_example_is_truncated_and_counted(tmp_path, tokenizer_dir):
@@ -99,5 +96,5 @@ def test_cross_domain_text_windows(tmp_path, tokenizer_dir):
     dm = module(tmp_path, tokenizer_dir, val_texts={"fox": str(tmp_path / "other.txt")})
     assert dm.val_names == ["", "fox"]
     loaders = dm.val_dataloader()
-    batch = next(iter(loaders[1]))
-    assert batch["input_ids"].shape[1] == 64 and torch.equal(batch["labels"], batch["input_ids"])
+    inputs, labels = next(iter(loaders[1]))
+    assert inputs.shape[1] == 64 and torch.equal(labels[:, :-1], inputs[:, 1:])

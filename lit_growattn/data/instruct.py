@@ -7,9 +7,11 @@ Each example becomes `prompt tokens + response tokens + EOS`:
   should produce, and where it should stop.
 Labels are -100 on the prompt and on padding and equal the input ids on the response and its EOS.
 
-Batch convention (Hugging Face's, not the project's GPT convention): a dict of `input_ids`, `attention_mask` and
-`labels`, all (B, T), right-padded, labels NOT shifted — HF models shift them inside their loss
-(`ForCausalLMLoss`), so shifting here would shift twice.
+Batch convention: the project's (inputs, labels) pairs, (B, T) each, right-padded, labels ALREADY SHIFTED —
+labels[:, t] is the target of inputs[:, t], i.e. token t+1 — so the loss is a plain cross-entropy (HFCausalLM's).
+Never pass them as `labels=` to a Hugging Face model: its loss (`ForCausalLMLoss`) shifts once more. No attention
+mask is needed: padding only follows the real tokens, and causal attention (DINT's running mean A3 included)
+never looks ahead, so the real positions never see it.
 
 An example longer than `max_length` loses the end of its response (and its EOS); one whose prompt alone fills
 `max_length` keeps no response token and is dropped. Both are counted and logged.
@@ -70,18 +72,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def pad_batch(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right padding to the longest example: ids with pad_id, attention_mask 0, labels -100."""
+def pad_batch(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Examples (`input_ids`, unshifted `labels`) → (inputs, shifted labels), right-padded to the longest
+    (inputs with pad_id, labels with -100)."""
     length = max(len(e["input_ids"]) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)
-    mask = torch.zeros_like(ids)
     for row, e in enumerate(examples):
         n = len(e["input_ids"])
         ids[row, :n] = torch.as_tensor(e["input_ids"])
         labels[row, :n] = torch.as_tensor(e["labels"])
-        mask[row, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return ids[:, :-1], labels[:, 1:]
 
 
 class InstructDataModule(BaseDataModule):
@@ -96,7 +97,7 @@ class InstructDataModule(BaseDataModule):
         val_size: The last this many examples are held out for validation (`val/…`).
         max_length: Tokens per example at most (longer ones are truncated and counted).
         val_texts: Cross-domain validation sets, name -> local text file, read as language-modelling windows
-            of `max_length` tokens (loss on every token); logged as `val/<name>/…`.
+            of `max_length` inputs (loss on every token); logged as `val/<name>/…`.
         val_text_windows: At most this many windows per `val_texts` file.
         cache_dir: Where tokenized examples are kept ($LIT_GROWATTN_CACHE or ~/.cache/lit_growattn).
         batch_size: Examples per batch, per device.
@@ -235,13 +236,14 @@ class InstructDataModule(BaseDataModule):
         """Consecutive windows of the file's tokens, every token a label (the language-modelling loss)."""
         text = Path(path).read_text(encoding="utf-8", errors="replace")
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        n = min(len(ids) // self.max_length, self.val_text_windows)
+        width = self.max_length + 1  # inputs and their shifted targets
+        n = min(len(ids) // width, self.val_text_windows)
         if n == 0:
-            raise ValueError(f"{path} has {len(ids)} tokens, fewer than one window of max_length={self.max_length}")
-        windows = [ids[i * self.max_length:(i + 1) * self.max_length] for i in range(n)]
+            raise ValueError(f"{path} has {len(ids)} tokens, fewer than one window of max_length + 1 = {width}")
+        windows = [ids[i * width:(i + 1) * width] for i in range(n)]
         return [{"input_ids": w, "labels": w} for w in windows]
 
-    def collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+    def collate(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         return pad_batch(examples, self.pad_id)
 
 
