@@ -26,6 +26,7 @@ FAMILIES = {
     "qwen2": ("qwen2", "Qwen2"),
     "qwen3": ("qwen3", "Qwen3"),
 }
+DINT_MODEL_TYPES = tuple(f"dint_{t}" for t in FAMILIES)
 _REGISTERED: dict[str, tuple[type, type]] = {}
 
 
@@ -81,3 +82,21 @@ def convert_to_dint(model: nn.Module, settings: DintSettings, seed: int = 0) -> 
                          f"unexpected {sorted(unexpected)}")
     converted.generation_config = model.generation_config
     return converted.eval() if not model.training else converted
+
+
+def convert_pretrained(src: str, out: str, settings: DintSettings, seed: int = 0) -> nn.Module:
+    """Converts the model folder `src` (save_pretrained layout) to DINT and writes it, with src's tokenizer when it
+    has one, to `out`; the weights keep their stored dtype. Returns the converted model."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise FileNotFoundError(f"--pretrained {src!r} is not a model folder (no config.json): give a local folder "
+                                "written by save_pretrained (models are never downloaded here)")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    converted = convert_to_dint(model, settings, seed)
+    converted.save_pretrained(out)
+    if any(os.path.isfile(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return converted
