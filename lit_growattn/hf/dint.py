@@ -162,6 +162,11 @@ class DintAttention(nn.Module):
 
     def _prior(self, cache, b: int, n_head: int, d: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """The running (sum, count) of A1·V that this layer left beside `cache`, or zeros for a fresh cache."""
+        from transformers import DynamicCache
+
+        if cache is not None and not isinstance(cache, DynamicCache):
+            raise RuntimeError(f"DINT decodes with a DynamicCache (generate's default), not a {type(cache).__name__}: "
+                               "its keys and values hold both maps, twice the native key/value heads")
         seen = cache.get_seq_length(self.layer_idx) if cache is not None else 0
         zeros = (like.new_zeros(b, n_head, d, dtype=torch.float32), like.new_zeros(b, dtype=torch.float32))
         if seen == 0:
