@@ -4,7 +4,7 @@ import pytest
 
 from lit_growattn.data.arithmetic import ArithmeticDataModule, exact_answer_accuracy, extract_answer, make_rows
 
-from hf_helpers import save_tokenizer
+from hf_helpers import instruct_tokenizer
 
 
 def test_worked_answers_are_correct_and_extractable():
@@ -28,7 +28,7 @@ def test_exact_answer_accuracy():
 
 
 def test_arithmetic_module_reads_generated_rows(tmp_path):
-    save_tokenizer(tmp_path / "tok", chat_template=False)
+    instruct_tokenizer(tmp_path / "tok", chat_template=False)
     dm = ArithmeticDataModule(str(tmp_path / "tok"), num_examples=40, val_size=8, cache_dir=str(tmp_path / "c"))
     dm.prepare_data()
     dm.setup("fit")

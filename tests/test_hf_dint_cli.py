@@ -18,7 +18,7 @@ import yaml  # noqa: E402
 from lit_growattn.data.arithmetic import make_rows, write_jsonl  # noqa: E402
 
 from conftest import REPO, scalar_tags  # noqa: E402
-from hf_helpers import save_tokenizer, tiny_config  # noqa: E402
+from hf_helpers import instruct_tokenizer, saved_tiny_model  # noqa: E402
 
 TINY = REPO / "configs" / "hf_llama_dint_sft_tiny.yaml"
 
@@ -48,11 +48,8 @@ def test_convert_fit_export_generate(tmp_path):
     import lit_growattn.hf  # noqa: F401 - registers the DINT classes
 
     folder = tmp_path / "llama"
-    tokenizer = save_tokenizer(folder, chat_template=False)
-    config = tiny_config("llama")
-    config.vocab_size = len(tokenizer)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer = instruct_tokenizer(folder, chat_template=False)
+    saved_tiny_model("llama", folder, vocab=len(tokenizer))
     done = run(tmp_path, "convert", "--pretrained", str(folder), "--to", "lowrank_dint", "--rank", "2",
                "--out", str(tmp_path / "dint"))
     assert "fine-tune with" in done.stdout

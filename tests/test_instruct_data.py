@@ -8,7 +8,7 @@ import torch
 
 from lit_growattn.data.instruct import PLAIN_TEMPLATE, InstructDataModule
 
-from hf_helpers import save_tokenizer
+from hf_helpers import instruct_tokenizer
 
 ROWS = [{"problem": f"What is {a} + {b}?", "generated_solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
          "expected_answer": str(a + b)} for a, b in [(1, 2), (12, 7), (30, 45), (8, 9), (100, 23), (5, 5)]]
@@ -21,7 +21,7 @@ def write_jsonl(path, rows=ROWS):
 
 @pytest.fixture(params=[True, False], ids=["chat_template", "plain"])
 def tokenizer_dir(request, tmp_path):
-    save_tokenizer(tmp_path / "tok", chat_template=request.param)
+    instruct_tokenizer(tmp_path / "tok", chat_template=request.param)
     return str(tmp_path / "tok")
 
 

@@ -39,7 +39,7 @@ class CapacityRule:
 
     def __post_init__(self):
         if not self.threshold > 0:
-            raise ValueError(f"auto_threshold must be positive (a share of the loss, e.g. 1e-4), got {self.threshold}")
+            raise ValueError(f"AutoSchedule threshold must be positive (a share of the loss, e.g. 1e-4), got {self.threshold}")
         if not 0 < self.realised_ratio <= 1:
             raise ValueError(f"realised_ratio is a share of the predicted decrease in (0, 1], got {self.realised_ratio}")
 

@@ -44,6 +44,13 @@ def refused_mode(form, mode: str, line_search: str = "low_rank") -> str | None:
     return None
 
 
+def check_modes(named_forms, mode: str, line_search: str) -> None:
+    """Refuses, naming the form and the reason, a mode or line search that some (name, form) cannot take."""
+    for _, name, form in named_forms:
+        if reason := refused_mode(form, mode, line_search):
+            raise ValueError(f"{name}: {reason}")
+
+
 def growth_for(form, moments: Moments, method: str = "natural", **kwargs) -> FormGrowth | GroupedGrowth:
     """FormGrowth for a plain form; GroupedGrowth when keys are shared or leading columns rotary."""
     if form.w_k.shape[0] == form.w_q.shape[0] and not getattr(form, "rotary", 0):
