@@ -121,6 +121,29 @@ def finetune(out: Path, pretrained: Path, tokenizer_dir: Path, held_out_text: Pa
                 seconds=seconds)
 
 
+def table(runs: list[dict]) -> str:
+    """Markdown table: mean ± standard deviation over seeds per variant (entropy: mean over layers)."""
+    import statistics
+
+    def cell(values: list[float], digits: int) -> str:
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+
+    lines = ["| variant | seeds | instruction val loss | exact-answer accuracy | Shakespeare val loss after | "
+             "entropy before → after (nats, mean over layers) | mean abs λ after |", "|---" * 7 + "|"]
+    for variant in VARIANTS:
+        rows = [r for r in runs if r["variant"] == variant]
+        if not rows:
+            continue
+        before = [statistics.mean(r["entropy_original"]) for r in rows]
+        after = [statistics.mean(r["entropy_after"]) for r in rows]
+        lam = cell([statistics.mean(r["mean_abs_lambda"]) for r in rows], 4) if rows[0]["mean_abs_lambda"] else "—"
+        lines.append(f"| {variant} | {len(rows)} | {cell([r['val_loss'] for r in rows], 3)} | "
+                     f"{cell([r['accuracy'] for r in rows], 3)} | {cell([r['shakespeare_loss'] for r in rows], 2)} | "
+                     f"{cell(before, 3)} → {cell(after, 3)} | {lam} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/seed001")
@@ -129,7 +152,11 @@ def main() -> None:
     parser.add_argument("--finetune_steps", type=int, default=250)
     parser.add_argument("--num_examples", type=int, default=4200)
     parser.add_argument("--quick", action="store_true", help="a few steps of everything")
+    parser.add_argument("--table", help="print the table of an existing results.json and stop")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())["runs"]))
+        return
     if args.quick:
         args.seeds, args.pretrain_steps, args.finetune_steps, args.num_examples = [0], 10, 4, 400
     out = Path(args.out)
@@ -150,6 +177,7 @@ def main() -> None:
             print(json.dumps(runs[-1]), flush=True)
             (out / "results.json").write_text(json.dumps(dict(vars(args), pretrain_val_loss=pretrain_loss, runs=runs),
                                                          indent=1))
+    print(table(runs))
 
 
 if __name__ == "__main__":

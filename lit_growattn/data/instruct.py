@@ -183,7 +183,7 @@ class InstructDataModule(BaseDataModule):
 
     def _cache_path(self) -> Path:
         source = [self.hf_dataset, self.hf_config, self.hf_split] if self.hf_dataset else fingerprint_files(self.paths)
-        settings = dict(format=1, source=source, tokenizer=tokenizer_fingerprint(self.tokenizer), fields=[
+        settings = dict(format=2, source=source, tokenizer=tokenizer_fingerprint(self.tokenizer), fields=[
             self.prompt_field, self.response_field], max_examples=self.max_examples, max_length=self.max_length)
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
         return self.cache_dir / f"instruct-{digest}"
@@ -196,19 +196,25 @@ class InstructDataModule(BaseDataModule):
                                                                self.max_length)
 
         def encode(batch):
-            out = {"input_ids": [], "labels": [], "truncated": []}
+            out = {"input_ids": [], "labels": [], "truncated": [], "num_labels": []}
             for prompt, response in zip(batch[prompt_field], batch[response_field]):
                 ids, n_prompt, truncated = encode_example(tokenizer, prompt, response, max_length)
                 out["input_ids"].append(ids)
                 out["labels"].append([-100] * min(n_prompt, len(ids)) + ids[n_prompt:])
                 out["truncated"].append(truncated)
+                out["num_labels"].append(max(len(ids) - n_prompt, 0))
             return out
 
         rows = self._rows()
         tokenized = rows.map(encode, batched=True, remove_columns=rows.column_names, desc="tokenizing examples")
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
         tokenized.save_to_disk(str(tmp))
-        os.replace(tmp, path)  # complete or absent: a build that was interrupted is built again
+        try:
+            os.replace(tmp, path)  # complete or absent: a build that was interrupted is built again
+        except OSError:
+            if not path.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another node sharing cache_dir finished the same build first
 
     def setup(self, stage: str | None = None) -> None:
         from datasets import load_from_disk
@@ -219,13 +225,12 @@ class InstructDataModule(BaseDataModule):
                 raise FileNotFoundError(f"no tokenized examples at {path}: under DDP prepare_data builds them on one "
                                         f"process per node, so every rank must see cache_dir={str(self.cache_dir)!r}")
             self.prepare_data()
-        examples = load_from_disk(str(path)).with_format("numpy")
-        truncated = np.asarray(examples["truncated"])
-        has_response = np.array([(np.asarray(labels) != -100).any() for labels in examples["labels"]], dtype=bool)
-        self.num_truncated, self.num_dropped = int(truncated.sum()), int((~has_response).sum())
+        examples = load_from_disk(str(path))
+        has_response = np.asarray(examples["num_labels"]) > 0
+        self.num_truncated, self.num_dropped = int(np.sum(examples["truncated"])), int((~has_response).sum())
         rank_zero_info(f"instruction data: {len(examples)} examples, {self.num_truncated} truncated to max_length="
                        f"{self.max_length}, {self.num_dropped} dropped (no response token left)")
-        kept = examples.select(np.flatnonzero(has_response)).with_format(None)
+        kept = examples.select(np.flatnonzero(has_response)).select_columns(["input_ids", "labels"])
         if len(kept) <= self.val_size:
             raise ValueError(f"{len(kept)} usable examples cannot hold out val_size={self.val_size}: lower val_size")
         self.train_set = kept.select(range(len(kept) - self.val_size))
