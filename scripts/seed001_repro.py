@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--finetune_steps", type=int, default=250)
     parser.add_argument("--num_examples", type=int, default=4200)
     parser.add_argument("--quick", action="store_true", help="a few steps of everything")
+    parser.add_argument("--from_run", help="reuse the tokenizer and pretrained model of this earlier --out")
     parser.add_argument("--table", help="print the table of an existing results.json and stop")
     args = parser.parse_args()
     if args.table:
@@ -161,14 +162,19 @@ def main() -> None:
         args.seeds, args.pretrain_steps, args.finetune_steps, args.num_examples = [0], 10, 4, 400
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = SHAKESPEARE.read_text()
-    held_out = out / "shakespeare_val.txt"
-    held_out.write_text(text[int(len(text) * 0.9):])  # TextDataModule's default held-out tenth
-    sample = text[: int(len(text) * 0.9)] + "".join(r["problem"] + "\n" + r["generated_solution"] + "\n"
-                                                    for r in make_rows(2000, seed=99))
-    tokenizer_dir = out / "tokenizer"
-    make_tokenizer(tokenizer_dir, sample, 512)
-    pretrained, pretrain_loss = pretrain(out, tokenizer_dir, args.pretrain_steps)
+    if args.from_run:  # fine-tune the model pretrained by an earlier run (its tokenizer and held-out text too)
+        base = Path(args.from_run)
+        tokenizer_dir, pretrained, held_out = base / "tokenizer", base / "pretrained", base / "shakespeare_val.txt"
+        pretrain_loss = json.loads((base / "results.json").read_text())["pretrain_val_loss"]
+    else:
+        text = SHAKESPEARE.read_text()
+        held_out = out / "shakespeare_val.txt"
+        held_out.write_text(text[int(len(text) * 0.9):])  # TextDataModule's default held-out tenth
+        sample = text[: int(len(text) * 0.9)] + "".join(r["problem"] + "\n" + r["generated_solution"] + "\n"
+                                                        for r in make_rows(2000, seed=99))
+        tokenizer_dir = out / "tokenizer"
+        make_tokenizer(tokenizer_dir, sample, 512)
+        pretrained, pretrain_loss = pretrain(out, tokenizer_dir, args.pretrain_steps)
     runs = []
     for seed in args.seeds:
         for variant in VARIANTS:
