@@ -1,4 +1,5 @@
-"""`python -m lit_growattn fit|validate|test …` (LightningCLI), `… convert …` and `… export …` (Hugging Face models).
+"""`python -m lit_growattn fit|validate|test …` (LightningCLI), `python -m lit_growattn convert …` and
+`python -m lit_growattn export --ckpt CKPT --out DIR` (a Hugging Face model folder, `lit_growattn.hf.export`).
 
 An error is reported as the project's own message in a few lines, not as jsonargparse's and Lightning's
 wrappers around it; `LIT_GROWATTN_DEBUG=1` shows the full traceback instead.

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from lit_growattn.legacy import refuse_flat_config
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -26,6 +28,11 @@ class GrowAttentionCLI(LightningCLI):
         commands = LightningCLI.subcommands()
         del commands["predict"]
         return commands
+
+    def parse_arguments(self, parser, args) -> None:
+        if args is None or isinstance(args, list):
+            refuse_flat_config(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:
         # The vocabulary and the longest sequence come from the data, so the model cannot disagree with it.

@@ -1,16 +1,16 @@
-"""Optimisation shared by the LightningModules that grow: parameter groups, decoupled weight decay on every row
-but a query/key bias row, and the built-in warmup + cosine schedule.
+"""Optimisation shared by the LightningModules that grow (GrowAttentionLM, hf.HFCausalLM): the default optimizer,
+parameter groups, decoupled weight decay on every row but a query/key bias row, and the built-in schedule.
 
-The optimizer and scheduler are callables (not a top-level `optimizer:` block of LightningCLI), because a
-growth event resizes parameters and has to build them again (docs/design.md, "Lightning mechanics").
-A module using `GrowthOptimization` sets `optimizer_factory`, `scheduler_factory` and `_total_steps`, and has
-hparams `warmup_steps`, `lr_schedule` and `min_lr_ratio`.
+The optimizer and scheduler are callables (not a top-level `optimizer:` block of LightningCLI), because a growth
+event resizes parameters and has to build them again (docs/design.md, "Lightning mechanics"). A module using
+`GrowthOptimization` sets `optimizer_factory`, `scheduler_factory` and `_total_steps`, and has hparams
+`warmup_steps`, `lr_schedule` and `min_lr_ratio`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -22,7 +22,20 @@ def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+def lr_factor(step: int, warmup: int, total: int, floor: float, shape: Literal["cosine", "constant"]) -> float:
+    """The learning rate at optimizer `step` as a share of the peak: linear warmup over `warmup` steps, then constant
+    or a cosine decay to `floor` at step `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if shape == "constant":
+        return 1.0
+    total = max(total, warmup + 1)
+    progress = min((step - warmup) / (total - warmup), 1.0)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class GrowthOptimization:
+    """Mixin placed before L.LightningModule."""
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Weight decay only on ≥2-D weights; never on temperatures, biases, norms or gates.
@@ -68,12 +81,5 @@ class GrowthOptimization:
         self._total_steps = self.trainer.estimated_stepping_batches
 
     def _lr_factor(self, step: int) -> float:
-        warmup = self.hparams.warmup_steps
-        if step < warmup:
-            return (step + 1) / warmup
-        if self.hparams.lr_schedule == "constant":
-            return 1.0
-        total = max(self._total_steps, warmup + 1)
-        progress = min((step - warmup) / (total - warmup), 1.0)
-        floor = self.hparams.min_lr_ratio
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        h = self.hparams
+        return lr_factor(step, h.warmup_steps, self._total_steps, h.min_lr_ratio, h.lr_schedule)

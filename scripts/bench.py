@@ -9,7 +9,7 @@ Measurements (one function each):
    captured (X′, G X′) pairs into FormStats as the callback's on_after_backward does, optimizer step) ÷ a
    normal step; for capture "extend" (SDPA zero-extension) and "explicit" (score map with retained gradient),
    and for the `pinv` method (per-instance pseudo-inverses in FormStats.update) beside the others;
-   round_robin_step_cost_ratio: capture="auto" on a third of the layers (the callback's layers_per_step).
+   round_robin_step_cost_ratio: capture="auto" on a third of the layers (the callback's statistics.layers_per_step).
 3. growth_event_seconds: GrowthPlan build + factorisation at one α for all forms (6 layers, e 256, 8 heads,
    d_head 8 → 16, statistics from b 32, s 256), per method; plus one full event driven through
    GrowAttentionCallback in a real fit, timed by the event itself (all-reduce, plan, line search, optimizer rebuild).
@@ -58,13 +58,13 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from lit_growattn import growth  # noqa: E402
 from lit_growattn.attention import QKForm  # noqa: E402
-from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
-from lit_growattn.growing.event import GrowthSettings, plan_growth  # noqa: E402
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch  # noqa: E402
+from lit_growattn.growing.event import plan_growth  # noqa: E402
 from lit_growattn.growing.window import NamedForms, capture_mode, fold_captured  # noqa: E402
 from lit_growattn.module import GrowAttentionLM  # noqa: E402
 
 VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin")
-# The round_robin variant: capture="auto" on a third of the layers, as GrowAttentionCallback(layers_per_step=n/3).
+# The round_robin variant: capture="auto" on a third of the layers, as GrowAttentionCallback(statistics=StatisticsSettings(layers_per_step=n/3)).
 ROUND_ROBIN_SHARE = 3
 
 
@@ -249,7 +249,7 @@ def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
         timer = StepTimer(env)
         # Growth scheduled at epoch 2 of a 1-epoch fit: its statistics window (end of epoch 1) is never reached,
         # but every hook of the callback still runs on every step.
-        grow = GrowAttentionCallback(grow_at_epochs=[2], stats_batches=1)
+        grow = GrowAttentionCallback(AtEpochs([2]), statistics=StatisticsSettings(batches=1))
         trainer = make_trainer(env, [grow, timer], tmp, max_epochs=1)
         trainer.fit(module, DataLoader(data, batch_size=shape.batch))
         return timer.step_times()[p.fit_warmup:]
@@ -381,11 +381,11 @@ def growth_compute_seconds(forms: NamedForms, stats, method: str, alphas: list[f
     """One growth computation as the callback's growth event does it, minus the forward passes: flat buffer
     round trip (the all-reduce is the identity on one rank), the plan, plan.grow for every form at every α in
     `alphas`. The callback's defaults otherwise: append, keep, euclidean, low_rank."""
-    settings = GrowthSettings(grow_by=grow_by, method=method, max_d_head=forms[0][2].w_q.shape[1])
+    settings = GrowthSettings(columns=grow_by, method=method, max_d_head=forms[0][2].w_q.shape[1])
     env.sync()
     t = time.perf_counter()
     reduced = growth.unflatten_stats(growth.flatten_stats(stats), stats)
-    plan = plan_growth(forms, reduced, settings, seed=1)
+    plan = plan_growth(forms, reduced, settings, StepSearch().line_search, sized_later=False, seed=1)
     for alpha in alphas:
         grown = {name: plan.grow(name, alpha) for _, name, _ in forms}
     env.sync()
@@ -409,7 +409,7 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
     lm = make_lm(shape).to(env.device)
     forms = named_forms(lm)
     sums = gather_stats(lm, forms, p, env)
-    alphas = GrowthSettings().alphas
+    alphas = StepSearch().candidates
     compute = {}
     for method in ("natural", "gradient", "pinv"):
         stats = sums["pinv" if method == "pinv" else "natural"]
@@ -434,8 +434,8 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
     # The full event through the real callback: statistics window of growth_micro_batches steps at the training
     # batch size (so the statistics count the same instances), growth at the start of epoch 1, then stop.
     data = token_data(shape, p.growth_micro_batches, seed=2)
-    cb = GrowAttentionCallback(grow_at_epochs=[1], grow_by=p.grow_by, stats_batches=p.growth_micro_batches,
-                               line_search_batches=2)
+    cb = GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=p.grow_by),
+                               StatisticsSettings(batches=p.growth_micro_batches), StepSearch(batches=2))
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         make_trainer(env, [cb, StopAfterGrowth(cb)], tmp, max_epochs=2).fit(
@@ -447,7 +447,7 @@ def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float)
     epoch_s = p.epoch_steps * step_s
     natural = compute["natural"]["one_alpha_s"]
     # Statistics window cost inside an epoch: the callback's default 8 statistics steps at the measured ratio.
-    window_s = GrowAttentionCallback(grow_at_epochs=[1]).stats_batches * max(stats_ratio - 1.0, 0.0) * step_s
+    window_s = StatisticsSettings().batches * max(stats_ratio - 1.0, 0.0) * step_s
     return {
         "growth_event_seconds": natural,
         "growth_event_seconds_per_method": {m: c["one_alpha_s"] for m, c in compute.items()},

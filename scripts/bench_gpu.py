@@ -46,7 +46,7 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from lit_growattn import growth  # noqa: E402
 from lit_growattn.attention import QKForm  # noqa: E402
-from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings  # noqa: E402
 from lit_growattn.module import GrowAttentionLM  # noqa: E402
 
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
@@ -159,7 +159,8 @@ def lightning_steps(s: Setup, device: torch.device, compile: bool, grow: bool) -
     timer = StepTimer(device)
     callbacks = [timer]
     if grow:
-        callbacks.append(GrowAttentionCallback(grow_at_epochs=[1], grow_by=s.d_head_grown - s.d_head, stats_batches=2))
+        settings = GrowthSettings(columns=s.d_head_grown - s.d_head)
+        callbacks.append(GrowAttentionCallback(AtEpochs([1]), settings, StatisticsSettings(batches=2)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with tempfile.TemporaryDirectory() as tmp:

@@ -119,8 +119,8 @@ def variants(task: str) -> dict[str, list[str]]:
         f"static d_head {large}": [f"--model.init_args.d_head={large}"],
     }
     for method, mode in GROWTH:
-        out[f"grow {method}/{mode}"] = [f"--trainer.callbacks.init_args.method={method}",
-                                        f"--trainer.callbacks.init_args.mode={mode}"]
+        out[f"grow {method}/{mode}"] = [f"--trainer.callbacks.init_args.growth.method={method}",
+                                        f"--trainer.callbacks.init_args.growth.mode={mode}"]
     return out
 
 
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         seeds, runs = seeds[:1], dict(list(runs.items())[:3])
         common += ["--trainer.max_epochs=3", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2",
-                   "--trainer.callbacks.init_args.stats_batches=2"]
+                   "--trainer.callbacks.init_args.statistics.batches=2"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}

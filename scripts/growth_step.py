@@ -39,12 +39,12 @@ SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"] 
 GROW_EPOCHS = (1, 2)
 HELD_OUT_BATCHES = 8
 FINE_GRID = [0.0] + [2.0**-k for k in range(9)]  # 1 … 1/256: on text the best step lies at 1/256 … 1/32
-OLD_GRID = "--trainer.callbacks.init_args.alphas=[0,0.0625,0.125,0.25,0.5,1]"
+OLD_GRID = "--trainer.callbacks.init_args.step_search.alphas=[0,0.0625,0.125,0.25,0.5,1]"
 STATIC = ["--trainer.callbacks=null"]
 
 
 def grow_args(method: str, mode: str, *extra: str) -> list[str]:
-    return [f"--trainer.callbacks.init_args.method={method}", f"--trainer.callbacks.init_args.mode={mode}", *extra]
+    return [f"--trainer.callbacks.init_args.growth.method={method}", f"--trainer.callbacks.init_args.growth.mode={mode}", *extra]
 
 
 # name → (CLI overrides, reset the Q/K Adam moments at the growth epochs)
@@ -54,16 +54,16 @@ RUNS: dict[str, tuple[list[str], bool]] = {
     "static d_head 2 + Q/K reset": ([*STATIC, "--model.init_args.d_head=2"], True),
     "grow zero/append": (grow_args("zero", "append"), False),
     "grow random/append": (grow_args("random", "append"), False),
-    "grow natural/append α=0": (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0]"), False),
-    "grow natural/append α=0 + Q/K reset": (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0]"), True),
-    "grow natural/replace α=0": (grow_args("natural", "replace", "--trainer.callbacks.init_args.alphas=[0]"), False),
+    "grow natural/append α=0": (grow_args("natural", "append", "--trainer.callbacks.init_args.step_search.alphas=[0]"), False),
+    "grow natural/append α=0 + Q/K reset": (grow_args("natural", "append", "--trainer.callbacks.init_args.step_search.alphas=[0]"), True),
+    "grow natural/replace α=0": (grow_args("natural", "replace", "--trainer.callbacks.init_args.step_search.alphas=[0]"), False),
 }
-QUADRATIC = ["--trainer.callbacks.init_args.step_size=quadratic", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"]
+QUADRATIC = ["--trainer.callbacks.init_args.step_search.rule=quadratic", f"--trainer.callbacks.init_args.step_search.alphas={FINE_GRID}"]
 RUNS |= {f"grow {m}/{mode} quadratic": (grow_args(m, mode, *QUADRATIC), False)
          for m in ("natural", "gradient") for mode in ("append", "replace")}
 # A step far below the minimum of L(α): new pairs along the same directions, function all but kept.
-RUNS["grow natural/append α=1/4096"] = (grow_args("natural", "append", "--trainer.callbacks.init_args.alphas=[0.000244140625]"), False)
-RUNS["grow natural/append grid 1 … 1/256"] = (grow_args("natural", "append", f"--trainer.callbacks.init_args.alphas={FINE_GRID}"), False)
+RUNS["grow natural/append α=1/4096"] = (grow_args("natural", "append", "--trainer.callbacks.init_args.step_search.alphas=[0.000244140625]"), False)
+RUNS["grow natural/append grid 1 … 1/256"] = (grow_args("natural", "append", f"--trainer.callbacks.init_args.step_search.alphas={FINE_GRID}"), False)
 RUNS["grow natural/append grid 1 … 1/256 + Q/K reset"] = (RUNS["grow natural/append grid 1 … 1/256"][0], True)
 
 

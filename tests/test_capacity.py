@@ -57,7 +57,7 @@ def test_calibration_starts_at_the_measured_ratio_and_only_falls():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(threshold=0.0), "auto_threshold must be positive"),
+    (dict(threshold=0.0), "threshold must be positive"),
     (dict(realised_ratio=0.0), "realised_ratio is a share"),
     (dict(realised_ratio=2.0), "realised_ratio is a share"),
 ])

@@ -20,7 +20,7 @@ def test_every_direction_name_has_its_solver_and_methods_add_the_baselines():
 
 def test_the_command_line_lists_the_allowed_methods(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--config", str(REPO / "configs/recall_grow.yaml"), "--trainer.callbacks.init_args.method=svd",
+        main(["fit", "--config", str(REPO / "configs/recall_grow.yaml"), "--trainer.callbacks.init_args.growth.method=svd",
               f"--trainer.logger.init_args.save_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert all(method in err for method in growth.METHODS), err[-2000:]

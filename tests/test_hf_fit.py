@@ -96,6 +96,16 @@ def test_pretrained_folder_fine_tunes_and_grows(tmp_path):
     _fit(tmp_path, _callbacks(tmp_path, [4]), "--model.init_args.config=null",
          f"--model.init_args.pretrained={model_dir}", f"--data.init_args.tokenizer={model_dir}", "--trainer.max_steps=6")
     assert _last_head_sizes(tmp_path) == [12, 12]
+    # ... and exports (`python -m lit_growattn export`, in process) to a folder from_pretrained loads, tokenizer beside.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lit_growattn.hf.export import main as export
+
+    (ckpt,) = tmp_path.rglob("last.ckpt")
+    export(["--ckpt", str(ckpt), "--out", str(tmp_path / "grown")])
+    grown = AutoModelForCausalLM.from_pretrained(tmp_path / "grown")
+    assert grown.config.model_type == "growattn_qwen3" and grown.config.qk_head_sizes == [12, 12]
+    assert AutoTokenizer.from_pretrained(tmp_path / "grown").vocab_size <= 320
 
 
 def test_bad_models_fail_before_training(tmp_path):

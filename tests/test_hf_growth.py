@@ -33,10 +33,10 @@ def _loss(model, ids) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
-def _growths(model, ids, method="natural", **kwargs):
+def _growths(model, ids, method="natural", capture="extend", **kwargs):
     forms = _forms(model)
     for f in forms:
-        f.capture = "extend"
+        f.capture = capture
     _loss(model, ids).backward()
     growths = []
     for f in forms:
@@ -134,3 +134,16 @@ def test_replace_across_rotary_columns_is_refused(tmp_path):
     forms, growths = _growths(model, ids)
     with pytest.raises(ValueError, match="rotary"):
         growths[0].grow(0.5, growths[0].d_head + 1, mode="replace")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_explicit_and_extended_capture_agree(tmp_path, model_type, attn):
+    model = load(saved_tiny_model(model_type, tmp_path), attn_implementation=attn).double()
+    make_growable(model)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))  # longer than Mistral's window
+    (_, extended), (_, explicit) = (_growths(model, ids, capture=mode) for mode in ("extend", "explicit"))
+    for a, b in zip(extended, explicit):
+        # Llama's and Mistral's eager attention take the softmax in float32 even for float64 inputs.
+        scale = 1e-12 if attn == "sdpa" or model_type == "gpt2" else 1e-5
+        torch.testing.assert_close(a.moments.n, b.moments.n, rtol=0, atol=scale * float(a.moments.n.abs().max()))

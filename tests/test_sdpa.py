@@ -60,8 +60,8 @@ def sdpa_calls(monkeypatch):
 def test_growth_run_with_padding_calls_sdpa_with_flash_shapes_only(tmp_path, tiny_cli_args, sdpa_calls):
     # Training, evaluation and the `extend` statistics capture, before and after growth, from the command line.
     cli = main(["--config", str(REPO / "configs/mqar_grow.yaml"), *tiny_cli_args, "--trainer.max_epochs=2",
-                "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2",
-                "--trainer.callbacks.init_args.capture=extend", "--model.init_args.sdpa_pad=on",
+                "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2",
+                "--trainer.callbacks.init_args.statistics.capture=extend", "--model.init_args.sdpa_pad=on",
                 "--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.model.head_sizes() == [4, 4]

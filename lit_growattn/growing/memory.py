@@ -40,7 +40,8 @@ def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event
     k = len(layers) if per_event is None else min(per_event, len(layers))
     worst = max(sum(per_layer[i] for i in layers_of_event(layers, per_event, n)) for n in range(len(layers)))
     h, e_in = forms[0].form.w_q.shape[:2]
-    line = (f"growth statistics: {worst / 1e9:.3g} GB per rank ({k} of {len(layers)} layers per window × {h} heads × "
+    size = f"{worst / 1e9:.3g} GB" if worst >= 1e8 else f"{worst / 1e6:.3g} MB"
+    line = (f"growth statistics: {size} per rank ({k} of {len(layers)} layers per window × {h} heads × "
             f"e′² = {e_in}² × {BYTES} B{', twice for pinv' if method == 'pinv' else ''})")
     if limit_gb is not None and worst > limit_gb * 1e9:
         fits = math.floor(limit_gb * 1e9 / max(per_layer.values()))

@@ -17,6 +17,7 @@ read from the history alone (one record per check), so a resumed run continues e
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import warnings
 from dataclasses import dataclass
@@ -67,15 +68,15 @@ class GrowthPoint:
         return clock.step >= self.at and clock.between_windows
 
 
-class GrowthSchedule:
+class GrowthSchedule(abc.ABC):
     """When the callback grows: a list of growth points in advance, or a rule that decides as training goes."""
 
     unit: Literal["epoch", "step"]
     capacity: CapacityRule | None = None  # the rule that sizes each growth from its statistics (None: the settings do)
 
+    @abc.abstractmethod
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         """The next point without an event in the history (None: no more growth)."""
-        raise NotImplementedError
 
     def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
         """Refuses growth settings that do not apply to this schedule; learns the growing layers and their sizes."""

@@ -13,7 +13,7 @@ linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bas
 
 from lit_growattn.growth.choices import (
     BASELINES, DIRECTION_NAMES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
-    LineSearch, Method, Mode, SCHEDULE_KINDS, SecondMoment, STEP_RULES, ScheduleKind, StepRule, Temperature, Truncation, check_choice,
+    LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
 from lit_growattn.growth.plan import GrowthPlan
@@ -45,9 +45,7 @@ __all__ = [
     "MODES",
     "Moments",
     "NonFiniteStatistics",
-    "SCHEDULE_KINDS",
     "STEP_RULES",
-    "ScheduleKind",
     "StepRule",
     "TEMPERATURES",
     "TRUNCATIONS",

@@ -1,6 +1,6 @@
 """Every set of allowed values of a growth setting, as one Literal each.
 
-The Literal is the single source: it types the callback's arguments (so LightningCLI lists the choices in
+The Literal is the single source: it types the settings' fields (so LightningCLI lists the choices in
 `--help` and refuses others), and the tuples below are derived from it for run-time checks.
 """
 
@@ -15,7 +15,6 @@ Mode = Literal["append", "replace"]
 Temperature = Literal["keep", "rescale"]
 Truncation = Literal["euclidean", "whitened"]
 LineSearch = Literal["low_rank", "full_rank"]
-ScheduleKind = Literal["fixed", "auto"]  # growth at listed epochs/steps, or decided from the statistics
 StepRule = Literal["grid", "quadratic"]  # the best of `alphas`, or also the minimiser of a fitted quadratic
 SecondMoment = Literal["mean", "zero"]  # Adam second moments of new columns
 
@@ -27,7 +26,6 @@ TEMPERATURES: tuple[str, ...] = get_args(Temperature)
 TRUNCATIONS: tuple[str, ...] = get_args(Truncation)
 LINE_SEARCHES: tuple[str, ...] = get_args(LineSearch)
 STEP_RULES: tuple[str, ...] = get_args(StepRule)
-SCHEDULE_KINDS: tuple[str, ...] = get_args(ScheduleKind)
 SECOND_MOMENT_POLICIES: tuple[str, ...] = get_args(SecondMoment)
 
 

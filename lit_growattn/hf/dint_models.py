@@ -44,10 +44,10 @@ def dint_classes(model_type: str) -> tuple[type, type]:
         def __init__(self, config) -> None:
             native_model.__init__(self, config)
             settings = DintSettings(**config.dint)
-            replace_attention(self, lambda m: DintAttention.from_native(m, settings), model_type=model_type)
+            replace_attention(self, lambda m: DintAttention.from_native(m, settings))
 
         config_cls = type(f"Dint{prefix}Config", (native_config,), {
-            "model_type": f"dint_{model_type}", "native_model_type": model_type, "__module__": __name__})
+            "model_type": f"dint_{model_type}", "base_model_type": model_type, "__module__": __name__})
         model_cls = type(f"Dint{prefix}ForCausalLM", (native_model,), {
             "config_class": config_cls, "__init__": __init__, "__module__": __name__})
         AutoConfig.register(config_cls.model_type, config_cls)

@@ -10,8 +10,9 @@ the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE colu
 form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave it exact.
 The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface gets
 scaling = 1. The value projection keeps its width: q/k width is independent of v width.
-Statistics capture (`capture` set, grad enabled) appends E = 0 (b, H, s, e′) to q and X′ to k, so that
-E.grad = G X′ per query head, exactly as `attention.qk` does (DESIGN §4).
+Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (DESIGN §4):
+`extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
+its gradient (cheaper on CPU; the callback's capture=auto picks it there).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention.qk import augment
+from lit_growattn.attention.qk import augment, causal_scores
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
 
 _CLASSES: dict[str, type[nn.Module]] = {}
@@ -102,27 +103,36 @@ class GrowableAttention(nn.Module):
         return out
 
     # -- forward pieces --------------------------------------------------------------------------------
-    def queries_keys(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
-        """x (b, s, e) → (X′ (b, s, e′), τ·q (b, H, s, d), k (b, KV, s, d)), RoPE on the first `rotary` columns."""
-        xa = augment(x, self.qk_bias)
-        q = torch.einsum("bse,hed->bhsd", xa, self.w_q.to(xa.dtype))
-        k = torch.einsum("bse,hed->bhsd", xa, self.w_k.to(xa.dtype))
+    def project(self, x: Tensor, w: Tensor) -> Tensor:
+        """x (b, s, e) through per-head columns w (heads, e′, d) → (b, heads, s, d): one matmul, as the native Linear."""
+        heads, e_in, d = w.shape
+        flat = w.to(x.dtype).transpose(0, 1).reshape(e_in, heads * d)  # (e′, heads·d), the bias as its last row
+        out = x @ flat[: x.shape[-1]] + flat[-1] if self.qk_bias else x @ flat
+        return out.view(*x.shape[:-1], heads, d).transpose(1, 2)
+
+    def queries_keys(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """x (b, s, e) → (τ·q (b, H, s, d), k (b, KV, s, d)), RoPE (and Qwen3's norms) on the first `rotary` columns."""
+        q, k = self.project(x, self.w_q), self.project(x, self.w_k)
         if r := self.rotary:
-            q_rot, k_rot = q[..., :r], k[..., :r]
+            q_rot, k_rot = (q, k) if self.d_head == r else (q[..., :r], k[..., :r])
             if hasattr(self, "q_norm"):
                 q_rot, k_rot = self.q_norm(q_rot), self.k_norm(k_rot)
             q_rot, k_rot = self.apply_rotary(q_rot, k_rot, *position_embeddings)
-            q, k = torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1)
-        return xa, q * self.tau.to(q.dtype)[:, None, None], k
+            q, k = (q_rot, k_rot) if self.d_head == r else (torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1))
+        return q * self.tau.to(q.dtype)[:, None, None], k
 
-    def attend(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float, **kwargs):
-        """Through the configured attention interface with scaling 1; the statistics extension when capturing."""
-        if self.capture is not None and torch.is_grad_enabled():
-            if k.shape[2] != xa.shape[1]:
-                raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
-            b, s, e_in = xa.shape
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float, **kwargs):
+        """Through the configured attention interface with scaling 1; with statistics capture on, the queries'
+        zero-extension (`extend`) or an explicit score map whose gradient is recorded (`explicit`), DESIGN §4."""
+        capturing = self.capture is not None and torch.is_grad_enabled()
+        if capturing and k.shape[2] != x.shape[1]:
+            raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
+        if capturing and self.capture == "explicit":
+            return self._attend_explicit(augment(x, self.qk_bias).detach(), q, k, v, attention_mask, dropout)
+        if capturing:
+            kept = augment(x, self.qk_bias).detach()
+            b, s, e_in = kept.shape
             ext = q.new_zeros(b, self.n_head, s, e_in, requires_grad=True)
-            kept = xa.detach()
             ext.register_hook(lambda grad: self.captured.append((kept, grad.detach().to(kept.dtype))))
             q = torch.cat([q, ext], -1)
             k = torch.cat([k, kept.to(k.dtype).unsqueeze(1).expand(b, self.n_kv_head, s, e_in)], -1)
@@ -130,6 +140,21 @@ class GrowableAttention(nn.Module):
 
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.eager_attention)
         return interface(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
+
+    def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float):
+        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, d_v), None."""
+        groups = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        if attention_mask is None:  # sdpa's is_causal path: the model passed no mask
+            scores = causal_scores(q, k)
+        elif attention_mask.dtype == torch.bool:  # True: attend
+            scores = (q @ k.transpose(-1, -2)).masked_fill(~attention_mask, float("-inf"))
+        else:  # additive
+            scores = q @ k.transpose(-1, -2) + attention_mask
+        scores.register_hook(lambda grad: self.captured.append((xa, grad.to(xa.dtype) @ xa.unsqueeze(1))))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+        weights = nn.functional.dropout(weights, p=dropout, training=self.training)
+        return (weights @ v).transpose(1, 2), None
 
 
 class GrowableRopeAttention(GrowableAttention):
@@ -151,12 +176,12 @@ class GrowableRopeAttention(GrowableAttention):
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
                 attention_mask: Tensor | None = None, past_key_values=None, **kwargs) -> tuple[Tensor, Tensor | None]:
         input_shape = hidden_states.shape[:-1]
-        xa, q, k = self.queries_keys(hidden_states, position_embeddings)
+        q, k = self.queries_keys(hidden_states, position_embeddings)
         v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
-        out, weights = self.attend(xa, q, k, v, attention_mask, 0.0 if not self.training else self.attention_dropout,
+        out, weights = self.attend(hidden_states, q, k, v, attention_mask, 0.0 if not self.training else self.attention_dropout,
                                    sliding_window=window, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
@@ -183,12 +208,12 @@ class GrowableGPT2Attention(GrowableAttention):
         if encoder_hidden_states is not None:
             raise ValueError("growable GPT-2 attention is causal self-attention only")
         input_shape = hidden_states.shape[:-1]
-        xa, q, k = self.queries_keys(hidden_states, None)
+        q, k = self.queries_keys(hidden_states, None)
         v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
         if past_key_values is not None:
             cache = getattr(past_key_values, "self_attention_cache", past_key_values)
             k, v = cache.update(k, v, self.layer_idx)
-        out, weights = self.attend(xa, q, k, v, attention_mask, self.attn_dropout.p if self.training else 0.0, **kwargs)
+        out, weights = self.attend(hidden_states, q, k, v, attention_mask, self.attn_dropout.p if self.training else 0.0, **kwargs)
         out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
         return self.resid_dropout(out), weights
 

@@ -47,9 +47,9 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
         if model_type not in NATIVE_ATTENTION:
             raise ValueError(f"model_type {model_type!r} is not supported; supported model types: {supported()}")
         hf_config = AutoConfig.for_model(model_type, **settings)
-    if hf_config.model_type not in NATIVE_ATTENTION and hf_config.model_type not in DINT_MODEL_TYPES:
+    if getattr(hf_config, "base_model_type", hf_config.model_type) not in NATIVE_ATTENTION:
         raise ValueError(f"{pretrained} is a {hf_config.model_type!r} model; supported model types: {supported()} "
-                         f"(and their DINT conversions {', '.join(DINT_MODEL_TYPES)})")
+                         f"(and their DINT conversions, {', '.join(DINT_MODEL_TYPES)})")
     if pretrained is not None:
         return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn_implementation)
     return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
@@ -93,7 +93,7 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         if growable and self.model.config.model_type in DINT_MODEL_TYPES:
             raise ValueError(f"{pretrained} holds a DINT model, whose attention cannot be made growable: set "
                              "--model.init_args.growable=false to fine-tune it")
-        if growable:
+        if growable and not self.growable_forms():  # an exported grown model (growattn_<type>) comes growable
             from lit_growattn.hf import make_growable
 
             make_growable(self.model)

@@ -36,22 +36,23 @@ def native_attention_class(model_type: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module), name)
 
 
-def attention_modules(model: nn.Module, model_type: str | None = None) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every native attention module of `model` (a PreTrainedModel), in layer order;
-    `model_type` (default: the config's) names the native family, for models registered under a type of their own."""
-    cls = native_attention_class(model_type or model.config.model_type)
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every native attention module of `model` (a PreTrainedModel), in layer order."""
+    # A registered derived config (e.g. an exported grown model's) names the model type it builds on.
+    model_type = getattr(model.config, "base_model_type", model.config.model_type)
+    cls = native_attention_class(model_type)
     found = [(name, m) for name, m in model.named_modules() if type(m) is cls]
     if not found:
-        raise ValueError(f"no {cls.__name__} module found in this {model.config.model_type} model "
+        raise ValueError(f"no {cls.__name__} module found in this {model_type} model "
                          f"({type(model).__name__}): was it converted already?")
     return found
 
 
-def replace_attention(model: nn.Module, build: Callable[[nn.Module], nn.Module], model_type: str | None = None) -> list[str]:
+def replace_attention(model: nn.Module, build: Callable[[nn.Module], nn.Module]) -> list[str]:
     """Replaces, in place, every native attention module m of `model` by `build(m)`, moved to m's device and
     dtype; returns the replaced modules' qualified names (e.g. 'model.layers.0.self_attn')."""
     names = []
-    for name, original in attention_modules(model, model_type):
+    for name, original in attention_modules(model):
         parent_name, _, child = name.rpartition(".")
         weight = next(original.parameters())
         replacement = build(original).to(device=weight.device, dtype=weight.dtype)
