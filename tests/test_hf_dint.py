@@ -161,3 +161,26 @@ def test_foreign_cache_is_refused(tmp_path):
     del cache.dint_running
     with pytest.raises(RuntimeError, match="running mean of A1·V beside the KV cache"):
         model(ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_entropy_reference_is_the_original_models(tmp_path):
+    """At λ = 0 the combined map is A1, so the entropy measured on the converted model is the original's; with
+    λ ≠ 0 the combined map's rows still sum to 1 (A1, A2 and A3 rows each do) and the entropy changes."""
+    from lit_growattn.hf.entropy import layer_entropies
+
+    native = load(saved_tiny_model("qwen3", tmp_path))
+    model = convert_to_dint(native, DintSettings("lowrank", rank=2))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    labels = torch.where(torch.arange(9) < 7, ids, -100)  # the last two rows are padding: not counted
+    batches = [(ids, labels)]
+    before = layer_entropies(native, batches)
+    assert before.shape == (2,) and torch.allclose(layer_entropies(model, batches), before, atol=1e-5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.lam.fill_(0.5)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        maps = model(ids, output_attentions=True, use_cache=False).attentions
+    assert torch.allclose(maps[0].sum(-1), torch.ones(2, 4, 9), atol=1e-5)
+    model.set_attn_implementation("sdpa")
+    assert (layer_entropies(model, batches) - before).abs().max() > 1e-3

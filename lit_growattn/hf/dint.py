@@ -201,10 +201,11 @@ class DintAttention(nn.Module):
             running[self.layer_idx] = (last_sum, last_count, past_key_values.get_seq_length(self.layer_idx))
         lam = self.lam.to(y1.dtype)[:, None, None]
         y = y1 + lam * (y3 - y2)  # grouped so that λ = 0 gives A1·V exactly
-        if weights is not None:  # eager: (b, 2H, s, kv) → the combined map of this chunk's rows
+        if weights is not None:  # eager: (b, 2H, s, kv) → the combined map, when all of A3's rows are in this chunk
             a1, a2 = weights[:, :n_head], weights[:, n_head:]
+            first_chunk = bool(prior_count.eq(0).all())  # after a cached prefix, A1's earlier rows are gone
             a3 = document_running_mean(a1, starts, a1.new_zeros(a1.shape[:2] + a1.shape[3:]), prior_count)[0]
-            weights = a1 + lam * (a3 - a2) if prior_count.eq(0).all() else None  # with a prior, A3's rows are unknown
+            weights = a1 + lam * (a3 - a2) if first_chunk else None
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1).contiguous()), weights
 
 
