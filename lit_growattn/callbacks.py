@@ -27,7 +27,7 @@ from lit_growattn.contract import check_module
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
-from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule
+from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.capacity import current_ratio
@@ -55,6 +55,9 @@ class GrowAttentionCallback(Callback):
         step_search: StepSearch = StepSearch(),
     ):
         super().__init__()
+        if not isinstance(schedule, GrowthSchedule):
+            raise TypeError(f"schedule must be AtEpochs([...]), AtSteps([...]) or AutoSchedule(...) from lit_growattn, "
+                            f"got {schedule!r}")
         self.schedule, self.settings, self.statistics, self.search = schedule, growth, statistics, step_search
         self.line_search_batches = step_search.kept_batches(statistics)
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints
@@ -217,8 +220,11 @@ class GrowAttentionCallback(Callback):
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"history": self.history, "window": self.window.state_dict(self._strategy, self._world)}
+        return {"history": self.history, "window": self.window.state_dict(self._strategy, self._world),
+                "schedule": self.schedule.kind}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_same_schedule(state_dict, self.schedule.kind)
         self.history = list(state_dict["history"])
         self.window.load_state_dict(state_dict["window"], self._rank, self._world)
+

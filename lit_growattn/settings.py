@@ -12,6 +12,7 @@ in the callback's `setup` and at train start, before any training work.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -152,9 +153,9 @@ class StepSearch:
         growth.check_choice("step_search.rule", self.rule, growth.STEP_RULES)
         if self.batches is not None and self.batches <= 0:
             raise ValueError(f"step_search.batches must be positive, got {self.batches}")
+        if self.alphas is not None and not all(math.isfinite(a) and a >= 0 for a in self.alphas) or self.alphas == []:
+            raise ValueError(f"step-size candidates must be a non-empty list of finite values ≥ 0, got {self.alphas}")
         alphas = self.candidates
-        if not alphas or any(a < 0 for a in alphas):
-            raise ValueError(f"step-size candidates must be a non-empty list of values ≥ 0, got {self.alphas}")
         if 0.0 not in alphas:
             warnings.warn(f"alphas {alphas} has no 0: a growth may then raise the loss (0 keeps the function)")
         if self.rule == "quadratic" and (self.line_search != "low_rank" or max(alphas) <= 0):

@@ -8,10 +8,10 @@ from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings, St
 from lit_growattn.cli import main
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.window import StatsWindow
-from lit_growattn.growth import FormStats
+from lit_growattn.growth import FormStats, loss_rounding
 from lit_growattn.growth.capacity import CapacityRule
 
-from conftest import REPO, SHAKESPEARE, scalar_tags
+from conftest import REPO, SHAKESPEARE, needs_shakespeare, scalar_tags
 from test_growth import Problem
 from test_growth_schedule import assert_same_run, cli_fit, growth_history
 
@@ -43,10 +43,9 @@ def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_
     assert decision["columns"] == history[0]["d_head"][0] - 1 and decision["candidates"] == 63
     assert all(g >= decision["bar"] for g in decision["gains"][: decision["columns"]])
     assert decision["gains"][decision["columns"]] < decision["bar"]
-    # Stopped by itself, well before the 40 steps of the run: the last two checks grew nothing.
+    # Stopped by itself (finished: patience used up, a growth that realised nothing, or max_d_head), whatever
+    # the trajectory; never by the run's end alone.
     assert cb.schedule.finished(history) and cb.schedule.pending(history) is None
-    assert [e["d_head"] == e["d_head_before"] for e in history[-2:]] == [True, True]
-    assert history[-1]["step"] < 30
     # Statistics were taken for the checks only (3 batches each), none after the schedule finished.
     assert windows == [e["event"] for e in history for _ in range(3)]
     # Each decision is shown: console line per check, TensorBoard scalars per layer.
@@ -67,6 +66,22 @@ def test_no_gain_no_growth_zero_gradient():
     record, spectra = event.run([(0, "form", p.form)], [still], seed=0)
     assert [d["columns"] for d in record["decisions"]] == [0] and max(record["decisions"][0]["gains"]) == 0
     assert installed == [] and spectra == {} and p.form.d_head == 2
+
+
+def test_an_auto_schedule_whose_latest_growth_realised_only_round_off_ends():
+    p = Problem(e=8, h=2, d=2)
+    loss = 2.0
+    noise = loss_rounding(loss, torch.float32)
+    # Every candidate step "beats" the current loss by a fraction of the evaluation's round-off.
+    rated = lambda candidates: torch.tensor([loss if c is None else loss - 0.5 * noise for c in candidates])  # noqa: E731
+    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=rated, install=lambda grown: None,
+                        broadcast=lambda obj: obj, capacity=CapacityRule(threshold=1e-12), ratio=1.0)
+    record, _ = event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)
+    assert record["decisions"][0]["columns"] > 0 and record["alpha"] == 0.0 and record["observed_ratio"] == 0.0
+    schedule = AutoSchedule(check_every=5, patience=3)
+    schedule.layers, schedule.max_d_head, schedule.start_sizes = [0], 8, [2]
+    history = [{**record, "d_head_before": [2], "d_head": [4]}]
+    assert schedule.finished(history) and schedule.pending(history) is None
 
 
 def test_no_gain_no_growth_at_ample_width_takes_no_statistics(tmp_path, tiny_cli_args, monkeypatch):
@@ -121,7 +136,7 @@ def test_checks_closer_than_the_window_fail_before_training(tmp_path, tiny_cli_a
             "--trainer.callbacks.init_args.statistics.batches=3")
 
 
-@pytest.mark.parametrize("config", ["recall_auto.yaml", "text_auto.yaml"])
+@pytest.mark.parametrize("config", ["recall_auto.yaml", pytest.param("text_auto.yaml", marks=needs_shakespeare)])
 def test_auto_configs_start_at_one_and_grow(tmp_path, tiny_cli_args, config):
     data = ["--data.init_args.num_train_examples=320"] if config == "recall_auto.yaml" else [
         f"--data.init_args.path={SHAKESPEARE}", "--data.init_args.samples_per_epoch=640"]

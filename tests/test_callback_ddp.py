@@ -38,7 +38,8 @@ def _stats_run(out, devices, batch_size, accumulate):
     L.seed_everything(0)
     data = recall_data(batch_size=batch_size, examples=16)
     micro_batches = 16 // (batch_size * devices)
-    recorder = StatsRecorder(str(out), AtEpochs([1]), growth=GrowthSettings(columns=2, method="gradient"), statistics=StatisticsSettings(batches=micro_batches))
+    recorder = StatsRecorder(str(out), schedule=AtEpochs([1]), growth=GrowthSettings(columns=2, method="gradient"),
+                             statistics=StatisticsSettings(batches=micro_batches))
     strategy = "ddp_spawn" if devices > 1 else "auto"
     trainer(out, [recorder], max_epochs=4, devices=devices, strategy=strategy, precision="64-true",
             accumulate_grad_batches=accumulate).fit(tiny_module(data, dropout=0.0), data)
@@ -85,7 +86,8 @@ class SaveParams(L.Callback):
 def _ddp_resume_run(out, ckpt_path=None):
     L.seed_everything(0)
     data = recall_data(batch_size=8)  # 2 ranks × 8 batches of 8 an epoch: the window is batches 5, 6, 7
-    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2), statistics=StatisticsSettings(batches=3))
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=3))
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(out / "ckpt", filename="{step}", save_top_k=-1,
                                                       every_n_train_steps=1)
     trainer(out, [grow, checkpoints, SaveParams(str(out))], max_epochs=2, devices=2, strategy="ddp_spawn").fit(
@@ -116,7 +118,8 @@ def test_per_rank_statistics_refuse_another_world_size(ddp_full_run, tmp_path):
     L.seed_everything(0)
     data = recall_data(batch_size=8)
     with pytest.raises(RuntimeError, match="taken inside the statistics window of growth 'epoch 1' by 2 ranks"):
-        trainer(tmp_path, [GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2), statistics=StatisticsSettings(batches=3))], max_epochs=2).fit(
+        trainer(tmp_path, [GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                                 statistics=StatisticsSettings(batches=3))], max_epochs=2).fit(
             tiny_module(data), data, ckpt_path=ddp_full_run / "ckpt" / "step=7.ckpt")
 
 

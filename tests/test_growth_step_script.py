@@ -20,7 +20,8 @@ def test_reset_drops_the_qk_adam_state_at_the_growth_and_keeps_the_rest(tmp_path
     L.seed_everything(0)
     data = recall_data()
     module = tiny_module(data)
-    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=1), statistics=StatisticsSettings(batches=2), step_search=StepSearch(alphas=[0.0]))
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=1),
+                                 statistics=StatisticsSettings(batches=2), step_search=StepSearch(alphas=[0.0]))
     fit = trainer(tmp_path, [grow, growth_step.ResetQKMoments()], max_epochs=2)
     fit.fit(module, data)
     (optimizer,) = fit.optimizers

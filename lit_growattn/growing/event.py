@@ -175,7 +175,10 @@ class GrowthEvent:
         }
         if decisions is not None:
             record["decisions"] = decisions
-            record["observed_ratio"] = observed_ratio(record["realised_decrease"], decisions)
+            # A decrease within the evaluation's round-off realised nothing (it ends the automatic schedule).
+            noise = growth.loss_rounding(choice.loss_before, torch.float32)
+            realised = record["realised_decrease"] if record["realised_decrease"] > noise else 0.0
+            record["observed_ratio"] = observed_ratio(realised, decisions)
         return record, {name: g.spectrum for name, g in grown.items()}
 
 

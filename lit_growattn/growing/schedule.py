@@ -4,8 +4,9 @@ The schedule is one object, chosen in a config by its class: `AtEpochs`, `AtStep
 its own settings when built, what the other settings and the model must be for it in `bind`, and the run's
 length in `check_run`; the callback never asks which kind it has.
 
-A growth point is an epoch start (`AtEpochs`) or an optimizer step (`AtSteps`, as `trainer.global_step`). The event happens at the first training-batch start at or after its point where no
-accumulation window is open. Its statistics window is the `stats_batches` micro-batches just before it.
+A growth point is an epoch start (`AtEpochs`) or an optimizer step (`AtSteps`, as `trainer.global_step`). The
+event happens at the first training-batch start at or after its point where no accumulation window is open. Its
+statistics window is the `statistics.batches` micro-batches just before it.
 `Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
@@ -72,6 +73,7 @@ class GrowthSchedule(abc.ABC):
     """When the callback grows: a list of growth points in advance, or a rule that decides as training goes."""
 
     unit: Literal["epoch", "step"]
+    kind: Literal["fixed", "auto"]  # kept in checkpoints: a run resumes with the kind it was written by
     capacity: CapacityRule | None = None  # the rule that sizes each growth from its statistics (None: the settings do)
 
     @abc.abstractmethod
@@ -97,6 +99,8 @@ class GrowthSchedule(abc.ABC):
 
 class _FixedSchedule(GrowthSchedule):
     """Growth at listed points of one unit."""
+
+    kind = "fixed"
 
     def __init__(self, unit: Literal["epoch", "step"], points: list[int]):
         if not points or len(set(points)) != len(points):
@@ -157,6 +161,7 @@ class AtSteps(_FixedSchedule):
 
     def check_run(self, trainer, stats_batches: int) -> None:
         super().check_run(trainer, stats_batches)
+        warn_past_the_end(self.points, trainer.max_steps, trainer.estimated_stepping_batches)
         accumulate = trainer.accumulate_grad_batches
         steps = [0] + [p.at for p in self.points]
         if short := [b for a, b in zip(steps, steps[1:]) if (b - a) * accumulate < stats_batches]:
@@ -182,7 +187,7 @@ class AutoSchedule(GrowthSchedule):
             calibration, docs/design.md "Automatic capacity"); lowered by what each growth realises.
     """
 
-    unit = "step"
+    unit, kind = "step", "auto"
 
     def __init__(self, check_every: int = 50, patience: int = 2, threshold: float = 1e-4,
                  realised_ratio: float = REALISED_PER_PREDICTED):
@@ -231,3 +236,26 @@ class AutoSchedule(GrowthSchedule):
             return None
         point = GrowthPoint("step", self.check_every * (len(history) + 1))
         return None if self.end is not None and point.at >= self.end else point
+
+
+def check_same_schedule(state_dict: dict, kind: str) -> None:
+    """A resumed run keeps its schedule kind: the other kind's history would be read as its own (an automatic
+    schedule would count a fixed run's growths, or skip catch-up checks without statistics, against `patience`)."""
+    history = state_dict["history"]
+    saved = state_dict.get("schedule") or (
+        ("auto" if any("decisions" in e for e in history) else "fixed") if history else None)  # older checkpoints
+    if saved is not None and saved != kind:
+        named = {"fixed": "a fixed schedule (AtEpochs or AtSteps)", "auto": "the automatic schedule (AutoSchedule)"}
+        raise ValueError(f"the checkpoint was written by a run with {named[saved]}, this one has {named[kind]}: resume "
+                         f"with {named[saved].split(' (')[0]}, or start a new run from its weights with "
+                         "--model.init_args.init_from=CHECKPOINT")
+
+
+def warn_past_the_end(points: list[GrowthPoint], max_steps: int, estimated_steps: float) -> None:
+    """AtSteps points the run never reaches when it is bounded by max_epochs (max_steps is checked at setup):
+    the steps are estimated from the epochs and the train loader's length."""
+    if max_steps < 0 and estimated_steps != float("inf"):
+        for point in points:
+            if point.at >= estimated_steps:
+                warnings.warn(f"AtSteps has {point.name} but the run ends after about {int(estimated_steps)} "
+                              "optimizer steps (max_epochs × batches per epoch): it will never happen")

@@ -36,10 +36,11 @@ class GrowableAttention(nn.Module):
     qk_bias: bool
     v_head_dim: int
 
-    @classmethod
-    def from_native(cls, native: nn.Module) -> GrowableAttention:
+    @staticmethod
+    def from_native(native: nn.Module) -> GrowableAttention:
         """A growable copy of `native` (its value/output projections and norms shared, q/k copied into w_q, w_k)."""
-        new = growable_class(type(native)).__new__(growable_class(type(native)))
+        cls = growable_class(type(native))
+        new = cls.__new__(cls)
         new.__dict__.update(native.__dict__)
         for key in ("_parameters", "_buffers", "_modules"):
             new.__dict__[key] = dict(native.__dict__[key])
