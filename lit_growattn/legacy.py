@@ -25,7 +25,7 @@ FLAT = {*GROUP_OF, *AUTO_OF, "grow_at_epochs", "grow_at_steps"}
 
 def is_flat(init_args: dict[str, Any]) -> bool:
     """Whether the callback's init_args use the old flat names (`schedule: auto` is one of them)."""
-    return bool(FLAT & set(init_args)) or isinstance(init_args.get("schedule"), str)
+    return bool(FLAT & set(init_args)) or init_args.get("schedule") in ("auto", "fixed")
 
 
 def grouped(init_args: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,6 @@
 """GrowAttentionCallback's growth events on one process: what grows, what is logged and printed, optimizer
 carry-over, every attention variant, bad input."""
 
-import inspect
 import math
 from types import SimpleNamespace
 
@@ -19,7 +18,7 @@ from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
 from callback_helpers import WindowRecorder, params, recall_data, tiny_module, trainer
-from conftest import REPO, scalar_tags
+from conftest import REPO, required_args, scalar_tags
 
 GROWTH_TAGS = {
     "growth/d_head/layer_0", "growth/d_head/layer_1", "growth/alpha", "growth/sign_fallbacks",
@@ -321,12 +320,6 @@ class PreservationProbe(GrowAttentionCallback):
         with torch.no_grad():
             self.out_after = pl_module(inputs)
         pl_module.train()
-
-
-def required_args(attention: str) -> dict[str, int]:
-    """A small value (2) for each argument a variant cannot do without, e.g. low-rank DINT's rank."""
-    signature = inspect.signature(ATTENTIONS[attention])
-    return {name: 2 for name, p in list(signature.parameters.items())[2:] if p.default is inspect.Parameter.empty}
 
 
 @pytest.mark.parametrize("attention", sorted(ATTENTIONS))

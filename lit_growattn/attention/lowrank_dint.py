@@ -13,15 +13,18 @@ and growing r would need the growth machinery to factor M′ through W_down, whi
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.dint import DenoisedAttention
 from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.attention.registry import register_attention
 from lit_growattn.attention.sdpa import SdpaPad, causal_attention
-from lit_growattn.config import GPTConfig
+
+if TYPE_CHECKING:  # the config names the variants; they only need its type
+    from lit_growattn.config import GPTConfig
 
 
 def uniform_parameter(*shape: int, fan_in: int, device=None, dtype=None) -> nn.Parameter:
@@ -82,6 +85,7 @@ class LowRankQK(nn.Module):
             self.up_k = nn.Parameter(self.up_k.new_zeros(h, rank, state_dict[key].shape[-1]))
 
 
+@register_attention("lowrank_dint")
 class LowRankDintAttention(DenoisedAttention):
     """Args:
         rank: rank r of the second map's factors.

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import Carry, Growth
+from lit_growattn.growth import Carry, Growth, installed
 from lit_growattn.optim_state import carry_state, snapshot_state
 
 
@@ -25,28 +25,19 @@ def kept_batch_losses(
     (name → Growth installed; None: the forms as they are), forward only, so that every rank makes the same
     choice. Sums and counts are reduced, not per-rank means: a run resumed on more ranks than there are kept
     batches leaves some ranks without any. The forms are restored after. `pl_module.batch_loss` rates a batch."""
-    originals = [(form, (form.w_q, form.w_k, form.log_tau)) for _, _, form in forms]
-
-    def restore() -> None:
-        for form, (w_q, w_k, log_tau) in originals:
-            form.w_q, form.w_k, form.log_tau = w_q, w_k, log_tau
-
+    named = {name: form for _, name, form in forms}
     was_training = pl_module.training
     pl_module.eval()
     losses = []
     try:
         with torch.no_grad(), trainer.precision_plugin.forward_context():
             for grown in candidates:
-                for _, name, form in forms:
-                    if grown is not None:
-                        form.set_weights(grown[name].w_q, grown[name].w_k, grown[name].log_tau)
                 total = torch.zeros((), device=pl_module.device)
-                for batch in batches:
-                    total += pl_module.batch_loss(move_data_to_device(batch, pl_module.device)).float()
+                with installed(named, grown):
+                    for batch in batches:
+                        total += pl_module.batch_loss(move_data_to_device(batch, pl_module.device)).float()
                 losses.append(total)
-                restore()
     finally:
-        restore()
         pl_module.train(was_training)
     count = torch.tensor([float(len(batches))], device=pl_module.device)
     totals = trainer.strategy.reduce(torch.cat([torch.stack(losses), count]), reduce_op="sum")

@@ -24,8 +24,8 @@ def capture_mode(capture: Capture, device: torch.device) -> CaptureMode:
     """The capture path of `capture='auto'` on `device`."""
     if capture != "auto":
         return capture
-    # Measured (scripts/bench.py, README): on CPU the explicit map is faster and smaller at every length tried
-    # (s 32 to 2048), because CPU SDPA builds the full map for the widened queries anyway. On GPU the explicit
+    # On CPU the explicit map is faster and smaller (docs/performance.md, scripts/bench.py's capture sweep),
+    # because CPU SDPA builds the full map for the widened queries anyway. On GPU the explicit
     # map would lose flash attention, and the extension's memory grows with s·e′ instead of s².
     return "explicit" if device.type == "cpu" else "extend"
 

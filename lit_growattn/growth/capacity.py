@@ -3,9 +3,8 @@
 Appending the bottleneck pair j of a form at step α changes M by α·σ_j u_j v_jᵀ, whose first-order loss
 decrease is α·g_j with g_j = −σ_j u_jᵀN̄v_j (`FormGrowth.column_gains`). The forms of a layer share d_head, so
 the layer's gain of column j sums g_j over its heads and forms. The first-order prediction at α = 1 overstates
-what a step achieves by far: measured at real text growth events (Tiny Shakespeare, the text_grow.yaml model,
-epochs 1 and 2, three seeds; docs/design.md), the best held-out decrease over all step sizes was 0.13 % to 1.2 %
-of the α = 1 prediction, median about 0.4 % (natural/append 0.26–1.2 %). A column is therefore trusted to
+what a step achieves by far (at real text growth events the best held-out decrease over all step sizes is a
+small fraction of it: docs/design.md §11, docs/growth_step.md). A column is therefore trusted to
 deliver ratio × g_j, and qualifies when that clears `threshold` × the current loss. The ratio starts at that
 measured `realised_ratio` and can only fall: after each growth of the schedule it is the smaller of the prior and
 what that growth realised on the kept batches ÷ the first-order prediction at α = 1 of the columns it added
@@ -25,7 +24,8 @@ from torch import Tensor
 
 from lit_growattn.growth.factorize import FormGrowth
 
-# Median over the measured events of (best realised decrease over α) / (first-order prediction at α = 1).
+# Median over the probed text events of (best realised decrease over α) / (first-order prediction at α = 1):
+# docs/design.md §11, with the command that measures it.
 REALISED_PER_PREDICTED = 0.004
 
 
