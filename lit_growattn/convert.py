@@ -160,4 +160,4 @@ def _convert_pretrained(parser: argparse.ArgumentParser, args: argparse.Namespac
     settings = DintSettings(kind, rank=variant_args.get("rank"), d2_ratio=variant_args.get("d2_ratio"))
     convert_pretrained(args.pretrained, args.out, settings, seed=args.seed)
     print(f"wrote {args.out}; fine-tune with\n  python -m lit_growattn fit --config <your run config> "
-          f"--model lit_growattn.hf.HFCausalLM --model.pretrained {args.out} --model.growable false")
+          f"--model lit_growattn.hf.HFCausalLM --model.init_args.pretrained {args.out} --model.init_args.growable false")
