@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lit_growattn.checkpoint import resize_to_checkpoint
 from lit_growattn.contract import NamedForm
+from lit_growattn.hf.dint_models import DINT_MODEL_TYPES
 from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, supported
 from lit_growattn.optimization import GrowthOptimization, default_optimizer
@@ -47,7 +48,8 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
             raise ValueError(f"model_type {model_type!r} is not supported; supported model types: {supported()}")
         hf_config = AutoConfig.for_model(model_type, **settings)
     if getattr(hf_config, "base_model_type", hf_config.model_type) not in NATIVE_ATTENTION:
-        raise ValueError(f"{pretrained} is a {hf_config.model_type!r} model; supported model types: {supported()}")
+        raise ValueError(f"{pretrained} is a {hf_config.model_type!r} model; supported model types: {supported()} "
+                         f"(and their DINT conversions, {', '.join(DINT_MODEL_TYPES)})")
     if pretrained is not None:
         return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn_implementation)
     return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
@@ -61,6 +63,9 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
             vocabulary, or blocks longer than its positions, are refused before training.
         head_sizes: query/key head size per layer (recorded after growth, so that a grown checkpoint rebuilds).
         attn_implementation: transformers' attention interface (sdpa | eager | …).
+        growable: convert the attention into growable attention (for GrowAttentionCallback); false keeps the
+            model's attention as loaded, e.g. a DINT model written by `convert --pretrained` (seed 001), which the
+            growth callback cannot grow.
         optimizer, scheduler, lr_schedule, warmup_steps, min_lr_ratio: as on GrowAttentionLM.
     """
 
@@ -72,6 +77,7 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         block_size: int | None = None,
         head_sizes: list[int] | None = None,
         attn_implementation: str = "sdpa",
+        growable: bool = True,
         optimizer: OptimizerCallable = default_optimizer,
         scheduler: LRSchedulerCallable | None = None,
         lr_schedule: Literal["cosine", "constant"] = "cosine",
@@ -84,7 +90,10 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
             config = {"vocab_size": vocab_size, **config}  # from scratch: the tokenizer's size unless given
         self.model = build_model(pretrained, config, attn_implementation)
         self._check_data_fits(vocab_size, block_size)
-        if not self.growable_forms():  # an exported grown model (growattn_<type>) comes growable
+        if growable and self.model.config.model_type in DINT_MODEL_TYPES:
+            raise ValueError(f"{pretrained} holds a DINT model, whose attention cannot be made growable: set "
+                             "--model.init_args.growable=false to fine-tune it")
+        if growable and not self.growable_forms():  # an exported grown model (growattn_<type>) comes growable
             make_growable(self.model)
         if head_sizes is not None:
             if len(head_sizes) != len(self.growable_forms()):
@@ -135,5 +144,8 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         loss = self.batch_loss(batch)
-        self.log("val/loss", loss, prog_bar=True, add_dataloader_idx=False, sync_dist=True)
+        names = getattr(self.trainer.datamodule, "val_names", None) if self._trainer else None
+        name = names[dataloader_idx] if names else ""  # "" is the main held-out set: `val/loss`
+        prefix = f"val/{name}" if name else "val"
+        self.log(f"{prefix}/loss", loss, prog_bar=not name, add_dataloader_idx=False, sync_dist=True)
         return loss
