@@ -27,7 +27,7 @@ from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent, GrowthSettings
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
 from lit_growattn.growing.schedule import AutoSchedule, Clock, GrowthPoint, Schedule
-from lit_growattn.growth.capacity import REALISED_PER_PREDICTED, CapacityRule, current_ratio
+from lit_growattn.growth.capacity import CapacityRule
 from lit_growattn.growing.window import CAPTURES, Capture, NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.lightning_private import should_update_logs
 
@@ -39,11 +39,11 @@ class GrowAttentionCallback(Callback):
             at or after the step where no accumulation window is open. Give exactly one of the two, or neither
             with schedule='auto'.
         schedule: `fixed` (the growth points above) | `auto`: a check every `check_every` optimizer steps, where
-            each layer grows by the columns whose expected loss decrease clears `auto_threshold` × the loss
-            (`lit_growattn.growth.capacity`); it ends after `patience` checks in a row with no growth, or when
-            every layer is at max_d_head, and no statistics are taken after that.
-        check_every, patience, auto_threshold, realised_ratio: the automatic schedule's settings (realised_ratio:
-            the share of the first-order prediction a growth realises, measured on text).
+            each layer grows by the columns whose held-out gain is at least `auto_threshold` of what the layer's
+            existing columns can still gain and `auto_agreement` of their in-sample gain (`lit_growattn.growth.capacity`);
+            it ends after `patience` checks in a row with no growth once the loss falls by less than
+            `auto_min_fall` of itself per check, or when every layer is at max_d_head; no statistics after that.
+        check_every, patience, auto_threshold, auto_agreement, auto_min_fall: the automatic schedule's settings.
         grow_by: new columns per head at each event: one int, or one per layer (default 1; with
             `dynamic_rank` or schedule='auto', a cap on the chosen growth, default none).
         dynamic_rank: if set, choose the growth per layer from the bottleneck spectrum instead: the number of
@@ -84,8 +84,9 @@ class GrowAttentionCallback(Callback):
         schedule: growth.ScheduleKind = "fixed",
         check_every: int = 50,
         patience: int = 2,
-        auto_threshold: float = 1e-4,
-        realised_ratio: float = REALISED_PER_PREDICTED,
+        auto_threshold: float = CapacityRule.ratio,
+        auto_agreement: float = CapacityRule.agreement,
+        auto_min_fall: float = CapacityRule.min_fall,
     ):
         super().__init__()
         growth.check_choice("schedule", schedule, growth.SCHEDULE_KINDS)
@@ -94,8 +95,8 @@ class GrowAttentionCallback(Callback):
             if grow_at_epochs is not None or grow_at_steps is not None:
                 raise ValueError("schedule='auto' decides by itself when to grow: leave grow_at_epochs and "
                                  "grow_at_steps out (null), or use schedule='fixed'")
-            self.schedule = AutoSchedule(check_every, patience)
-            capacity = CapacityRule(auto_threshold, realised_ratio)
+            capacity = CapacityRule(auto_threshold, auto_agreement, auto_min_fall)
+            self.schedule = AutoSchedule(check_every, patience, capacity.min_fall)
         else:
             self.schedule = Schedule(grow_at_epochs, grow_at_steps)
         growth.check_choice("capture", capture, CAPTURES)
@@ -118,7 +119,7 @@ class GrowAttentionCallback(Callback):
         self.layers, self.layers_per_step = layers, layers_per_step
         self.capture = capture
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints
-        self.window = StatsWindow(method)
+        self.window = StatsWindow(method, halves=capacity is not None)
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
 
@@ -151,11 +152,13 @@ class GrowAttentionCallback(Callback):
                 f"({e_in}: the bilinear form has rank ≤ {e_in})"
             )
         self._per_step = min(self.layers_per_step or len(layers), len(layers))
-        if self.stats_batches < (turns := math.ceil(len(layers) / self._per_step)):
+        # The automatic schedule splits each layer's statistics in two halves: two turns per layer at least.
+        turns = math.ceil(len(layers) / self._per_step) * (2 if self.window.halves else 1)
+        if self.stats_batches < turns:
             raise ValueError(
                 f"stats_batches={self.stats_batches} with layers_per_step={self.layers_per_step} leaves layers without "
-                f"statistics: {len(layers)} growing layers need at least {turns} statistics batches; raise "
-                "stats_batches or layers_per_step"
+                f"statistics: {len(layers)} growing layers need at least {turns} statistics batches (schedule='auto' "
+                "needs two per layer, one for each half of the window); raise stats_batches or layers_per_step"
             )
         self._layers = layers
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
@@ -219,7 +222,7 @@ class GrowAttentionCallback(Callback):
             # Lightning already divided the loss by accumulate_grad_batches; a 16-mixed GradScaler has not been undone.
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             fold_captured(self._forms(pl_module), self.window.stats, 1.0 / trainer.accumulate_grad_batches,
-                          None if scaler is None else scaler.get_scale())
+                          None if scaler is None else scaler.get_scale(), self.window.half)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._capturing:
@@ -243,23 +246,24 @@ class GrowAttentionCallback(Callback):
         window.to(pl_module.device)
         # Under a 16-mixed GradScaler overflowed steps are dropped: a short window (or a layer's few round-robin
         # turns) can end with nothing. Layers without statistics keep their size; the others still grow.
-        kept = [(f, st) for f, st in zip(forms, window.stats) if st.instances > 0]
+        halves = window.half or [None] * len(forms)
+        kept = [(f, st, h) for f, st, h in zip(forms, window.stats, halves) if st.instances > 0]
         if not kept:
             return self._skip(trainer, pl_module, where, "no finite statistics were captured in its window")
-        if empty := sorted({f[0] for f in forms} - {f[0] for f, _ in kept}):
+        if empty := sorted({f[0] for f in forms} - {f[0] for f, _, _ in kept}):
             warnings.warn(f"growth at {point.name}: layers {empty} have no finite statistics (every step that "
                           "captured them overflowed); they keep their size, the other layers grow")
-        forms = [f for f, _ in kept]
+        forms = [f for f, _, _ in kept]
         batches = window.kept[self._rank :: self._world]
         event = GrowthEvent(
             self.settings,
             loss_of=lambda candidates: kept_batch_losses(trainer, pl_module, forms, batches, candidates),
             install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
-            ratio=None if self.settings.capacity is None else current_ratio(self.history, self.settings.capacity),
         )
         try:
-            record, spectra = event.run(forms, [st for _, st in kept], seed=point.at)
+            record, spectra = event.run(forms, [st for _, st, _ in kept], seed=point.at,
+                                        half=None if window.half is None else [h for _, _, h in kept])
         except growth.NonFiniteStatistics as err:
             return self._skip(trainer, pl_module, where, str(err))
         pl_module.record_head_sizes()

@@ -94,6 +94,7 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
             "--override=--trainer.callbacks.init_args.check_every=3",
             "--override=--trainer.callbacks.init_args.stats_batches=2",
             "--override=--trainer.callbacks.init_args.auto_threshold=1e-7",
+            "--override=--trainer.callbacks.init_args.auto_agreement=0.01",
             "--override=--trainer.callbacks.init_args.grow_by=1"]
     experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
                       "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned"])

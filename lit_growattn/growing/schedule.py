@@ -7,9 +7,9 @@ accumulation window is open. Its statistics window is the `stats_batches` micro-
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
 `AutoSchedule` (schedule='auto') checks every `check_every` optimizer steps instead, and ends by itself: after
-`patience` checks in a row where no layer grew, after a growth that realised nothing, or once every growing layer
-is at max_d_head. Its next point is
-read from the history alone (one record per check), so a resumed run continues exactly where it stopped.
+`patience` checks in a row where no layer grew, provided the loss no longer falls fast (by less than `min_fall` of
+itself per check over those checks), or once every growing layer is at max_d_head. Its next point is read from the
+history alone (one record per check), so a resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from lit_growattn.growth.capacity import latest_observed_ratio
+from lit_growattn.growth.capacity import loss_fall
 
 
 @dataclass(frozen=True)
@@ -95,18 +95,18 @@ class Schedule:
 
 
 class AutoSchedule:
-    """A check every `check_every` optimizer steps, until `patience` checks in a row grow nothing, a growth realised
-    nothing (its observed realised/predicted ratio is 0, so no later prediction can be trusted), every layer of
-    `layers` is at `max_d_head`, or the next check would come at or after `end` (the run's last step)."""
+    """A check every `check_every` optimizer steps, until `patience` checks in a row grow nothing while the loss
+    falls by less than `min_fall` of itself per check (a near miss while training still moves fast is never final),
+    every layer of `layers` is at `max_d_head`, or the next check would come at or after `end` (the run's last step)."""
 
     unit = "step"
 
-    def __init__(self, check_every: int, patience: int):
+    def __init__(self, check_every: int, patience: int, min_fall: float = 0.01):
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
         if patience <= 0:
             raise ValueError(f"patience must be a positive number of checks, got {patience}")
-        self.check_every, self.patience = check_every, patience
+        self.check_every, self.patience, self.min_fall = check_every, patience, min_fall
         # Set by the callback once the model is known: the growing layers, their limit, their sizes at the start.
         self.layers: list[int] = []
         self.max_d_head: int | None = None
@@ -120,9 +120,9 @@ class AutoSchedule:
     def finished(self, history: list[dict]) -> bool:
         recent = history[-self.patience:]
         if len(recent) == self.patience and all(e["d_head"] == e["d_head_before"] for e in recent):
-            return True
-        if latest_observed_ratio(history) == 0:
-            return True
+            fall = loss_fall(history, self.patience)
+            if fall is not None and fall < self.min_fall:
+                return True
         sizes = history[-1]["d_head"] if history else self.start_sizes
         return all(sizes[i] >= self.max_d_head for i in self.layers)
 
