@@ -21,6 +21,9 @@ AUTO = [
     "--trainer.callbacks.init_args.stats_batches=3", "--trainer.callbacks.init_args.patience=2",
     # A tiny run's few statistics batches are noisy: a low bar, so that growth happens at all.
     "--trainer.callbacks.init_args.auto_threshold=1e-3", "--trainer.callbacks.init_args.auto_agreement=0.1",
+    # Its loss still falls fast when growth stops: any fall ends it after `patience` idle checks (the loss-fall
+    # condition has its own test, tests/test_capacity.py).
+    "--trainer.callbacks.init_args.auto_min_fall=1.0",
 ]
 
 
@@ -78,8 +81,8 @@ def test_no_gain_no_growth_zero_gradient():
 def test_no_gain_no_growth_at_ample_width_takes_no_statistics(tmp_path, tiny_cli_args, monkeypatch):
     monkeypatch.setattr(StatsWindow, "begin_step", lambda *a, **k: pytest.fail("a statistics step at full width"))
     cb = fit("recall_auto.yaml", tmp_path, *tiny_cli_args, "--model.init_args.d_head=8",
-             "--trainer.callbacks.init_args.max_d_head=8", "--trainer.callbacks.init_args.check_every=1",
-             "--trainer.callbacks.init_args.stats_batches=1", "--data.init_args.num_train_examples=320")
+             "--trainer.callbacks.init_args.max_d_head=8", "--trainer.callbacks.init_args.check_every=2",
+             "--trainer.callbacks.init_args.stats_batches=2", "--data.init_args.num_train_examples=320")
     assert cb.history == [] and cb.schedule.pending([]) is None
 
 
