@@ -115,9 +115,9 @@ def test_no_end_of_growth_while_the_loss_falls_faster_than_min_fall():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(ratio=0.0), "auto_threshold is a positive ratio"),
-    (dict(agreement=0.0), "auto_agreement is a share"),
-    (dict(min_fall=-0.1), "auto_min_fall is a relative loss decrease"),
+    (dict(ratio=0.0), "threshold is a positive ratio"),
+    (dict(agreement=0.0), "agreement is a share"),
+    (dict(min_fall=-0.1), "min_fall is a relative loss decrease"),
 ])
 def test_bad_rules_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -43,11 +43,11 @@ class CapacityRule:
 
     def __post_init__(self):
         if not self.ratio > 0:
-            raise ValueError(f"auto_threshold is a positive ratio to the existing columns' gain (e.g. 0.5), got {self.ratio}")
+            raise ValueError(f"threshold is a positive ratio to the existing columns' gain (e.g. 0.5), got {self.ratio}")
         if not 0 < self.agreement <= 1:
-            raise ValueError(f"auto_agreement is a share of the in-sample gain in (0, 1], got {self.agreement}")
+            raise ValueError(f"agreement is a share of the in-sample gain in (0, 1], got {self.agreement}")
         if not self.min_fall >= 0:
-            raise ValueError(f"auto_min_fall is a relative loss decrease per check (≥ 0, e.g. 0.01), got {self.min_fall}")
+            raise ValueError(f"min_fall is a relative loss decrease per check (≥ 0, e.g. 0.01), got {self.min_fall}")
 
 
 @dataclass(frozen=True)
