@@ -132,6 +132,22 @@ def paired(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def signals(results: dict[str, list[dict]]) -> str:
+    """The decision inputs at every check of the first seed of each auto row: per layer the first candidate column's
+    held-out ratio to the existing columns' gain, its agreement, its share of the held-out score, the bottleneck's
+    energy share, and the columns taken."""
+    lines = ["| run | step | loss | layer | d_head | ratio₁ | agreement₁ | share₁ | bottleneck | columns |",
+             "|" + "---|" * 10]
+    for name in (AUTO, AMPLE):
+        for event in results.get(name, [{}])[0].get("events", []):
+            for d in event.get("decisions", []):
+                first = lambda key: f"{d[key][0]:.2f}" if d[key] else "–"  # noqa: E731
+                lines.append(f"| {name} | {event['step']} | {event['loss_before']:.3f} | {d['layer']} | {d['d_head']} | "
+                             f"{first('ratios')} | {first('agreement')} | {first('shares')} | {d['bottleneck']:.2f} | "
+                             f"{d['columns']} |")
+    return "\n".join(lines)
+
+
 def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, runs in results.items():
@@ -170,6 +186,8 @@ def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
 
 def write(results: dict[str, list[dict]], out: Path, command: str) -> str:
     text = table(results) + "\n\nValidation loss per seed:\n\n" + paired(results)
+    if AUTO in results or AMPLE in results:
+        text += "\n\nDecision inputs at each check (first seed):\n\n" + signals(results)
     plots = plot(results, out)
     (out / "experiments_capacity.md").write_text(
         f"# experiments_capacity ({command})\n\n{text}\n\n" + "\n".join(f"![]({p.name})" for p in plots) + "\n")
