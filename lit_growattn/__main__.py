@@ -13,18 +13,32 @@ import traceback
 DEBUG_ENV = "LIT_GROWATTN_DEBUG"
 
 
-def root_cause(error: BaseException) -> BaseException:
-    """The innermost exception: jsonargparse wraps a failing __init__ in "Does not validate against any of the
-    Union subtypes", raised from the original error."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    return error
+def causes(error: BaseException) -> list[BaseException]:
+    """The chain of `raise … from`, outermost first."""
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    return chain
+
+
+def raised_by_project(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
+    return bool(frames) and os.path.dirname(__file__) in frames[-1].filename
+
+
+def first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
 
 
 def short_report(error: BaseException) -> str:
-    cause = root_cause(error)
-    where = traceback.extract_tb(cause.__traceback__)[-1] if cause.__traceback__ else None
-    lines = [f"error: {type(cause).__name__}: {cause}"]
+    """The project's own message (the outermost one it raised: jsonargparse wraps a failing __init__ in "Does
+    not validate against any of the Union subtypes"), and the first line of the root cause under it, if any."""
+    chain = causes(error)
+    own = next((e for e in chain if raised_by_project(e)), chain[-1])
+    where = traceback.extract_tb(own.__traceback__)[-1] if own.__traceback__ else None
+    lines = [f"error: {type(own).__name__}: {own}"]
+    if chain[-1] is not own:
+        lines.append(f"  (caused by {first_line(chain[-1])})")
     if where is not None:
         lines.append(f"  (raised at {where.filename}:{where.lineno})")
     lines.append(f"  (full traceback: run again with {DEBUG_ENV}=1)")

@@ -26,7 +26,7 @@ from lit_growattn import growth
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent, GrowthSettings
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
-from lit_growattn.growing.schedule import AutoSchedule, Clock, GrowthPoint, Schedule
+from lit_growattn.growing.schedule import AutoSchedule, Clock, GrowthPoint, Schedule, check_same_schedule, warn_past_the_end
 from lit_growattn.growth.capacity import CapacityRule
 from lit_growattn.growing.window import CAPTURES, Capture, NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.lightning_private import should_update_logs
@@ -123,6 +123,10 @@ class GrowAttentionCallback(Callback):
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
 
+    @property
+    def _schedule_kind(self) -> str:
+        return "auto" if isinstance(self.schedule, AutoSchedule) else "fixed"
+
     # -- checks before any work is done --------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._strategy, self._rank, self._world = trainer.strategy, trainer.global_rank, trainer.world_size
@@ -185,6 +189,7 @@ class GrowAttentionCallback(Callback):
                     "raise check_every or lower stats_batches"
                 )
         if self.schedule.unit == "step":
+            warn_past_the_end(self.schedule.points, trainer.max_steps, trainer.estimated_stepping_batches)
             steps = [0] + [p.at for p in self.schedule.points]
             if short := [b for a, b in zip(steps, steps[1:]) if (b - a) * trainer.accumulate_grad_batches < self.stats_batches]:
                 raise ValueError(
@@ -285,8 +290,11 @@ class GrowAttentionCallback(Callback):
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"history": self.history, "window": self.window.state_dict(self._strategy, self._world)}
+        return {"history": self.history, "window": self.window.state_dict(self._strategy, self._world),
+                "schedule": self._schedule_kind}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        check_same_schedule(state_dict, self._schedule_kind)
         self.history = list(state_dict["history"])
         self.window.load_state_dict(state_dict["window"], self._rank, self._world)
+

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import zipfile
 from typing import Any
 
 import torch
@@ -25,14 +26,22 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-        what = f" such as {found.group(1)}" if found else ""
+        found = re.search(r"GLOBAL (\S+)", str(error))  # "Unsupported global: GLOBAL x" or "unsupported GLOBAL x"
+        if found is None:
+            raise damaged(path) from error
+        # From None: torch's own message advises loading with the unsafe setting, for exactly this file.
         raise ValueError(
-            f"{path} holds Python objects{what} beyond tensors and plain containers; loading them could run code "
-            "from the file, so it is refused. If you trust the file, keep only its weights and hyperparameters: "
-            "ckpt = torch.load(path, weights_only=False); torch.save({k: ckpt[k] for k in ('state_dict', "
-            "'hyper_parameters')}, new_path)"
-        ) from error
+            f"{path} holds Python objects such as {found.group(1)} beyond tensors and plain containers; loading "
+            "them could run code from the file, so it is refused. If you trust the file, save only its "
+            "'state_dict' and 'hyper_parameters' (tensors and plain values) to a new file."
+        ) from None
+    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
+        raise damaged(path) from error
+
+
+def damaged(path: str | os.PathLike) -> ValueError:
+    return ValueError(f"checkpoint {str(path)!r} is damaged (truncated or overwritten?) and cannot be read; "
+                      "use another checkpoint, e.g. an earlier one of the same run")
 
 
 def resize_to_checkpoint(model: nn.Module, state_dict: dict[str, Tensor]) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.module import GrowAttentionLM
 
 TRAINER_DEFAULTS = {
@@ -31,6 +33,17 @@ class GrowAttentionCLI(LightningCLI):
         # The vocabulary and the longest sequence come from the data, so the model cannot disagree with it.
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.max_seq_len", "model.init_args.block_size", apply_on="instantiate")
+
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI builds a resumed model from the checkpoint's hyperparameters: read the file the project's way
+        (a damaged or unsafe file is named), and say which model settings of the command differ from it."""
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            stored = read_checkpoint(ckpt_path).get("hyper_parameters", {})
+            given = (self.config[subcommand].get("model") or {}).get("init_args") or {}
+            warn_changed_settings(ckpt_path, stored, given.as_dict() if hasattr(given, "as_dict") else dict(given))
+        super()._parse_ckpt_path()
 
     def _instantiate_trainer(self, config: dict, callbacks: list[Callback]):
         # The default `ModelCheckpoint(save_last=True)` only when the user configured none: Lightning refuses two
@@ -58,6 +71,23 @@ class GrowAttentionCLI(LightningCLI):
             log_dir = Path(logger.log_dir) if logger.log_dir else None
             if log_dir is not None and log_dir.is_dir() and _written_by_this_start(log_dir):
                 shutil.rmtree(log_dir, ignore_errors=True)
+
+
+# Set from the data (linked) or recorded by growth (a grown checkpoint's per-layer d_head): not the user's choice.
+DERIVED_SETTINGS = {"vocab_size", "block_size"}
+
+
+def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
+    """One warning naming every model setting whose value on the command line differs from the checkpoint's (plain
+    values only: nested settings such as the optimizer are recorded in another form than the command gives them)."""
+    changed = {k: (given[k], v) for k, v in stored.items()
+               if not k.startswith("_") and k not in DERIVED_SETTINGS and k in given and given[k] is not None
+               and isinstance(v, (int, float, str, bool, list))
+               and given[k] != v and not (k == "d_head" and isinstance(v, list))}
+    if changed:
+        listed = "; ".join(f"{k}: {new!r} given, the checkpoint's {old!r} used" for k, (new, old) in changed.items())
+        warnings.warn(f"resuming from {ckpt_path}, whose model settings win over the command's: {listed}. Start a "
+                      "new run (or use init_from for the weights) to change them", stacklevel=2)
 
 
 def _written_by_this_start(log_dir: Path) -> bool:

@@ -34,6 +34,10 @@ class GPTConfig:
             raise ValueError(f"d_head has {len(heads)} entries but n_layer is {self.n_layer}: give one per layer or a single int")
         if any(d <= 0 for d in heads):
             raise ValueError(f"d_head must be positive, got {self.d_head}")
+        e_in = self.n_embd + int(self.bias)
+        if max(heads) > e_in:
+            raise ValueError(f"d_head={self.d_head} exceeds n_embd{' + 1 (bias)' if self.bias else ''} = {e_in}: a "
+                             f"query/key form has rank ≤ {e_in}, so wider heads add parameters, never rank; use ≤ {e_in}")
         if self.d_v is not None and self.d_v <= 0:
             raise ValueError(f"d_v must be positive, got {self.d_v}")
         if self.d_v is None and self.n_embd % self.n_head:

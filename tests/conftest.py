@@ -1,3 +1,6 @@
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -6,6 +9,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+# Every test that reads ../shared carries this mark: a clone without the shared data skips them.
+needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not beside this clone")
+
+
+@pytest.fixture(autouse=True)
+def command_line_of_its_own(monkeypatch):
+    """LightningCLI gets its arguments from each test; pytest's own (`-q -x …`) are not the command line's."""
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -48,3 +59,11 @@ def token_cache(tmp_path_factory):
     folder, text.DEFAULT_CACHE = text.DEFAULT_CACHE, str(tmp_path_factory.mktemp("token_cache"))
     yield
     text.DEFAULT_CACHE = folder
+
+
+def run_command(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m lit_growattn ARGS` as a user runs it: the exit code and what it printed (stdout, stderr)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "HF_HUB_OFFLINE": "1", "LIT_GROWATTN_DEBUG": "", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lit_growattn", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or REPO, env=env, timeout=300)

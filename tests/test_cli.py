@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_growattn.cli import main
 from lit_growattn.module import GrowAttentionLM
 
-from conftest import REPO, SHAKESPEARE, scalar_tags
+from conftest import REPO, SHAKESPEARE, needs_shakespeare, scalar_tags
 
 
 def test_mqar_fit_writes_checkpoint_and_tensorboard_tags(tmp_path, tiny_cli_args):
@@ -57,7 +57,7 @@ def test_text_fit_on_a_small_file_with_a_second_domain(tmp_path, tiny_cli_args):
     assert not any("dataloader_idx" in t for t in tags)
 
 
-@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data/tinyshakespeare.txt is not beside this clone")
+@needs_shakespeare
 def test_text_fit_on_tiny_shakespeare(tmp_path, tiny_cli_args):
     _text_fit(tmp_path, tiny_cli_args, SHAKESPEARE)
 

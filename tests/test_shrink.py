@@ -36,7 +36,9 @@ def test_exact_when_rank_fits():
     w_q, w_k, log_tau = form(d=4)
     new_q, new_k, discarded = shrink_form(w_q, w_k, log_tau, 4)
     torch.testing.assert_close(bilinear(new_q, new_k, log_tau), bilinear(w_q, w_k, log_tau), rtol=0, atol=1e-12)
-    assert discarded.abs().max() < 1e-20
+    # Nothing is discarded: what is left is round-off of the float64 factorisation, relative to the form's energy.
+    energy = bilinear(w_q, w_k, log_tau).square().sum()
+    assert discarded.abs().max() <= 100 * w_q.shape[-2] * torch.finfo(w_q.dtype).eps * energy
     # A form of rank 2 stored in 4 columns shrinks to 2 or 3 columns without loss.
     w_q[..., 2:] = 0
     for d_new in (2, 3):

@@ -88,5 +88,11 @@ class LowRankDintAttention(DenoisedAttention):
     ):
         if rank < 1 or d2_ratio <= 0:
             raise ValueError(f"lowrank_dint needs rank ≥ 1 and d2_ratio > 0, got rank={rank}, d2_ratio={d2_ratio}")
+        e_in = cfg.n_embd + int(cfg.bias)
+        if rank > e_in:
+            raise ValueError(
+                f"lowrank_dint rank={rank} exceeds n_embd{' + 1 (bias)' if cfg.bias else ''} = {e_in}: the second map's "
+                f"form has rank ≤ min(rank, n_embd, d_head) and d_head never exceeds n_embd, so a larger rank adds "
+                f"parameters, never rank; use rank ≤ {e_in}")
         qk2 = LowRankQK(cfg.n_embd, cfg.n_head, cfg.head_size(layer_idx), rank, cfg.bias, d2_ratio, cfg.sdpa_pad)
         super().__init__(cfg, layer_idx, qk2, lambda_init)

@@ -20,7 +20,9 @@ from torch.utils.data import DataLoader
 from lit_growattn.data.base import BaseDataModule
 from lit_growattn.data.corpus import HubDataset, LocalFiles, check_file, first_rows, texts_up_to
 from lit_growattn.data.streaming import StreamingWindows
-from lit_growattn.data.token_file import FORMAT, CacheError, cache_directory, open_token_file, tokenize, write_token_file
+from lit_growattn.data.token_file import (
+    FORMAT, CacheError, build_folder_prefix, cache_directory, open_token_file, remove_stale_builds, tokenize, write_token_file,
+)
 from lit_growattn.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_bpe
 from lit_growattn.data.windows import Concatenated, FileTokens, RandomWindowSampler, Windows
 
@@ -41,7 +43,7 @@ class TextDataModule(BaseDataModule):
             `path`; its rows are documents, each followed by a blank line.
         tokenizer: `bytes` (vocabulary 256, no tokenizer), `bpe` (a byte-level BPE trained on the training
             text), a `tokenizer.json` file, or a tokenizer name on the Hugging Face hub.
-        bpe_vocab_size: Vocabulary of the trained BPE (and the model's vocab_size).
+        bpe_vocab_size: Largest vocabulary of the trained BPE (the model takes the size it learned, at most this).
         bpe_sample_mb: MB of training text the BPE is trained on, taken from the start of each source.
         streaming: Stream `hf_dataset` (or `path`) instead of tokenizing it into a file; needs `samples_per_epoch`.
         val_rows: With `streaming`, the first rows of the stream held out for validation.
@@ -94,10 +96,13 @@ class TextDataModule(BaseDataModule):
             raise ValueError(f"bpe_vocab_size must be >= 256 (every byte is a token), got {bpe_vocab_size}")
         if streaming and samples_per_epoch is None:
             raise ValueError("streaming needs samples_per_epoch: a stream has no length to define an epoch by")
-        self.source = LocalFiles([path] if isinstance(path, str) else list(path)) if path is not None else \
-            HubDataset(hf_dataset, hf_config, hf_split, hf_text_field)
+        paths = [path] if isinstance(path, str) else list(path or [])
+        if twice := sorted({p for p in paths if [os.path.realpath(q) for q in paths].count(os.path.realpath(p)) > 1}):
+            raise ValueError(f"path lists {twice} more than once: list each file once (its text would be trained on twice "
+                             "and could also land in the held-out split)")
+        self.source = LocalFiles(paths) if path is not None else HubDataset(hf_dataset, hf_config, hf_split, hf_text_field)
         self.tokenizer_spec, self.bpe_vocab_size, self.bpe_sample_mb = tokenizer, bpe_vocab_size, bpe_sample_mb
-        # A trained BPE is made (or read from the cache) in prepare_data, once the corpus is known to be wanted.
+        # A trained BPE is made (or read from the cache) when the model asks for vocab_size, or in prepare_data.
         self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else None if tokenizer == "bpe" else load_tokenizer(tokenizer)
         self._token_files: dict = {}  # filled by `_prepare`: the corpus's under None, each val file's under its path
         self.streaming, self.val_rows, self.num_proc = streaming, val_rows, num_proc
@@ -126,7 +131,9 @@ class TextDataModule(BaseDataModule):
 
     @property
     def vocab_size(self) -> int:
-        return self.bpe_vocab_size if self.tokenizer_spec == "bpe" else self.tokenizer.vocab_size
+        """The tokenizer's own size: a BPE is trained (or read from the cache) here, since a small text may hold
+        fewer merges than bpe_vocab_size and the model must not carry embeddings for tokens that never occur."""
+        return self._tokenizer(build=True).vocab_size
 
     @property
     def max_seq_len(self) -> int:
@@ -186,17 +193,22 @@ class TextDataModule(BaseDataModule):
                 raise CacheError(f"{why}; {self._shared_cache_hint()}") from why
             rank_zero_info(f"{why}: tokenizing {source.identity} with {self.tokenizer_spec!r}")
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=self.cache_dir, prefix="tmp-") as tmp:
+        remove_stale_builds(self.cache_dir)
+        with tempfile.TemporaryDirectory(dir=self.cache_dir, prefix=build_folder_prefix()) as tmp:
             tokenized = [
                 tokenize(rows, source.field, self.tokenizer, self.num_proc, source.suffix, os.path.join(tmp, f"tokens-{i}.arrow"))
                 for i, rows in enumerate(source.rows(tmp))
             ]
             return write_token_file(directory, key, tokenized, held_out, self.tokenizer)
 
-    def _prepare(self, build: bool) -> None:
-        """The tokenizer and the token files, checked (and built when `build`) and kept for `setup` to read from."""
+    def _tokenizer(self, build: bool) -> HFTokenizer:
         if self.tokenizer is None:
             self.tokenizer = self._bpe(build, stream=self.source.stream().skip(self.val_rows) if self.streaming else None)
+        return self.tokenizer
+
+    def _prepare(self, build: bool) -> None:
+        """The tokenizer and the token files, checked (and built when `build`) and kept for `setup` to read from."""
+        self._tokenizer(build)
         self._token_files = {}
         if not self.streaming and not self.byte_files:
             self._token_files[None] = self._token_file(self.source, self.val_fraction, build)

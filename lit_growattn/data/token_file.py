@@ -4,7 +4,9 @@ A cache directory holds `tokens.bin` (every source's training tokens, then every
 uint8/16/32 as the vocabulary needs) and `meta.json` (the key it was built for: format, source fingerprint,
 tokenizer fingerprint, held-out fraction; and the split sizes in tokens and bytes). `meta.json` is written
 last, so a build that was interrupted leaves no metadata and is built again. A source or tokenizer that
-changed makes the key differ: the cache is stale and built again.
+changed makes the key differ: the cache is stale and built again. Bytes overwritten in place are caught by a
+hash of blocks sampled across `tokens.bin` (and a check that no sampled token lies outside the vocabulary).
+A build works in `tmp-{host}-{pid}-*` folders of the cache; the next build removes those of dead processes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +26,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from lit_growattn.data.tokenizer import token_dtype
 from lit_growattn.data.windows import FileTokens
 
-FORMAT = 1
-_SAMPLE = 1 << 16  # bytes hashed at each end of a file for its fingerprint
+FORMAT = 2  # 2: meta.json holds `content`, the hash of sampled blocks of tokens.bin
+_SAMPLE = 1 << 16  # bytes hashed at each end of a file for its fingerprint, and per sampled block of tokens.bin
+_BLOCKS = 16  # blocks of tokens.bin hashed for its content check: 1 MB read, whatever the corpus size
+_FOREIGN_BUILD_AGE = 7 * 24 * 3600  # a build folder of another host (shared cache) is stale after a week
 
 
 class CacheError(ValueError):
@@ -42,6 +48,49 @@ def fingerprint_files(paths: list[str]) -> list[dict]:
             digest.update(f.read(_SAMPLE))
         prints.append(dict(path=os.path.abspath(path), size=stat.st_size, mtime_ns=stat.st_mtime_ns, sample=digest.hexdigest()[:16]))
     return prints
+
+
+def sampled_blocks(path: Path, itemsize: int) -> list[bytes]:
+    """_BLOCKS blocks of _SAMPLE bytes spread evenly over the file (whole tokens each), the file if smaller."""
+    size, block = path.stat().st_size, _SAMPLE - _SAMPLE % itemsize
+    starts = sorted({(size - block) * i // (_BLOCKS - 1) // itemsize * itemsize for i in range(_BLOCKS)}) if size > block else [0]
+    with open(path, "rb") as f:
+        return [os.pread(f.fileno(), block, start) for start in starts]
+
+
+def content_digest(blocks: list[bytes]) -> str:
+    digest = hashlib.sha256()
+    for block in blocks:
+        digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def build_folder_prefix() -> str:
+    return f"tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def remove_stale_builds(cache_dir: Path) -> None:
+    """Removes the build folders of killed builds: this host's whose process is gone, other hosts' after a week."""
+    host = socket.gethostname()
+    for folder in cache_dir.glob("tmp-*"):
+        owner, _, pid = folder.name[4:].rpartition("-")[0].rpartition("-")
+        if owner == host and pid.isdigit():
+            stale = not _alive(int(pid))
+        else:  # another host's build (or an unnamed one): only its age tells
+            stale = time.time() - folder.stat().st_mtime > _FOREIGN_BUILD_AGE
+        if stale and folder.is_dir():
+            rank_zero_info(f"removing {folder}, left behind by an interrupted token-file build")
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def cache_directory(cache_dir: str | os.PathLike, name: str, settings: dict) -> Path:
@@ -72,14 +121,22 @@ def open_token_file(directory: Path, key: dict) -> TokenFile:
     try:
         meta = json.loads(meta_path.read_text())
         expected_size = (meta["num_train"] + meta["num_val"]) * np.dtype(meta["dtype"]).itemsize
+        dtype, vocab_size = np.dtype(meta["dtype"]), int(meta["vocab_size"])
     except (ValueError, KeyError, TypeError) as error:
         raise CacheError(f"corrupt metadata {meta_path}: {error!r}") from error
+    if dtype.kind != "u" or vocab_size > np.iinfo(dtype).max + 1:
+        raise CacheError(f"corrupt metadata {meta_path}: dtype {dtype.name} cannot hold its vocabulary of {vocab_size}")
     changed = sorted(k for k in key if meta.get(k) != key[k])
     if changed:
         raise CacheError(f"stale token file in {directory}: {', '.join(changed)} changed since it was built")
     size = tokens_path.stat().st_size if tokens_path.exists() else 0
     if size != expected_size:
         raise CacheError(f"corrupt token file {tokens_path}: {size} bytes where its metadata says {expected_size}")
+    blocks = sampled_blocks(tokens_path, dtype.itemsize)
+    if content_digest(blocks) != meta.get("content"):
+        raise CacheError(f"corrupt token file {tokens_path}: its content changed since it was built")
+    if max(int(np.frombuffer(b, dtype).max(initial=0)) for b in blocks) >= vocab_size:
+        raise CacheError(f"corrupt token file {tokens_path}: a token id outside the vocabulary of {vocab_size}")
     return TokenFile(directory, meta)
 
 
@@ -149,7 +206,8 @@ def write_token_file(directory: Path, key: dict, tokenized: list, val_fraction: 
         out.truncate(total * dtype.itemsize)
         num_bytes = _write_splits(out.fileno(), tokenized, counts, held_out, num_train, dtype, tokenizer)
     os.replace(tmp, directory / "tokens.bin")
-    meta = dict(key, vocab_size=tokenizer.vocab_size, dtype=dtype.name, num_train=num_train, num_val=total - num_train,
+    meta = dict(key, content=content_digest(sampled_blocks(directory / "tokens.bin", dtype.itemsize)),
+                vocab_size=tokenizer.vocab_size, dtype=dtype.name, num_train=num_train, num_val=total - num_train,
                 bytes_train=num_bytes["train"], bytes_val=num_bytes["val"])
     (directory / "meta.tmp").write_text(json.dumps(meta, indent=1))
     os.replace(directory / "meta.tmp", directory / "meta.json")

@@ -9,6 +9,7 @@ rule is a new branch there (or a function with the same signature passed as `Gro
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -60,9 +61,10 @@ class GrowthSettings:
             growth.check_choice(name, getattr(self, name), allowed)
         if self.method in growth.BASELINES and self.mode != "append":
             raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
-        alphas = sorted(set(self.alphas if self.alphas is not None else growth.candidate_steps()))
-        if not alphas or any(a < 0 for a in alphas):
-            raise ValueError(f"step-size candidates must be a non-empty list of values ≥ 0, got {self.alphas}")
+        alphas = self.alphas if self.alphas is not None else growth.candidate_steps()
+        if not alphas or not all(math.isfinite(a) and a >= 0 for a in alphas):
+            raise ValueError(f"step-size candidates must be a non-empty list of finite values ≥ 0, got {self.alphas}")
+        alphas = sorted(set(alphas))
         if 0.0 not in alphas:
             warnings.warn(f"alphas {alphas} has no 0: a growth may then raise the loss (0 keeps the function)")
         object.__setattr__(self, "alphas", alphas)

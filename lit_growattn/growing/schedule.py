@@ -15,6 +15,7 @@ history alone (one record per check), so a resumed run continues exactly where i
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -131,3 +132,25 @@ class AutoSchedule:
             return None
         point = GrowthPoint("step", self.check_every * (len(history) + 1))
         return None if self.end is not None and point.at >= self.end else point
+
+
+def check_same_schedule(state_dict: dict, kind: str) -> None:
+    """A resumed run keeps its schedule kind: the other kind's history would be read as its own (an automatic
+    schedule would count a fixed run's growths, or skip catch-up checks without statistics, against `patience`)."""
+    history = state_dict["history"]
+    saved = state_dict.get("schedule") or (
+        ("auto" if any("decisions" in e for e in history) else "fixed") if history else None)  # older checkpoints
+    if saved is not None and saved != kind:
+        raise ValueError(f"the checkpoint was written by a run with schedule={saved!r}, this one has schedule={kind!r}: "
+                         f"resume with schedule={saved!r}, or start a new run from its weights with "
+                         "--model.init_args.init_from=CHECKPOINT")
+
+
+def warn_past_the_end(points: list[GrowthPoint], max_steps: int, estimated_steps: float) -> None:
+    """grow_at_steps points the run never reaches when it is bounded by max_epochs (max_steps is checked at setup):
+    the steps are estimated from the epochs and the train loader's length."""
+    if max_steps < 0 and estimated_steps != float("inf"):
+        for point in points:
+            if point.at >= estimated_steps:
+                warnings.warn(f"grow_at_steps has {point.name} but the run ends after about {int(estimated_steps)} "
+                              "optimizer steps (max_epochs × batches per epoch): it will never happen")

@@ -19,7 +19,7 @@ from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
 from lit_growattn.growth.plan import GrowthPlan
 from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
-from lit_growattn.growth.step_size import candidate_steps, choose_step, quadratic_step
+from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
 
 __all__ = [
     "BASELINES",
@@ -53,6 +53,7 @@ __all__ = [
     "TRUNCATIONS",
     "candidate_steps",
     "choose_step",
+    "loss_rounding",
     "direction",
     "flatten_stats",
     "quadratic_step",

@@ -13,6 +13,7 @@ candidate between the grid's points (on text no better than the default grid dow
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -28,14 +29,25 @@ def candidate_steps(k_max: int = 8, include_zero: bool = True) -> list[float]:
     return [0.0] * include_zero + [2.0**-k for k in range(k_max + 1)]
 
 
-def choose_step(losses: Sequence[float] | Tensor, alphas: Sequence[float]) -> int:
-    """Index of the best candidate: lowest loss, ties → the smaller α, NaN losses lose (all NaN → smallest α)."""
+def loss_rounding(loss: float, dtype: torch.dtype, terms: int = 1) -> float:
+    """Round-off of a loss evaluated in `dtype` as a sum of `terms` rounded values: √terms · ε · |loss| (the
+    typical error of such a sum). Two losses closer than this are equal as far as the evaluation can tell."""
+    return math.sqrt(max(terms, 1)) * torch.finfo(dtype).eps * abs(loss)
+
+
+def choose_step(losses: Sequence[float] | Tensor, alphas: Sequence[float], terms: int = 1) -> int:
+    """Index of the best candidate: lowest loss, ties → the smaller α, NaN losses lose (all NaN → smallest α).
+
+    Losses within `loss_rounding` (of the losses' dtype and `terms`) of the best one tie: a step must beat the
+    smaller ones (α = 0 first) by more than the evaluation's round-off, or it is not taken."""
+    dtype = losses.dtype if isinstance(losses, Tensor) and losses.is_floating_point() else torch.float64
     losses = torch.as_tensor(losses, dtype=torch.float64).cpu()
     if losses.shape != (len(alphas),):
         raise ValueError(f"{losses.numel()} losses for {len(alphas)} step sizes")
     losses = torch.where(losses.isnan(), float("inf"), losses)
-    best = losses.min()
-    return min((i for i in range(len(alphas)) if losses[i] == best), key=lambda i: alphas[i])
+    best = float(losses.min())
+    tolerance = loss_rounding(best, dtype, terms) if math.isfinite(best) else 0.0
+    return min((i for i in range(len(alphas)) if losses[i] <= best + tolerance), key=lambda i: alphas[i])
 
 
 def quadratic_step(slope: float, alphas: Sequence[float], decreases: Sequence[float], max_alpha: float = 1.0) -> float:
