@@ -1,7 +1,26 @@
-"""lit_growattn: grow the query/key dimension of attention during training, from gradient statistics."""
+"""lit_growattn: grow the query/key dimension of attention during training, from gradient statistics.
 
+    from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM, GrowthSettings
+    trainer = lightning.Trainer(callbacks=[GrowAttentionCallback(AtEpochs([2, 4]), GrowthSettings(columns=2))])
+"""
+
+from lit_growattn.callbacks import GrowAttentionCallback
 from lit_growattn.config import GPTConfig
+from lit_growattn.growing.schedule import AtEpochs, AtSteps, AutoSchedule, GrowthSchedule
 from lit_growattn.model import GPT
 from lit_growattn.module import GrowAttentionLM
+from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 
-__all__ = ["GPT", "GPTConfig", "GrowAttentionLM"]
+__all__ = [
+    "AtEpochs",
+    "AtSteps",
+    "AutoSchedule",
+    "GPT",
+    "GPTConfig",
+    "GrowAttentionCallback",
+    "GrowAttentionLM",
+    "GrowthSchedule",
+    "GrowthSettings",
+    "StatisticsSettings",
+    "StepSearch",
+]

@@ -11,11 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention import QKForm
-from lit_growattn.attention.lowrank_dint import LowRankQK
-
-# The score maps whose head size a checkpoint may change, and the parameter whose last dimension holds it.
-HEAD_SIZE_PARAMETER: dict[type[nn.Module], str] = {QKForm: "w_q", LowRankQK: "up_q"}
+from lit_growattn.contract import ScoreMap
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -48,6 +44,5 @@ def resize_to_checkpoint(model: nn.Module, state_dict: dict[str, Tensor]) -> Non
     """Gives every score map of `model` the head size its tensors have in state_dict (placeholder values, which
     the state dict then fills): the one resize path for `fit --ckpt_path`, `load_from_checkpoint`, `init_from`."""
     for name, module in model.named_modules():
-        width_key = f"{name}.{HEAD_SIZE_PARAMETER.get(type(module))}"
-        if width_key in state_dict:
-            module.resize(state_dict[width_key].shape[-1])
+        if isinstance(module, ScoreMap):
+            module.resize_to(state_dict, f"{name}.")

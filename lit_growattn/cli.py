@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -11,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from lit_growattn.checkpoint import read_checkpoint
+from lit_growattn.legacy import refuse_flat_config
 from lit_growattn.module import GrowAttentionLM
 
 TRAINER_DEFAULTS = {
@@ -29,10 +32,29 @@ class GrowAttentionCLI(LightningCLI):
         del commands["predict"]
         return commands
 
+    def parse_arguments(self, parser, args) -> None:
+        if args is None or isinstance(args, list):
+            refuse_flat_config(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
+
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument(
+            "--extensions", type=list[str], default=[],
+            help="Modules imported before the model and callbacks are built, e.g. [my_growth]: a growth direction or "
+                 "attention variant of your own registers there (growth.register_direction, "
+                 "attention.register_attention). Each must be importable: from the working directory or PYTHONPATH.")
         # The vocabulary and the longest sequence come from the data, so the model cannot disagree with it.
         parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.max_seq_len", "model.init_args.block_size", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        for name in config.get("extensions") or []:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as error:
+                raise ModuleNotFoundError(f"extensions: cannot import {name!r} ({error}); run from the folder that "
+                                          "holds it, or add that folder to PYTHONPATH") from None
 
     def _parse_ckpt_path(self) -> None:
         """LightningCLI builds a resumed model from the checkpoint's hyperparameters: read the file the project's way

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lit_growattn.attention import attention_class
+from lit_growattn.attention.sdpa import SDPA_PADS
+
 
 @dataclass
 class GPTConfig:
@@ -22,9 +25,6 @@ class GPTConfig:
     sdpa_pad: str = "auto"  # pad attention head sizes for the fused SDPA kernels: auto | on | off
 
     def __post_init__(self) -> None:
-        from lit_growattn.attention import attention_class
-        from lit_growattn.attention.sdpa import SDPA_PADS
-
         attention_class(self.attention)  # unknown names fail here, listing the registered ones
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:

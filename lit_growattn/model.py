@@ -83,11 +83,8 @@ class GPT(nn.Module):
 
     def named_qk_forms(self) -> list[tuple[int, str, QKForm]]:
         """(layer, module name under this GPT, form) of every growable form, layer by layer in module order."""
-        named = []
-        for i, block in enumerate(self.blocks):
-            growable = {id(f) for f in block.attn.qk_forms()}
-            named += [(i, f"blocks.{i}.{name}", m) for name, m in block.named_modules() if id(m) in growable]
-        return named
+        return [(i, f"blocks.{i}.{name}", m) for i, block in enumerate(self.blocks)
+                for name, m in block.named_modules() if isinstance(m, QKForm)]
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward = 3 × forward, 2 FLOPs per multiply-add): the weight

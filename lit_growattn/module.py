@@ -19,22 +19,14 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
-from lit_growattn.attention import QKForm
 from lit_growattn.attention.sdpa import SdpaPad
-from lit_growattn.attention.lowrank_dint import LowRankQK
 from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
+from lit_growattn.contract import NamedForm, ScoreMap
 from lit_growattn.divergence import NonFiniteLosses, check_finite_weights
 from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model import GPT
-
-
-# The (h, e′, ·) tensors of the score maps; with `bias` the last row along e′ multiplies X′'s constant column.
-BIAS_ROW_PARAMETERS: dict[type[nn.Module], tuple[str, ...]] = {QKForm: ("w_q", "w_k"), LowRankQK: ("down_q", "down_k")}
-
-
-def default_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+from lit_growattn.optimization import default_optimizer, lr_factor
 
 
 class GrowAttentionLM(L.LightningModule):
@@ -111,6 +103,17 @@ class GrowAttentionLM(L.LightningModule):
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
+    # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
+    def growable_forms(self) -> list[NamedForm]:
+        return [NamedForm(i, f"model.{name}", form) for i, name, form in self.model.named_qk_forms()]
+
+    def head_sizes(self) -> list[int]:
+        return self.model.head_sizes()
+
+    def batch_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs, labels = batch
+        return self.loss(self(inputs), labels)
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown
         # checkpoint has other Q/K widths than the hparams the module was built from: resize to the checkpoint's
@@ -118,7 +121,7 @@ class GrowAttentionLM(L.LightningModule):
         resize_to_checkpoint(self, state_dict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         recorded = self.hparams["d_head"]
-        if self.model.head_sizes() != (recorded if isinstance(recorded, list) else [recorded] * self.cfg.n_layer):
+        if self.head_sizes() != (recorded if isinstance(recorded, list) else [recorded] * self.cfg.n_layer):
             self.record_head_sizes()
         return result
 
@@ -130,7 +133,7 @@ class GrowAttentionLM(L.LightningModule):
 
     def record_head_sizes(self) -> None:
         """Keeps hparams in step with the grown shapes, so `load_from_checkpoint` builds the right sizes."""
-        self.hparams["d_head"] = self.model.head_sizes()
+        self.hparams["d_head"] = self.head_sizes()
 
     # -- steps ---------------------------------------------------------------------------------
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -259,10 +262,7 @@ class GrowAttentionLM(L.LightningModule):
         return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def _bias_row_parameters(self) -> list[nn.Parameter]:
-        return [
-            getattr(m, name) for m in self.modules() if type(m) in BIAS_ROW_PARAMETERS and m.bias
-            for name in BIAS_ROW_PARAMETERS[type(m)]
-        ]
+        return [p for m in self.modules() if isinstance(m, ScoreMap) for p in m.bias_row_parameters()]
 
     @torch.no_grad()
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -292,12 +292,5 @@ class GrowAttentionLM(L.LightningModule):
         self._total_steps = self.trainer.estimated_stepping_batches
 
     def _lr_factor(self, step: int) -> float:
-        warmup = self.hparams.warmup_steps
-        if step < warmup:
-            return (step + 1) / warmup
-        if self.hparams.lr_schedule == "constant":
-            return 1.0
-        total = max(self._total_steps, warmup + 1)
-        progress = min((step - warmup) / (total - warmup), 1.0)
-        floor = self.hparams.min_lr_ratio
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        h = self.hparams
+        return lr_factor(step, h.warmup_steps, self._total_steps, h.min_lr_ratio, h.lr_schedule)

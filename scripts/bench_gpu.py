@@ -16,38 +16,29 @@ Measurements (one function each):
     python scripts/bench_gpu.py              # on a CUDA GPU (a few minutes): prints and writes docs/bench_gpu.json
     python scripts/bench_gpu.py --compile    # the same with compile: true
     python scripts/bench_gpu.py --dry-run    # tiny shapes, on CPU without a GPU: checks the command, no figures
-    python scripts/bench.py --accelerator gpu  # dispatches here
+    python scripts/bench.py --accelerator gpu  # dispatches here (bf16 always)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import logging
-import os
 import statistics
-import sys
 import tempfile
 import time
-import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
+import lightning as L
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+from bench_common import REPO, StepTimer, json_only_stdout, make_lm, plain_step_times, sync, token_data
 
-import lightning as L  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
-
-from lit_growattn import growth  # noqa: E402
-from lit_growattn.attention import QKForm  # noqa: E402
-from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
-from lit_growattn.module import GrowAttentionLM  # noqa: E402
+from lit_growattn import growth  # bench_common has put the repository on the path
+from lit_growattn.attention import QKForm
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
+from lit_growattn.module import GrowAttentionLM
 
 FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
@@ -72,11 +63,6 @@ GPU = Setup(n_layer=6, n_embd=384, n_head=6, d_v=64, d_head=8, d_head_grown=32, 
             epoch_steps=40, warmup_steps=10, repeats=10)
 DRY_RUN = Setup(n_layer=2, n_embd=32, n_head=2, d_v=16, d_head=2, d_head_grown=5, seq_len=32, batch=4,
                 epoch_steps=6, warmup_steps=2, repeats=2)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # kernels are asynchronous: time the work, not the launch
 
 
 def kernel_that_ran(fn) -> str:
@@ -120,46 +106,24 @@ def sdpa_backends(s: Setup, device: torch.device) -> dict:
 
 
 # -- 2. throughput: grown vs static vs plain PyTorch ------------------------------------------------------
-class StepTimer(Callback):
-    """Wall time of each step of the second epoch (from one batch start to the next)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.starts = device, []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.current_epoch == 1:
-            sync(self.device)
-            self.starts.append(time.perf_counter())
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        sync(self.device)
-        self.starts.append(time.perf_counter())
-
-    def step_times(self, skip: int) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:])][skip:]
-
-
-def make_lm(s: Setup, d_head: int, compile: bool) -> GrowAttentionLM:
-    torch.manual_seed(0)
-    return GrowAttentionLM(vocab_size=s.vocab, block_size=s.seq_len, n_layer=s.n_layer, n_head=s.n_head,
-                           n_embd=s.n_embd, d_head=d_head, d_v=s.d_v, lr_schedule="constant", warmup_steps=0,
-                           compile=compile)
+def model(s: Setup, d_head: int, compile: bool) -> GrowAttentionLM:
+    return make_lm(vocab_size=s.vocab, block_size=s.seq_len, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd,
+                   d_head=d_head, d_v=s.d_v, compile=compile)
 
 
 def token_loader(s: Setup, n_batches: int) -> DataLoader:
-    """Random next-token data: the cost of a step does not depend on the values."""
-    seq = torch.randint(0, s.vocab, (n_batches * s.batch, s.seq_len + 1), generator=torch.Generator().manual_seed(0))
-    return DataLoader(TensorDataset(seq[:, :-1].contiguous(), seq[:, 1:].contiguous()), batch_size=s.batch)
+    return DataLoader(token_data(s.vocab, s.seq_len, s.batch, n_batches), batch_size=s.batch)
 
 
 def lightning_steps(s: Setup, device: torch.device, compile: bool, grow: bool) -> tuple[list[float], list[int], int]:
     """Step times of the second epoch of a 2-epoch fit (the grown model grows at the start of that epoch), the
     head sizes at the end, and the peak memory of the fit (CUDA; 0 on CPU)."""
-    lm = make_lm(s, s.d_head if grow else s.d_head_grown, compile)
-    timer = StepTimer(device)
+    lm = model(s, s.d_head if grow else s.d_head_grown, compile)
+    timer = StepTimer(device, epoch=1)
     callbacks = [timer]
     if grow:
-        callbacks.append(GrowAttentionCallback(grow_at_epochs=[1], grow_by=s.d_head_grown - s.d_head, stats_batches=2))
+        callbacks.append(GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=s.d_head_grown - s.d_head),
+                                               StatisticsSettings(batches=2)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,29 +136,12 @@ def lightning_steps(s: Setup, device: torch.device, compile: bool, grow: bool) -
     return timer.step_times(s.warmup_steps), lm.model.head_sizes(), peak
 
 
-def plain_steps(s: Setup, device: torch.device, compile: bool) -> list[float]:
-    """The static model in a plain PyTorch loop: same optimizer, schedule and bf16 autocast, no Lightning."""
-    lm = make_lm(s, s.d_head_grown, compile).to(device)
-    config = lm.configure_optimizers()
-    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
-    stamps = []
-    for inputs, labels in token_loader(s, s.epoch_steps + 1):
-        sync(device)
-        stamps.append(time.perf_counter())
-        inputs, labels = inputs.to(device), labels.to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = lm.loss(lm(inputs), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-    return [b - a for a, b in zip(stamps, stamps[1:])][s.warmup_steps:]
-
-
 def throughput(s: Setup, device: torch.device, compile: bool) -> dict:
     grown, grown_sizes, grown_peak = lightning_steps(s, device, compile, grow=True)
     static, _, static_peak = lightning_steps(s, device, compile, grow=False)
-    plain = plain_steps(s, device, compile)
+    # The static model in a plain PyTorch loop: same optimizer, schedule and bf16 autocast, no Lightning.
+    plain = plain_step_times(model(s, s.d_head_grown, compile), token_loader(s, s.epoch_steps), device, True,
+                             s.warmup_steps)
     step_s = {name: statistics.median(t) for name, t in (("grown", grown), ("static", static), ("plain", plain))}
     tokens = s.batch * s.seq_len
     return {
@@ -209,7 +156,7 @@ def throughput(s: Setup, device: torch.device, compile: bool) -> dict:
 
 # -- 3. statistics step vs normal step, and peak memory ---------------------------------------------------
 def statistics_step(s: Setup, device: torch.device, compile: bool) -> dict:
-    lm = make_lm(s, s.d_head_grown, compile).to(device).train()
+    lm = model(s, s.d_head_grown, compile).to(device).train()
     forms = [m for m in lm.modules() if isinstance(m, QKForm)]
     optimizer = lm.configure_optimizers()["optimizer"]
     inputs, labels = (t.to(device) for t in next(iter(token_loader(s, 1))))
@@ -289,14 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     if not cuda:
         torch.set_num_threads(1)
     setup = DRY_RUN if args.dry_run else GPU
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with contextlib.redirect_stdout(sys.stderr):  # only the JSON goes to stdout
+    with json_only_stdout():
         result = run(setup, device, args.compile)
     text = json.dumps(result, indent=2)
     print(text)
-    out = args.out or (None if args.dry_run else os.path.join(REPO, "docs", "bench_gpu.json"))
+    out = args.out or (None if args.dry_run else REPO / "docs" / "bench_gpu.json")
     if out:
         with open(out, "w") as f:
             f.write(text + "\n")

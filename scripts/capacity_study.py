@@ -19,10 +19,12 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from experiments import merge, run
+from study_runs import merge, run
 from lit_growattn.convert import convert_checkpoint
 
-GROW_CONFIG, AUTO_CONFIG = "configs/text_grow.yaml", "configs/text_auto.yaml"
+# Every run reads the auto config (static runs drop its growth callback and set d_head), so that the automatic
+# schedule's overrides parse for all of them.
+AUTO_CONFIG = "configs/text_auto.yaml"
 SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # 750 steps, as experiments_text
 SHRINK_SHARE = 2 / 3  # static 16 for this share of the steps, then shrunk and fine-tuned for the rest
 FINE_TUNE_WARMUP = 25  # the fine-tune is a new run: a short warmup of its own instead of the config's 100 steps
@@ -45,10 +47,10 @@ def shrink_then_fine_tune(common: list[str], d_head: list[int], steps: int, work
     steps; FLOPs, curve and seconds of both phases together."""
     trained, shrunk = work / "static16.ckpt", work / "shrunk.ckpt"
     at = round(SHRINK_SHARE * steps)
-    first = run(GROW_CONFIG, [*common, "--model.init_args.d_head=16", f"--trainer.max_steps={at}"], logs,
+    first = run(AUTO_CONFIG, [*common, "--model.init_args.d_head=16", f"--trainer.max_steps={at}"], logs,
                 grow=False, save=trained)
     convert_checkpoint(trained, shrunk, to="mha", d_head=d_head)
-    second = run(GROW_CONFIG, [*common, sizes(d_head), f"--model.init_args.init_from={shrunk}",
+    second = run(AUTO_CONFIG, [*common, sizes(d_head), f"--model.init_args.init_from={shrunk}",
                                f"--trainer.max_steps={steps - at}",
                                f"--model.init_args.warmup_steps={FINE_TUNE_WARMUP}"], logs, grow=False)
     # The shrunk checkpoint carries the model's FLOPs counter (a buffer): the fine-tune's counts continue it.
@@ -83,12 +85,12 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
             elif name == AMPLE:
                 result = run(AUTO_CONFIG, [*seeded, "--model.init_args.d_head=16"], logs, grow=True)
             elif name == "static at the auto sizes":
-                result = run(GROW_CONFIG, [*seeded, sizes(found)], logs, grow=False)
+                result = run(AUTO_CONFIG, [*seeded, sizes(found)], logs, grow=False)
             elif name == "static 16, shrunk, fine-tuned":
                 # Shrinking cannot widen: a layer that auto grew past 16 keeps 16 (the table shows the sizes).
                 result = shrink_then_fine_tune(seeded, [min(d, 16) for d in found], steps, work, logs)
             else:
-                result = run(GROW_CONFIG, [*seeded, f"--model.init_args.d_head={name.split()[-1]}"], logs, grow=False)
+                result = run(AUTO_CONFIG, [*seeded, f"--model.init_args.d_head={name.split()[-1]}"], logs, grow=False)
             result |= {"seed": seed, "task": "text",
                        "kcache_bytes": k_cache_bytes(result["n_head"], result["final"]["d_head"])}
             results.setdefault(name, []).append(result)
@@ -210,5 +212,5 @@ def main(args, parser) -> None:
     except ValueError as error:
         parser.error(str(error))
     source = Path(args.text).name if args.text else "merged JSON"
-    print(write(results, out, f"--capacity on {source}: {GROW_CONFIG} and {AUTO_CONFIG} with "
+    print(write(results, out, f"--capacity on {source}: {AUTO_CONFIG} with "
                               f"{SETTING + args.override}; events of the first seed"))

@@ -20,91 +20,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-import lightning as L
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from study_runs import REPO, merge, run  # noqa: E402 - study_runs puts the repository on the path
 
 from lit_growattn import growth  # noqa: E402
-from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
-from lit_growattn.cli import main as cli_main  # noqa: E402
 
 TASKS = {
     # config, static small d_head, static large d_head (= the size growth ends at), metric
     "recall": ("configs/recall_grow.yaml", 1, 15, "acc"),
     "text": ("configs/text_grow.yaml", 2, 16, "loss"),
 }
-GROWTH = [(m, mode) for m in growth.DIRECTION_NAMES for mode in growth.MODES]
+GROWTH = [(m, mode) for m in growth.DIRECTIONS for mode in growth.MODES]
 GROWTH += [(baseline, "append") for baseline in growth.BASELINES]
-
-
-class Curve(L.Callback):
-    """Validation loss/accuracy against training FLOPs and d_head against steps, for the plots; every extra
-    validation set (`sets`, by name) and the attention entropy per layer, when logged."""
-
-    def __init__(self):
-        self.points: list[dict] = []
-
-    def on_validation_end(self, trainer, pl_module):
-        # After every callback's on_validation_epoch_end, so that the attention analysis has logged its entropy.
-        if trainer.sanity_checking:
-            return
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        sets: dict[str, dict[str, float]] = {}
-        for key, value in metrics.items():
-            parts = key.split("/")
-            if len(parts) == 3 and parts[0] == "val":  # val/<name>/<metric>
-                sets.setdefault(parts[1], {})[parts[2]] = value
-        self.points.append({
-            "step": trainer.global_step,
-            "flops": float(pl_module.flops_seen),
-            "loss": metrics["val/loss"],
-            "bpb": metrics.get("val/bpb"),
-            "acc": metrics["val/acc"],
-            "sets": sets,
-            "entropy": {k.removeprefix("attention/entropy/"): v for k, v in metrics.items()
-                        if k.startswith("attention/entropy/")},
-            "d_head": pl_module.model.head_sizes(),
-        })
-
-
-def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path | None = None) -> dict:
-    """One training run; without `grow` the config's growth callback is left out and every other callback kept;
-    with `save`, the trained model's checkpoint is written there."""
-    cli = cli_main(
-        ["--config", str(REPO / config), "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
-         f"--trainer.logger.init_args.save_dir={log_dir}", *overrides],
-        run=False,
-    )
-    if not grow:
-        cli.trainer.callbacks = [c for c in cli.trainer.callbacks if not isinstance(c, GrowAttentionCallback)]
-    curve = Curve()
-    cli.trainer.callbacks.append(curve)
-    start = time.perf_counter()
-    cli.trainer.fit(cli.model, cli.datamodule)
-    if curve.points[-1]["step"] != cli.trainer.global_step:  # max_steps stopped it mid-epoch: validate the end
-        cli.trainer.validate(cli.model, cli.datamodule, verbose=False)
-    if save is not None:
-        cli.trainer.save_checkpoint(save)
-    grow = next((c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)), None)
-    return {
-        "params": sum(p.numel() for p in cli.model.parameters()),
-        "n_head": cli.model.hparams["n_head"],
-        "seconds": time.perf_counter() - start,
-        "flops": float(cli.model.flops_seen),
-        "final": curve.points[-1],
-        "curve": curve.points,
-        "events": grow.history if grow else [],
-    }
 
 
 def grows(name: str) -> bool:
@@ -119,8 +53,8 @@ def variants(task: str) -> dict[str, list[str]]:
         f"static d_head {large}": [f"--model.init_args.d_head={large}"],
     }
     for method, mode in GROWTH:
-        out[f"grow {method}/{mode}"] = [f"--trainer.callbacks.init_args.method={method}",
-                                        f"--trainer.callbacks.init_args.mode={mode}"]
+        out[f"grow {method}/{mode}"] = [f"--trainer.callbacks.init_args.growth.method={method}",
+                                        f"--trainer.callbacks.init_args.growth.mode={mode}"]
     return out
 
 
@@ -138,30 +72,6 @@ def attention_variants(task: str) -> dict[str, list[str]]:
         "lowrank_dint": [*static, "--model.init_args.attention=lowrank_dint", f"--model.init_args.d_head={large}",
                          "--model.init_args.attention_args={rank: 2}"],
     }
-
-
-def merge(parts: list[dict[str, list[dict]]], order: list[str], task: str | None = None) -> dict[str, list[dict]]:
-    """One results dict from several: the seeds of a run name are concatenated; names keep the grid's order.
-    With `task`, results of another task are refused (they would be rendered with the wrong metric)."""
-    merged: dict[str, list[dict]] = {}
-    for part in parts:
-        for name, runs in part.items():
-            merged.setdefault(name, []).extend(runs)
-    for name, runs in merged.items():
-        found = {r.get("task") for r in runs}
-        if task is not None and None in found:
-            raise ValueError(f"{name!r} has results that do not record their task (written before it was recorded); "
-                             f"if they are {task} results, add \"task\": \"{task}\" to each of its runs")
-        if task is not None and found != {task}:
-            other = "with --text FILE" if "text" in found else "without --text"
-            raise ValueError(f"{name!r} holds {' and '.join(sorted(found))} results, not {task}: render them {other}")
-    for name, runs in merged.items():
-        seeds = [r["seed"] for r in runs if "seed" in r]
-        if len(set(seeds)) != len(seeds):
-            raise ValueError(f"{name!r} has seeds {sorted(seeds)}: the same run is in two of the files (or a file "
-                             "written by an earlier merge is merged again)")
-    rank = {name: i for i, name in enumerate(order)}
-    return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank))))
 
 
 def summarise(task: str, results: dict[str, list[dict]], baseline: str | None = None) -> str:
@@ -278,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         seeds, runs = seeds[:1], dict(list(runs.items())[:3])
         common += ["--trainer.max_epochs=3", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2",
-                   "--trainer.callbacks.init_args.stats_batches=2"]
+                   "--trainer.callbacks.init_args.statistics.batches=2"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}

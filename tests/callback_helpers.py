@@ -4,7 +4,7 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import GrowAttentionCallback
 from lit_growattn.data import FusedRecallDataModule
 from lit_growattn.module import GrowAttentionLM
 

@@ -1,3 +1,4 @@
+import inspect
 import os
 import subprocess
 import sys
@@ -6,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lit_growattn.attention import ATTENTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -26,6 +29,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def required_args(attention: str) -> dict[str, int]:
+    """A small value (2) for each argument a variant cannot do without (e.g. low-rank DINT's rank): a test over
+    every registered variant, `sorted(ATTENTIONS)`, needs no list of its own."""
+    signature = inspect.signature(ATTENTIONS[attention])
+    return {name: 2 for name, p in list(signature.parameters.items())[2:] if p.default is inspect.Parameter.empty}
 
 
 def scalar_tags(log_dir: Path) -> set[str]:

@@ -16,16 +16,16 @@ from lit_growattn.analysis import (
     spectrum_figure,
     wm_spectra,
 )
+from lit_growattn.attention import ATTENTIONS
 from lit_growattn.config import GPTConfig
 from lit_growattn.model import GPT
 from lit_growattn.module import GrowAttentionLM
 
-VARIANT_ARGS = {"mha": {}, "diff": {}, "dint": {}, "lowrank_dint": {"rank": 2}}
-
+from conftest import required_args
 
 def tiny_gpt(attention="mha", **kw):
     cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_embd=16, n_head=4, d_head=3, attention=attention,
-                    attention_args=VARIANT_ARGS[attention], **kw)
+                    attention_args=required_args(attention), **kw)
     return GPT(cfg).double()
 
 
@@ -56,7 +56,7 @@ def test_uniform_causal_map_has_entropy_log_i_plus_one(attention):
         torch.testing.assert_close(layer["attn"], expected.expand_as(layer["attn"]))
 
 
-@pytest.mark.parametrize("attention", sorted(VARIANT_ARGS))
+@pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 def test_entropy_uses_each_layers_attention_input(attention):
     """The hooks see X = ln_1(residual stream) of every layer; averaged over two batches of different sizes."""
     torch.manual_seed(0)

@@ -12,8 +12,7 @@ from lit_growattn.config import GPTConfig
 from lit_growattn.model import GPT
 from lit_growattn.module import GrowAttentionLM
 
-VARIANT_ARGS = {"diff": {}, "dint": {}, "lowrank_dint": {"rank": 2}}
-
+from conftest import required_args
 
 def augmented(x, bias):
     return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1) if bias else x
@@ -99,11 +98,11 @@ def test_lowrank_dint_matches_explicit_reference(bias):
     torch.testing.assert_close(attn(x), reference_dint(attn, x, lowrank_map), atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("name", sorted(VARIANT_ARGS))
+@pytest.mark.parametrize("name", sorted(ATTENTIONS))
 def test_future_tokens_never_change_earlier_outputs(name):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_embd=32, n_head=4, d_head=3, bias=True,
-                    attention=name, attention_args=VARIANT_ARGS[name])
+                    attention=name, attention_args=required_args(name))
     model = GPT(cfg).double()
     idx = torch.randint(0, 50, (1, 16))
     changed = idx.clone()
@@ -116,7 +115,7 @@ def test_future_tokens_never_change_earlier_outputs(name):
 def test_growable_forms_share_d_head_and_capture_statistics(name, forms, heads):
     """Every growable map goes through QKForm.attend, so growth statistics are captured for each of them."""
     torch.manual_seed(0)
-    cfg = GPTConfig(n_embd=16, n_head=4, d_head=[3, 5], n_layer=2, attention=name, attention_args=VARIANT_ARGS[name])
+    cfg = GPTConfig(n_embd=16, n_head=4, d_head=[3, 5], n_layer=2, attention=name, attention_args=required_args(name))
     attn = ATTENTIONS[name](cfg, 1, **cfg.attention_args).double()
     assert len(attn.qk_forms()) == forms
     assert all(f.d_head == 5 and f.n_head == heads for f in attn.qk_forms())

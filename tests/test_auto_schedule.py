@@ -4,9 +4,9 @@ decisions from checkpoints written by the CLI, refuses bad settings; the shipped
 import pytest
 import torch
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings, StepSearch
 from lit_growattn.cli import main
-from lit_growattn.growing.event import GrowthEvent, GrowthSettings
+from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.window import StatsWindow
 from lit_growattn.growth import FormStats
 from lit_growattn.growth.capacity import CapacityRule
@@ -17,13 +17,13 @@ from test_growth_schedule import assert_same_run, cli_fit, growth_history
 
 # Fused recall, 5 batches an epoch when run by cli_fit: a check every 5 optimizer steps from 3 statistics batches.
 AUTO = [
-    "--trainer.max_epochs=6", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.check_every=5",
-    "--trainer.callbacks.init_args.stats_batches=3", "--trainer.callbacks.init_args.patience=2",
+    "--trainer.max_epochs=6", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.schedule.init_args.check_every=5",
+    "--trainer.callbacks.init_args.statistics.batches=3", "--trainer.callbacks.init_args.schedule.init_args.patience=2",
     # A tiny run's few statistics batches are noisy: a low bar, so that growth happens at all.
-    "--trainer.callbacks.init_args.auto_threshold=1e-3", "--trainer.callbacks.init_args.auto_agreement=0.1",
+    "--trainer.callbacks.init_args.schedule.init_args.threshold=1e-3", "--trainer.callbacks.init_args.schedule.init_args.agreement=0.1",
     # Its loss still falls fast when growth stops: any fall ends it after `patience` idle checks (the loss-fall
     # condition has its own test, tests/test_capacity.py).
-    "--trainer.callbacks.init_args.auto_min_fall=1.0",
+    "--trainer.callbacks.init_args.schedule.init_args.min_fall=1.0",
 ]
 
 
@@ -66,9 +66,9 @@ def test_no_gain_no_growth_zero_gradient():
     stats = p.stats("natural")
     still = FormStats.from_state_dict({**stats.state_dict(), "n_sum": torch.zeros_like(stats.n_sum)})
     installed = []
-    event = GrowthEvent(GrowthSettings(max_d_head=8, capacity=CapacityRule(ratio=1e-9)),
+    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(),
                         loss_of=lambda candidates: torch.ones(len(candidates)), install=installed.append,
-                        broadcast=lambda obj: obj)
+                        broadcast=lambda obj: obj, capacity=CapacityRule(ratio=1e-9))
     half = FormStats.from_state_dict({**still.state_dict(), "c_sum": still.c_sum / 2, "weight": still.weight / 2,
                                       "instances": still.instances / 2})
     record, spectra = event.run([(0, "form", p.form)], [still], seed=0, half=[half])
@@ -79,8 +79,8 @@ def test_no_gain_no_growth_zero_gradient():
 def test_no_gain_no_growth_at_ample_width_takes_no_statistics(tmp_path, tiny_cli_args, monkeypatch):
     monkeypatch.setattr(StatsWindow, "begin_step", lambda *a, **k: pytest.fail("a statistics step at full width"))
     cb = fit("recall_auto.yaml", tmp_path, *tiny_cli_args, "--model.init_args.d_head=8",
-             "--trainer.callbacks.init_args.max_d_head=8", "--trainer.callbacks.init_args.check_every=2",
-             "--trainer.callbacks.init_args.stats_batches=2", "--data.init_args.num_train_examples=320")
+             "--trainer.callbacks.init_args.growth.max_d_head=8", "--trainer.callbacks.init_args.schedule.init_args.check_every=2",
+             "--trainer.callbacks.init_args.statistics.batches=2", "--data.init_args.num_train_examples=320")
     assert cb.history == [] and cb.schedule.pending([]) is None
 
 
@@ -108,25 +108,24 @@ def test_auto_resumes_from_any_step_with_the_same_decisions(auto_run, tmp_path, 
     assert_same_run(cli_fit(tmp_path, AUTO, ckpt_path=out / "ckpt" / checkpoint, config="configs/recall_auto.yaml"), full)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(schedule="auto", grow_at_epochs=[1]), "schedule='auto' decides by itself when to grow"),
-    (dict(schedule="sometimes"), "schedule"),
-    (dict(schedule="auto", check_every=0), "check_every must be a positive number of optimizer steps"),
-    (dict(schedule="auto", patience=0), "patience must be a positive number of checks"),
-    (dict(schedule="auto", auto_threshold=-1.0), "threshold is a positive ratio"),
-    (dict(schedule="auto", auto_agreement=1.5), "agreement is a share"),
-    (dict(schedule="auto", dynamic_rank=0.5), "leave dynamic_rank out"),
-    (dict(schedule="auto", mode="replace"), "use mode='append'"),
+@pytest.mark.parametrize("build, message", [
+    (lambda: AutoSchedule(check_every=0), "check_every must be a positive number of optimizer steps"),
+    (lambda: AutoSchedule(patience=0), "patience must be a positive number of checks"),
+    (lambda: AutoSchedule(threshold=-1.0), "threshold is a positive ratio"),
+    (lambda: AutoSchedule(agreement=1.5), "agreement is a share"),
+    (lambda: AutoSchedule().bind(GrowthSettings(rank_threshold=0.5), [0], [1]), "leave growth.rank_threshold out"),
+    (lambda: AutoSchedule().bind(GrowthSettings(columns=2), [0], [1]), "leave growth.columns out"),
+    (lambda: AutoSchedule().bind(GrowthSettings(mode="replace"), [0], [1]), "use growth.mode='append'"),
 ])
-def test_bad_auto_settings_fail_with_message(kwargs, message):
+def test_bad_auto_settings_fail_with_message(build, message):
     with pytest.raises(ValueError, match=message):
-        GrowAttentionCallback(**kwargs)
+        build()
 
 
 def test_checks_closer_than_the_window_fail_before_training(tmp_path, tiny_cli_args):
-    with pytest.raises(ValueError, match="check_every=2 optimizer steps hold fewer than stats_batches=3"):
-        fit("recall_auto.yaml", tmp_path, *tiny_cli_args, "--trainer.callbacks.init_args.check_every=2",
-            "--trainer.callbacks.init_args.stats_batches=3")
+    with pytest.raises(ValueError, match="check_every=2 optimizer steps hold fewer than statistics.batches=3"):
+        fit("recall_auto.yaml", tmp_path, *tiny_cli_args, "--trainer.callbacks.init_args.schedule.init_args.check_every=2",
+            "--trainer.callbacks.init_args.statistics.batches=3")
 
 
 @pytest.mark.parametrize("config", ["recall_auto.yaml", pytest.param("text_auto.yaml", marks=needs_shakespeare)])
@@ -134,7 +133,7 @@ def test_auto_configs_start_at_one_and_grow(tmp_path, tiny_cli_args, config):
     data = ["--data.init_args.num_train_examples=320"] if config == "recall_auto.yaml" else [
         f"--data.init_args.path={SHAKESPEARE}", "--data.init_args.samples_per_epoch=640"]
     cb = fit(config, tmp_path, *tiny_cli_args, "--trainer.limit_train_batches=null", "--trainer.max_epochs=2",
-             "--trainer.callbacks.init_args.check_every=4", "--trainer.callbacks.init_args.stats_batches=2",
-             "--trainer.callbacks.init_args.auto_threshold=1e-3", "--trainer.callbacks.init_args.auto_agreement=0.01", *data)
+             "--trainer.callbacks.init_args.schedule.init_args.check_every=4", "--trainer.callbacks.init_args.statistics.batches=2",
+             "--trainer.callbacks.init_args.schedule.init_args.threshold=1e-3", "--trainer.callbacks.init_args.schedule.init_args.agreement=0.01", *data)
     assert cb.history[0]["d_head_before"][0] == 1
     assert any(d > 1 for d in cb.history[0]["d_head"]), cb.history[0]

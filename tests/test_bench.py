@@ -8,6 +8,8 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 HEADLINE = (
@@ -59,10 +61,11 @@ def test_bench_quick_prints_one_json_object_with_finite_positive_keys():
 
 
 def test_bench_uses_only_public_names_of_the_package():
-    """No private name of lit_growattn (a `_name` imported or reached as an attribute) in scripts/bench.py."""
+    """No private name of lit_growattn (a `_name` imported or reached as an attribute) in the CPU benchmark."""
     import ast
 
-    tree = ast.parse((REPO / "scripts" / "bench.py").read_text())
+    modules = ["bench.py", "bench_setup.py", "bench_steps.py", "bench_memory.py", "bench_common.py"]
+    tree = ast.Module([node for m in modules for node in ast.parse((REPO / "scripts" / m).read_text()).body], [])
     ours = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
             and (node.module or "").startswith("lit_growattn") for alias in node.names}
     assert not [name for name in ours if name.startswith("_")]
@@ -71,3 +74,20 @@ def test_bench_uses_only_public_names_of_the_package():
     assert not private, private
     assert not [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
                 and any(getattr(base, "id", "") == "GrowAttentionCallback" for base in node.bases)]
+
+
+def test_the_gpu_options_go_to_the_gpu_benchmark_and_are_refused_on_cpu(monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench
+    import bench_gpu
+
+    calls = []
+    monkeypatch.setattr(bench_gpu, "main", calls.append)
+    bench.main(["--accelerator", "gpu", "--bf16"])
+    bench.main(["--accelerator", "gpu", "--quick"])
+    assert calls == [[], ["--dry-run"]]  # bench_gpu.py always runs bf16-mixed; --quick is its tiny dry run
+    for argv, refusal in ((["--bf16"], "--bf16 is the GPU benchmark's precision"),
+                          (["--accelerator", "gpu", "--threads", "2"], "--threads: options of the CPU benchmark")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert refusal in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """Smoke test of scripts/bench_data.py: `--quick` runs end to end and prints one JSON object with every figure.
 
 No figure is asserted beyond being there and positive: the machine is shared, and the figures only mean something
-from a full run (recorded in the README).
+from a full run (recorded in docs/data.md).
 """
 
 import json

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 
 from callback_helpers import params, recall_data, tiny_module, trainer
 
@@ -38,7 +38,8 @@ def _stats_run(out, devices, batch_size, accumulate):
     L.seed_everything(0)
     data = recall_data(batch_size=batch_size, examples=16)
     micro_batches = 16 // (batch_size * devices)
-    recorder = StatsRecorder(str(out), grow_at_epochs=[1], grow_by=2, method="gradient", stats_batches=micro_batches)
+    recorder = StatsRecorder(str(out), schedule=AtEpochs([1]), growth=GrowthSettings(columns=2, method="gradient"),
+                             statistics=StatisticsSettings(batches=micro_batches))
     strategy = "ddp_spawn" if devices > 1 else "auto"
     trainer(out, [recorder], max_epochs=4, devices=devices, strategy=strategy, precision="64-true",
             accumulate_grad_batches=accumulate).fit(tiny_module(data, dropout=0.0), data)
@@ -63,7 +64,7 @@ def test_cli_growth_under_ddp_from_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "lit_growattn", "fit", "--config", str(REPO / "configs/mqar_grow.yaml"),
            "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.max_epochs=3",
            "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
-           "--trainer.callbacks.init_args.grow_at_epochs=[1, 2]", "--trainer.callbacks.init_args.stats_batches=2",
+           "--trainer.callbacks.init_args.schedule.init_args.epochs=[1, 2]", "--trainer.callbacks.init_args.statistics.batches=2",
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.num_train_examples=512",
            "--data.init_args.num_val_examples=64"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
@@ -85,7 +86,8 @@ class SaveParams(L.Callback):
 def _ddp_resume_run(out, ckpt_path=None):
     L.seed_everything(0)
     data = recall_data(batch_size=8)  # 2 ranks × 8 batches of 8 an epoch: the window is batches 5, 6, 7
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=3)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=3))
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(out / "ckpt", filename="{step}", save_top_k=-1,
                                                       every_n_train_steps=1)
     trainer(out, [grow, checkpoints, SaveParams(str(out))], max_epochs=2, devices=2, strategy="ddp_spawn").fit(
@@ -116,7 +118,8 @@ def test_per_rank_statistics_refuse_another_world_size(ddp_full_run, tmp_path):
     L.seed_everything(0)
     data = recall_data(batch_size=8)
     with pytest.raises(RuntimeError, match="taken inside the statistics window of growth 'epoch 1' by 2 ranks"):
-        trainer(tmp_path, [GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=3)], max_epochs=2).fit(
+        trainer(tmp_path, [GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                                 statistics=StatisticsSettings(batches=3))], max_epochs=2).fit(
             tiny_module(data), data, ckpt_path=ddp_full_run / "ckpt" / "step=7.ckpt")
 
 
@@ -135,7 +138,8 @@ def test_resume_on_more_ranks_than_kept_batches_rates_every_candidate(tmp_path):
     candidates' losses must still be the mean over the kept batch (not 0/0), on both ranks alike."""
     L.seed_everything(0)
     data = recall_data(batch_size=8)  # 1 rank: 16 batches an epoch, checkpoint after the last one (step 16)
-    grow = dict(grow_at_epochs=[1], grow_by=2, stats_batches=3, line_search_batches=1, alphas=[0.0, 1.0])
+    grow = dict(schedule=AtEpochs([1]), growth=GrowthSettings(columns=2), statistics=StatisticsSettings(batches=3),
+                step_search=StepSearch(batches=1, alphas=[0.0, 1.0]))
     checkpoints = L.pytorch.callbacks.ModelCheckpoint(tmp_path / "ckpt", filename="{step}", save_top_k=-1,
                                                       every_n_train_steps=16)
     trainer(tmp_path / "one", [HistorySaver(str(tmp_path), **grow), checkpoints], max_epochs=2).fit(

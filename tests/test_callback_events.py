@@ -1,7 +1,6 @@
 """GrowAttentionCallback's growth events on one process: what grows, what is logged and printed, optimizer
 carry-over, every attention variant, bad input."""
 
-import inspect
 import math
 from types import SimpleNamespace
 
@@ -13,13 +12,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lit_growattn import callbacks
 from lit_growattn.attention import ATTENTIONS, Attention, QKForm
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.cli import main
 from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
 from callback_helpers import WindowRecorder, params, recall_data, tiny_module, trainer
-from conftest import REPO, scalar_tags
+from conftest import REPO, required_args, scalar_tags
 
 GROWTH_TAGS = {
     "growth/d_head/layer_0", "growth/d_head/layer_1", "growth/alpha", "growth/sign_fallbacks",
@@ -35,7 +34,8 @@ def test_growth_run_grows_logs_and_never_raises_the_eval_loss(tmp_path, method):
     L.seed_everything(0)
     data = recall_data()
     module = tiny_module(data)
-    grow = GrowAttentionCallback(grow_at_epochs=[1, 2], grow_by=[2, 1], method=method, stats_batches=4)
+    grow = GrowAttentionCallback(AtEpochs([1, 2]), growth=GrowthSettings(columns=[2, 1], method=method),
+                                 statistics=StatisticsSettings(batches=4))
     trainer(tmp_path, [grow]).fit(module, data)
     assert module.model.head_sizes() == [6, 4] and module.hparams.d_head == [6, 4]
     assert [e["epoch"] for e in grow.history] == [1, 2] and not any(e["skipped"] for e in grow.history)
@@ -58,7 +58,8 @@ def test_baselines_rate_one_candidate(tmp_path, monkeypatch, method):
     monkeypatch.setattr(callbacks, "kept_batch_losses", lambda *args: rated.append(len(args[-1])) or losses(*args))
     L.seed_everything(0)
     data = recall_data()
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, method=method, stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2, method=method),
+                                 statistics=StatisticsSettings(batches=2))
     trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
     assert rated == [2]  # the current forms and the baseline's growth, once (not once per α)
     assert grow.history[0]["alpha"] is None and grow.history[0]["d_head"] == [4, 4]
@@ -67,7 +68,8 @@ def test_baselines_rate_one_candidate(tmp_path, monkeypatch, method):
 def test_console_line_per_event_and_summary_at_the_end(tmp_path, capsys):
     L.seed_everything(0)
     data = recall_data()  # 8 batches an epoch
-    grow = GrowAttentionCallback(grow_at_epochs=[1, 2], grow_by=[2, 1], stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1, 2]), growth=GrowthSettings(columns=[2, 1]),
+                                 statistics=StatisticsSettings(batches=2))
     trainer(tmp_path, [grow], max_epochs=3).fit(tiny_module(data), data)
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("growth at step")]
@@ -82,7 +84,8 @@ def test_console_line_per_event_and_summary_at_the_end(tmp_path, capsys):
 def test_head_sizes_are_logged_at_the_logging_cadence(tmp_path):
     L.seed_everything(0)
     data = recall_data()  # 8 batches an epoch, growth at the start of epoch 1 (step 8)
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=2))
     trainer(tmp_path, [grow], max_epochs=2, log_every_n_steps=4).fit(tiny_module(data), data)
     (event_file,) = tmp_path.rglob("events.out.tfevents.*")
     events = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
@@ -95,7 +98,8 @@ def test_head_sizes_are_logged_at_the_logging_cadence(tmp_path):
 def test_growth_checkpoint_loads_for_validate_and_test(tmp_path):
     L.seed_everything(0)
     data = recall_data()
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=3, stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=3),
+                                 statistics=StatisticsSettings(batches=2))
     checkpoint = L.pytorch.callbacks.ModelCheckpoint(tmp_path / "ckpt", save_last=True)
     trainer(tmp_path, [grow, checkpoint], max_epochs=2).fit(tiny_module(data), data)
     ckpt = tmp_path / "ckpt" / "last.ckpt"
@@ -134,7 +138,9 @@ def test_append_carries_adam_moments_step_and_schedule(tmp_path, monkeypatch, te
     L.seed_everything(0)
     data = recall_data()
     probe = CarryProbe(monkeypatch)
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, mode="append", temperature=temperature, stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1]),
+                                 growth=GrowthSettings(columns=2, mode="append", temperature=temperature),
+                                 statistics=StatisticsSettings(batches=2))
     trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
     c = (4 / 2) ** 0.25 if temperature == "rescale" else 1.0  # τ′ = τ√(d/d′) → old columns × (τ/τ′)^½
     for name in ("model.blocks.0.attn.qk.w_q", "model.blocks.1.attn.qk.w_k"):
@@ -153,7 +159,8 @@ def test_replace_resets_the_rotated_tensors(tmp_path, monkeypatch):
     L.seed_everything(0)
     data = recall_data()
     probe = CarryProbe(monkeypatch)
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, mode="replace", stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2, mode="replace"),
+                                 statistics=StatisticsSettings(batches=2))
     trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
     assert probe.after["model.blocks.0.attn.qk.w_q"] is None  # Adam starts these afresh, step included
     assert probe.after["model.blocks.0.attn.v.weight"] is not None
@@ -161,35 +168,40 @@ def test_replace_resets_the_rotated_tensors(tmp_path, monkeypatch):
 
 # -- bad input ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "build, message",
     [
-        (dict(grow_at_epochs=[1], grow_by=0), "grow_by must be positive"),
-        (dict(grow_at_epochs=[1], grow_by=[1, -1]), "grow_by must be positive"),
-        (dict(grow_at_epochs=[1], method="svd"), "method must be one of"),
-        (dict(grow_at_epochs=[1], method="random", mode="replace"), "needs mode='append'"),
-        (dict(grow_at_epochs=[1], alphas=[-1.0]), "non-empty list of finite values ≥ 0"),
-        (dict(grow_at_epochs=[1], alphas=[]), "non-empty list of finite values ≥ 0"),
-        (dict(grow_at_epochs=[1], stats_batches=0), "stats_batches must be positive"),
-        (dict(grow_at_epochs=[1], stats_batches=2, line_search_batches=3), "line_search_batches ≤ stats_batches"),
-        (dict(grow_at_epochs=[1], dynamic_rank=1.5), "dynamic_rank is a fraction"),
-        (dict(grow_at_epochs=[1], layers=[]), "layers must list each layer to grow once"),
-        (dict(grow_at_epochs=[1], layers=[0, 0]), "layers must list each layer to grow once"),
-        (dict(grow_at_epochs=[1], layers_per_step=0), "layers_per_step must be positive"),
+        (lambda: GrowthSettings(columns=0), "growth.columns must be positive"),
+        (lambda: GrowthSettings(columns=[1, -1]), "growth.columns must be positive"),
+        (lambda: GrowthSettings(method="svd"), "growth.method must be one of"),
+        (lambda: GrowthSettings(method="random", mode="replace"), "needs mode='append'"),
+        (lambda: StepSearch(alphas=[-1.0]), "non-empty list of finite values ≥ 0"),
+        (lambda: StepSearch(alphas=[]), "non-empty list of finite values ≥ 0"),
+        (lambda: StepSearch(alphas=[0.0, float("nan")]), "non-empty list of finite values ≥ 0"),
+        (lambda: StatisticsSettings(batches=0), "statistics.batches must be positive"),
+        (lambda: GrowAttentionCallback(AtEpochs([1]), statistics=StatisticsSettings(batches=2),
+                                       step_search=StepSearch(batches=3)), "step_search.batches ≤ statistics.batches"),
+        (lambda: GrowthSettings(rank_threshold=1.5), "rank_threshold is a fraction"),
+        (lambda: GrowthSettings(layers=[]), "layers must list each layer to grow once"),
+        (lambda: GrowthSettings(layers=[0, 0]), "layers must list each layer to grow once"),
+        (lambda: StatisticsSettings(layers_per_step=0), "layers_per_step must be positive"),
+        (lambda: GrowthSettings(columns=2, rank_threshold=0.1), "growth.columns is a fixed count"),
+        (lambda: GrowthSettings(columns=2, max_columns=3), "growth.max_columns caps a chosen count"),
     ],
 )
-def test_bad_callback_arguments_fail_with_message(kwargs, message):
+def test_bad_callback_arguments_fail_with_message(build, message):
     with pytest.raises(ValueError, match=message):
-        GrowAttentionCallback(**kwargs)
+        build()
 
 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(max_d_head=1), r"max_d_head=1 must lie between the current head size \(2\)"),
-        (dict(max_d_head=17), r"max_d_head=17 must lie between .* input size \(16"),
-        (dict(layers=[5]), r"layers \[5\] do not exist"),
-        (dict(grow_by=[1, 1, 1]), "grow_by has 3 entries but the model has 2 layers"),
-        (dict(stats_batches=100), "stats_batches=100 is more than an epoch"),
+        (dict(growth=GrowthSettings(max_d_head=1)), r"max_d_head=1 must lie between the current head size \(2\)"),
+        (dict(growth=GrowthSettings(max_d_head=17)), r"max_d_head=17 must lie between .* input size \(16"),
+        (dict(growth=GrowthSettings(layers=[5])), r"layers \[5\] do not exist"),
+        (dict(growth=GrowthSettings(columns=[1, 1, 1])), "growth.columns has 3 entries but the model has 2 layers"),
+        (dict(statistics=StatisticsSettings(batches=100)), "statistics.batches=100 is more than an epoch"),
+        (dict(growth=GrowthSettings(rank_threshold=None, max_columns=2)), "growth.max_columns caps a count chosen"),
     ],
 )
 def test_impossible_schedules_fail_before_training(tmp_path, kwargs, message):
@@ -197,30 +209,31 @@ def test_impossible_schedules_fail_before_training(tmp_path, kwargs, message):
     module = tiny_module(data)
     before = params(module)
     with pytest.raises(ValueError, match=message):
-        trainer(tmp_path, [GrowAttentionCallback(grow_at_epochs=[1], **kwargs)]).fit(module, data)
+        trainer(tmp_path, [GrowAttentionCallback(AtEpochs([1]), **kwargs)]).fit(module, data)
     assert all(torch.equal(before[k], v) for k, v in params(module).items())
 
 
 def test_step_sizes_without_zero_warn():
     with pytest.warns(UserWarning, match="has no 0: a growth may then raise the loss"):
-        GrowAttentionCallback(grow_at_epochs=[1], alphas=[0.5, 1.0])
+        GrowAttentionCallback(AtEpochs([1]), step_search=StepSearch(alphas=[0.5, 1.0]))
 
 
-def test_dynamic_rank_chooses_the_growth_from_the_spectrum(tmp_path):
+def test_rank_threshold_chooses_the_growth_from_the_spectrum(tmp_path):
     L.seed_everything(0)
     data = recall_data()
     module = tiny_module(data)
-    grow = GrowAttentionCallback(grow_at_epochs=[1], dynamic_rank=0.05, max_d_head=10, stats_batches=3)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(rank_threshold=0.05, max_d_head=10),
+                                 statistics=StatisticsSettings(batches=3))
     trainer(tmp_path, [grow], max_epochs=2).fit(module, data)
     sizes = module.model.head_sizes()
     assert all(3 <= d <= 10 for d in sizes), sizes  # at least one new column, at most max_d_head
-    assert max(sizes) > 3, sizes  # more than one column somewhere: grow_by does not cap a dynamic growth
+    assert max(sizes) > 3, sizes  # more than one column somewhere: no fixed count caps a growth chosen from the spectrum
 
 
 def test_epoch_past_max_epochs_warns(tmp_path):
     data = recall_data()
-    with pytest.warns(UserWarning, match="grow_at_epochs has epoch 5 but max_epochs=2"):
-        trainer(tmp_path, [GrowAttentionCallback(grow_at_epochs=[1, 5], stats_batches=2)], max_epochs=2).fit(
+    with pytest.warns(UserWarning, match="AtEpochs has epoch 5 but max_epochs=2"):
+        trainer(tmp_path, [GrowAttentionCallback(AtEpochs([1, 5]), statistics=StatisticsSettings(batches=2))], max_epochs=2).fit(
             tiny_module(data), data)
 
 
@@ -241,14 +254,14 @@ class NoQK(torch.nn.Module):
 def test_growth_on_attention_without_qk_pair_is_refused(tmp_path, monkeypatch):
     monkeypatch.setitem(ATTENTIONS, "noqk", NoQK)
     data = recall_data()
-    with pytest.raises(ValueError, match="attention 'noqk' has no growable query/key pair"):
-        trainer(tmp_path, [GrowAttentionCallback(grow_at_epochs=[1])]).fit(tiny_module(data, attention="noqk"), data)
+    with pytest.raises(ValueError, match=r"growable_forms\(\) is empty: no attention layer has a growable query/key form"):
+        trainer(tmp_path, [GrowAttentionCallback(AtEpochs([1]))]).fit(tiny_module(data, attention="noqk"), data)
 
 
 def test_sharded_strategies_are_refused_at_setup():
     fake = SimpleNamespace(strategy=FSDPStrategy.__new__(FSDPStrategy), global_rank=0, world_size=1)
     with pytest.raises(RuntimeError, match="not FSDPStrategy: FSDP and DeepSpeed shard parameters"):
-        GrowAttentionCallback(grow_at_epochs=[1]).setup(fake, None, "fit")
+        GrowAttentionCallback(AtEpochs([1])).setup(fake, None, "fit")
 
 
 def test_nonfinite_statistics_skip_the_growth_and_training_goes_on(tmp_path, monkeypatch):
@@ -257,7 +270,7 @@ def test_nonfinite_statistics_skip_the_growth_and_training_goes_on(tmp_path, mon
     L.seed_everything(0)
     data = recall_data()
     module = tiny_module(data)
-    grow = GrowAttentionCallback(grow_at_epochs=[1], stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1]), statistics=StatisticsSettings(batches=2))
     with pytest.warns(UserWarning, match="growth at epoch 1 skipped"):
         trainer(tmp_path, [grow], max_epochs=2).fit(module, data)
     assert [(e["event"], e["skipped"]) for e in grow.history] == [("epoch 1", True)]
@@ -270,8 +283,8 @@ def test_nonfinite_statistics_skip_the_growth_and_training_goes_on(tmp_path, mon
 def _round_robin_run(tmp_path, stats_batches, layers_per_step):
     L.seed_everything(0)
     data = recall_data(batch_size=16, examples=64)
-    recorder = WindowRecorder(grow_at_epochs=[1], grow_by=2, method="natural", stats_batches=stats_batches,
-                              layers_per_step=layers_per_step)
+    recorder = WindowRecorder(AtEpochs([1]), growth=GrowthSettings(columns=2, method="natural"),
+                              statistics=StatisticsSettings(batches=stats_batches, layers_per_step=layers_per_step))
     module = tiny_module(data, dropout=0.0)
     trainer(tmp_path, [recorder], max_epochs=2, precision="64-true").fit(module, data)
     return recorder, module
@@ -309,12 +322,6 @@ class PreservationProbe(GrowAttentionCallback):
         pl_module.train()
 
 
-def required_args(attention: str) -> dict[str, int]:
-    """A small value (2) for each argument a variant cannot do without, e.g. low-rank DINT's rank."""
-    signature = inspect.signature(ATTENTIONS[attention])
-    return {name: 2 for name, p in list(signature.parameters.items())[2:] if p.default is inspect.Parameter.empty}
-
-
 @pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 @pytest.mark.parametrize("mode, temperature", [("append", "keep"), ("replace", "rescale")])
 def test_growth_at_step_zero_preserves_every_variant(tmp_path, attention, mode, temperature):
@@ -323,8 +330,8 @@ def test_growth_at_step_zero_preserves_every_variant(tmp_path, attention, mode, 
     module = tiny_module(data, attention=attention, attention_args=required_args(attention), bias=True)
     assert all(isinstance(block.attn, Attention) for block in module.model.blocks)
     n_forms = len(module.model.qk_forms()[0])
-    probe = PreservationProbe(grow_at_epochs=[1], grow_by=2, alphas=[0.0], mode=mode, temperature=temperature,
-                              stats_batches=2)
+    probe = PreservationProbe(AtEpochs([1]), growth=GrowthSettings(columns=2, mode=mode, temperature=temperature),
+                              statistics=StatisticsSettings(batches=2), step_search=StepSearch(alphas=[0.0]))
     trainer(tmp_path, [probe], max_epochs=2, precision="64-true").fit(module, data)
     assert module.model.head_sizes() == [4, 4]
     assert all(f.d_head == 4 for forms in module.model.qk_forms() for f in forms) and n_forms >= 1
@@ -335,7 +342,8 @@ def test_growth_at_step_zero_preserves_every_variant(tmp_path, attention, mode, 
 def test_searched_growth_of_two_map_variants_never_raises_the_eval_loss(tmp_path, attention):
     L.seed_everything(0)
     data = recall_data()
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=3)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=3))
     trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data, attention=attention), data)
     (event,) = grow.history
     assert event["d_head"] == [4, 4]
@@ -345,8 +353,9 @@ def test_searched_growth_of_two_map_variants_never_raises_the_eval_loss(tmp_path
 def test_full_rank_line_search_never_installs_a_growth_that_raises_the_eval_loss(tmp_path):
     L.seed_everything(0)
     data = recall_data()
-    grow = GrowAttentionCallback(grow_at_epochs=[1, 2], grow_by=2, method="gradient", line_search="full_rank",
-                                 stats_batches=3)
+    grow = GrowAttentionCallback(AtEpochs([1, 2]), growth=GrowthSettings(columns=2, method="gradient"),
+                                 statistics=StatisticsSettings(batches=3),
+                                 step_search=StepSearch(line_search="full_rank"))
     trainer(tmp_path, [grow], max_epochs=3).fit(tiny_module(data), data)
     assert [e["d_head"] for e in grow.history] == [[4, 4], [6, 6]]
     assert all(e["realised_decrease"] >= 0 for e in grow.history)  # the truncated growth is measured against α = 0
@@ -356,7 +365,7 @@ def test_full_rank_line_search_never_installs_a_growth_that_raises_the_eval_loss
 
 def test_the_demo_config_prints_its_growth_lines_between_progress_bars(tmp_path, capsys):
     main(["fit", "--config", str(REPO / "configs/recall_grow.yaml"), "--trainer.max_epochs=2",
-          "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.stats_batches=2",
+          "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.statistics.batches=2",
           "--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64",
           f"--trainer.logger.init_args.save_dir={tmp_path}"])
     out = capsys.readouterr().out

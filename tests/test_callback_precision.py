@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 
 from lit_growattn.attention import QKForm
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
 from lit_growattn.growing.window import StatsWindow
 
 from callback_helpers import WindowRecorder, recall_data, tiny_module, trainer
@@ -16,7 +16,8 @@ from callback_helpers import WindowRecorder, recall_data, tiny_module, trainer
 def _window_run(tmp_path, init_scale=None, batches=4):
     L.seed_everything(0)
     data = recall_data(batch_size=16, examples=16 * batches)
-    recorder = WindowRecorder(grow_at_epochs=[1], grow_by=2, method="gradient", stats_batches=batches)
+    recorder = WindowRecorder(AtEpochs([1]), growth=GrowthSettings(columns=2, method="gradient"),
+                              statistics=StatisticsSettings(batches=batches))
     plugins = [] if init_scale is None else [
         MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
     module = tiny_module(data, dropout=0.0)
@@ -54,7 +55,8 @@ def test_16_mixed_layer_without_finite_statistics_keeps_its_size_and_the_others_
     overflowing = module.model.blocks[0].attn.qk
     record = QKForm._record
     monkeypatch.setattr(QKForm, "_record", lambda self, xa, gx: record(self, xa, gx * float("inf") if self is overflowing else gx))
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=2)
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=2))
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))]
     with pytest.warns(UserWarning, match=r"layers \[0\] have no finite statistics"):
         trainer(tmp_path, [grow], max_epochs=2, plugins=plugins).fit(module, data)

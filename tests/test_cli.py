@@ -69,7 +69,7 @@ def test_growth_configs_grow_at_their_first_event(tmp_path, tiny_cli_args, confi
     data = {"mqar_grow.yaml": ["--data.init_args.num_train_examples=512", "--data.init_args.num_val_examples=128"],
             "text_grow.yaml": [f"--data.init_args.path={corpus}"]}.get(config, [])
     cli = main(["--config", str(REPO / "configs" / config), *tiny_cli_args, "--trainer.max_epochs=2",
-                "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2",
+                "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2",
                 *data], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     grown = cli.model.model.head_sizes()

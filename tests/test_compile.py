@@ -16,7 +16,7 @@ from conftest import REPO
 
 def _fit(tmp_path, tiny_cli_args, *extra):
     cli = main(["--config", str(REPO / "configs/mqar_grow.yaml"), *tiny_cli_args, "--trainer.max_epochs=2",
-                "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=1",
+                "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=1",
                 "--model.init_args.n_layer=1", "--model.init_args.n_embd=32", "--data.init_args.num_train_examples=128",
                 "--data.init_args.num_val_examples=32", "--data.init_args.batch_size=32", *extra], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)

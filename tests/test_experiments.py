@@ -91,11 +91,11 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
     corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
     out = tmp_path / "out"
     tiny = ["--override=--trainer.limit_val_batches=2", "--override=--data.init_args.samples_per_epoch=384",
-            "--override=--trainer.callbacks.init_args.check_every=3",
-            "--override=--trainer.callbacks.init_args.stats_batches=2",
-            "--override=--trainer.callbacks.init_args.auto_threshold=1e-7",
-            "--override=--trainer.callbacks.init_args.auto_agreement=0.01",
-            "--override=--trainer.callbacks.init_args.grow_by=1"]
+            "--override=--trainer.callbacks.init_args.schedule.init_args.check_every=3",
+            "--override=--trainer.callbacks.init_args.statistics.batches=2",
+            "--override=--trainer.callbacks.init_args.schedule.init_args.threshold=1e-7",
+            "--override=--trainer.callbacks.init_args.schedule.init_args.agreement=0.01",
+            "--override=--trainer.callbacks.init_args.growth.max_columns=1"]
     experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
                       "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned"])
     results = json.loads((out / "experiments_capacity.json").read_text())

@@ -11,9 +11,11 @@ from lit_growattn.growth import (
     DIRECTIONS,
     FormGrowth,
     FormStats,
+    Growth,
     GrowthPlan,
     candidate_steps,
     choose_step,
+    installed,
     loss_rounding,
 )
 
@@ -359,3 +361,20 @@ def test_plan_on_a_gpt_keeps_the_logits_at_zero_step():
             f.set_weights(grown.w_q, grown.w_k, grown.log_tau)
         assert model.head_sizes() == [5, 5]
         assert torch.allclose(model(idx), before, rtol=0, atol=1e-10)
+
+
+def test_installed_holds_a_candidate_inside_the_block_and_restores_the_same_parameters():
+    torch.manual_seed(0)
+    forms = {"a": QKForm(8, 2, 3), "b": QKForm(8, 2, 3)}
+    before = {n: (f.w_q, f.w_k, f.log_tau) for n, f in forms.items()}
+    wider = Growth(w_q=torch.randn(2, 8, 5), w_k=torch.randn(2, 8, 5), log_tau=torch.zeros(2), carries={},
+                   predicted_decrease=0.0, discarded_energy=torch.zeros(2), spectrum=torch.zeros(2, 0), alpha=0.0,
+                   method="natural")
+    with pytest.raises(RuntimeError, match="rating failed"), installed(forms, {"a": wider}):
+        assert forms["a"].d_head == 5 and torch.equal(forms["a"].w_q, wider.w_q)
+        assert forms["b"].w_q is before["b"][0]  # not named in the candidate: left as it is
+        raise RuntimeError("rating failed")
+    for name, form in forms.items():
+        assert (form.w_q, form.w_k, form.log_tau) == before[name] and form.d_head == 3  # the same objects
+    with installed(forms, None):
+        assert all(form.w_q is before[name][0] for name, form in forms.items())

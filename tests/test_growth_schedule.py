@@ -4,23 +4,23 @@ written by the CLI at every step (bit-equal to the uninterrupted run), `grow_at_
 import pytest
 import torch
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, AtSteps
 from lit_growattn.cli import main
-from lit_growattn.growing.schedule import Clock, GrowthPoint, Schedule
+from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule
 
 from conftest import REPO
 
 # 5 batches an epoch; growths at epochs 1 and 2, each from the epoch's last 3 batches (batches 2, 3, 4).
 EPOCHS = [
     "--trainer.max_epochs=3", "--trainer.limit_train_batches=5", "--trainer.limit_val_batches=1",
-    "--trainer.callbacks.init_args.stats_batches=3", "--trainer.callbacks.init_args.method=natural",
+    "--trainer.callbacks.init_args.statistics.batches=3", "--trainer.callbacks.init_args.growth.method=natural",
 ]
 # grow_at_steps under accumulation 2: an epoch of 5 micro-batches has 3 optimizer steps (the last one flushes).
 STEPS = [
     "--trainer.max_epochs=3", "--trainer.limit_train_batches=5", "--trainer.limit_val_batches=1",
-    "--trainer.accumulate_grad_batches=2", "--trainer.callbacks.init_args.grow_at_epochs=null",
-    "--trainer.callbacks.init_args.grow_at_steps=[4, 8]", "--trainer.callbacks.init_args.stats_batches=3",
-    "--trainer.callbacks.init_args.method=natural",
+    "--trainer.accumulate_grad_batches=2", "--trainer.callbacks.init_args.schedule=lit_growattn.AtSteps",
+    "--trainer.callbacks.init_args.schedule.init_args.steps=[4, 8]", "--trainer.callbacks.init_args.statistics.batches=3",
+    "--trainer.callbacks.init_args.growth.method=natural",
 ]
 
 
@@ -105,7 +105,7 @@ def test_clock_replays_lightning_steps_with_accumulation_and_epoch_end_flush():
 
 def test_window_position_from_any_clock():
     at_step_4 = GrowthPoint("step", 4)
-    before = Schedule.batches_before
+    before = GrowthSchedule.batches_before
     assert before(at_step_4, Clock(1, 2, 4, 5, 2), horizon=3) == 0  # the growth happens at this batch start
     assert before(at_step_4, Clock(1, 1, 3, 5, 2), horizon=3) == 1  # the window's last micro-batch
     assert before(at_step_4, Clock(0, 4, 2, 5, 2), horizon=3) == 3  # the window opens at the end of epoch 0
@@ -114,22 +114,20 @@ def test_window_position_from_any_clock():
     assert before(GrowthPoint("epoch", 1), Clock(1, 0, 5, 5, 1), horizon=3) == 0
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(), "give exactly one of grow_at_epochs and grow_at_steps"),
-    (dict(grow_at_epochs=[1], grow_at_steps=[5]), "give exactly one of grow_at_epochs and grow_at_steps"),
-    (dict(grow_at_epochs=[0, 2]), "growth at epoch 0"),
-    (dict(grow_at_epochs=[2, 2]), "must list each growth epoch once"),
-    (dict(grow_at_steps=[0]), "growth at step 0"),
-    (dict(grow_at_steps=[]), "must list each growth step once"),
+@pytest.mark.parametrize("build, message", [
+    (lambda: AtEpochs([0, 2]), "growth at epoch 0"),
+    (lambda: AtEpochs([2, 2]), "must list each growth epoch once"),
+    (lambda: AtSteps([0]), "growth at step 0"),
+    (lambda: AtSteps([]), "must list each growth step once"),
 ])
-def test_bad_schedules_fail_with_message(kwargs, message):
+def test_bad_schedules_fail_with_message(build, message):
     with pytest.raises(ValueError, match=message):
-        GrowAttentionCallback(**kwargs)
+        build()
 
 
 def test_steps_closer_than_the_window_fail_before_training(tmp_path):
-    with pytest.raises(ValueError, match=r"grow_at_steps \[5\] leave less than stats_batches=3 micro-batches"):
+    with pytest.raises(ValueError, match=r"AtSteps \[5\] leave less than statistics.batches=3 micro-batches"):
         main(["fit", "--config", str(REPO / "configs/recall_grow.yaml"), *STEPS[:-3],
-              "--trainer.callbacks.init_args.grow_at_steps=[4, 5]", "--trainer.callbacks.init_args.stats_batches=3",
+              "--trainer.callbacks.init_args.schedule.init_args.steps=[4, 5]", "--trainer.callbacks.init_args.statistics.batches=3",
               "--trainer.accumulate_grad_batches=1", "--data.init_args.num_train_examples=320",
               "--data.init_args.num_val_examples=64", f"--trainer.logger.init_args.save_dir={tmp_path}"])

@@ -10,7 +10,7 @@ import lightning as L
 from conftest import REPO
 from callback_helpers import recall_data, tiny_module, trainer
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 
 sys.path.insert(0, str(REPO / "scripts"))
 import growth_step  # noqa: E402
@@ -20,7 +20,8 @@ def test_reset_drops_the_qk_adam_state_at_the_growth_and_keeps_the_rest(tmp_path
     L.seed_everything(0)
     data = recall_data()
     module = tiny_module(data)
-    grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=1, stats_batches=2, alphas=[0.0])
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=1),
+                                 statistics=StatisticsSettings(batches=2), step_search=StepSearch(alphas=[0.0]))
     fit = trainer(tmp_path, [grow, growth_step.ResetQKMoments()], max_epochs=2)
     fit.fit(module, data)
     (optimizer,) = fit.optimizers
@@ -33,7 +34,7 @@ def test_reset_drops_the_qk_adam_state_at_the_growth_and_keeps_the_rest(tmp_path
 def test_train_runs_record_event_losses_and_render_the_table(tmp_path):
     out = tmp_path / "runs.jsonl"
     tiny = ["--trainer.max_epochs=3", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2",
-            "--trainer.callbacks.init_args.stats_batches=2", "--data.init_args.batch_size=8"]
+            "--trainer.callbacks.init_args.statistics.batches=2", "--data.init_args.batch_size=8"]
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "growth_step.py"), "train", "--text", str(REPO / "README.md"),
          "--runs", "grow natural/append α=0 + Q/K reset", "--seeds", "0", "--out", str(out),

@@ -34,8 +34,8 @@ def test_mixed_precision_growth_run_keeps_statistics_in_fp32(tmp_path, tiny_cli_
     monkeypatch.setattr(growth.FormStats, "update",
                         lambda self, *args: sums.append(self.n_sum.dtype) or update(self, *args))
     cli = main(["--config", str(REPO / "configs/mqar_grow.yaml"), *tiny_cli_args, "--trainer.max_epochs=2",
-                precision, "--trainer.callbacks.init_args.grow_at_epochs=[1]",
-                "--trainer.callbacks.init_args.stats_batches=2", f"--trainer.callbacks.init_args.capture={capture}",
+                precision, "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+                "--trainer.callbacks.init_args.statistics.batches=2", f"--trainer.callbacks.init_args.statistics.capture={capture}",
                 "--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.model.head_sizes() == [4, 4]

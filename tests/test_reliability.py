@@ -98,7 +98,7 @@ def test_a_checkpoint_callback_from_yaml_keeps_one_per_epoch(tmp_path, tiny_cli_
 
 DIVERGE = ["fit", "--config", RECALL, "--model.init_args.optimizer.init_args.lr=100",
            "--model.init_args.warmup_steps=1", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-           "--trainer.enable_model_summary=false", "--trainer.callbacks.init_args.stats_batches=2"]
+           "--trainer.enable_model_summary=false", "--trainer.callbacks.init_args.statistics.batches=2"]
 
 
 def test_a_diverged_run_stops_with_an_error_naming_step_and_loss(tmp_path, capsys):
@@ -200,7 +200,7 @@ def test_a_bad_value_is_reported_in_a_few_lines_with_the_projects_message(tmp_pa
 
 
 def test_a_run_that_fails_at_setup_leaves_no_log_folder(tmp_path, tiny_cli_args, capsys):
-    bad = ["fit", "--config", RECALL, *tiny_cli_args, "--trainer.callbacks.init_args.max_d_head=200"]
+    bad = ["fit", "--config", RECALL, *tiny_cli_args, "--trainer.callbacks.init_args.growth.max_d_head=200"]
     assert command_line(bad) == 1
     assert "error: ValueError: max_d_head=200 must lie between" in capsys.readouterr().err
     assert not list(tmp_path.rglob("version_*"))
@@ -223,7 +223,7 @@ def test_predict_is_not_offered(capsys):
 
 def test_resuming_a_grown_checkpoint_records_its_head_size_at_once(tmp_path, tiny_cli_args):
     grow = ["--config", RECALL, *tiny_cli_args, "--trainer.limit_val_batches=1", "--trainer.max_epochs=2",
-            "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2"]
+            "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2"]
     main(["fit", *grow])
     (grown,) = tmp_path.rglob("last.ckpt")
     assert torch.load(grown, weights_only=True)["hyper_parameters"]["d_head"] == [8]

@@ -5,14 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lit_growattn.attention import ATTENTIONS
 from lit_growattn.attention.sdpa import causal_attention, padded_widths
 from lit_growattn.cli import main
 from lit_growattn.config import GPTConfig
 from lit_growattn.model import GPT
 
-from conftest import REPO
-
-VARIANT_ARGS = {"mha": {}, "diff": {}, "dint": {}, "lowrank_dint": {"rank": 2}}
+from conftest import REPO, required_args
 
 
 @pytest.mark.parametrize("d_v", [16, 32, 64])
@@ -60,8 +59,8 @@ def sdpa_calls(monkeypatch):
 def test_growth_run_with_padding_calls_sdpa_with_flash_shapes_only(tmp_path, tiny_cli_args, sdpa_calls):
     # Training, evaluation and the `extend` statistics capture, before and after growth, from the command line.
     cli = main(["--config", str(REPO / "configs/mqar_grow.yaml"), *tiny_cli_args, "--trainer.max_epochs=2",
-                "--trainer.callbacks.init_args.grow_at_epochs=[1]", "--trainer.callbacks.init_args.stats_batches=2",
-                "--trainer.callbacks.init_args.capture=extend", "--model.init_args.sdpa_pad=on",
+                "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2",
+                "--trainer.callbacks.init_args.statistics.capture=extend", "--model.init_args.sdpa_pad=on",
                 "--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.model.head_sizes() == [4, 4]
@@ -71,12 +70,12 @@ def test_growth_run_with_padding_calls_sdpa_with_flash_shapes_only(tmp_path, tin
     assert all(flash_eligible(call) for call in sdpa_calls)
 
 
-@pytest.mark.parametrize("attention", sorted(VARIANT_ARGS))
+@pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 def test_every_variant_runs_on_flash_alone_at_every_growth_width(attention, sdpa_calls):
     # On CPU too, flash needs q, k and v of one width: under `sdpa_kernel(FLASH)` a math fallback raises.
     for d_head in (1, 5, 9, 20):
         cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16, d_head=d_head, d_v=8,
-                        attention=attention, attention_args=VARIANT_ARGS[attention], sdpa_pad="on")
+                        attention=attention, attention_args=required_args(attention), sdpa_pad="on")
         model = GPT(cfg)
         idx = torch.randint(0, 16, (2, 8))
         for capture in (None, "extend"):

@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.cli import main
 from lit_growattn.growth import quadratic_step
 
@@ -62,8 +62,7 @@ def test_quadratic_rule_never_does_worse_than_the_grid_it_extends(tmp_path):
     for rule in ("grid", "quadratic"):
         L.seed_everything(0)
         data = recall_data()
-        grow = GrowAttentionCallback(grow_at_epochs=[1], grow_by=2, stats_batches=4, step_size=rule,
-                                     alphas=[0.0, 1 / 16])
+        grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2), statistics=StatisticsSettings(batches=4), step_search=StepSearch(rule=rule, alphas=[0.0, 1 / 16]))
         trainer(tmp_path / rule, [grow], max_epochs=2).fit(tiny_module(data), data)
         history[rule] = grow.history[0]
     assert history["quadratic"]["realised_decrease"] >= history["grid"]["realised_decrease"] - 1e-7
@@ -74,18 +73,18 @@ def test_text_grow_config_takes_the_quadratic_step_from_the_command_line(tmp_pat
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
     cli = main(["--config", str(REPO / "configs/text_grow.yaml"), *tiny_cli_args, "--trainer.max_epochs=2",
-                f"--data.init_args.path={corpus}", "--trainer.callbacks.init_args.grow_at_epochs=[1]",
-                "--trainer.callbacks.init_args.stats_batches=2", "--trainer.callbacks.init_args.step_size=quadratic"],
+                f"--data.init_args.path={corpus}", "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+                "--trainer.callbacks.init_args.statistics.batches=2", "--trainer.callbacks.init_args.step_search.rule=quadratic"],
                run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     (event,) = next(c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)).history
     assert event["realised_decrease"] >= 0.0 and cli.model.model.head_sizes()[0] > 2
 
 
-@pytest.mark.parametrize("kwargs", [dict(line_search="full_rank", method="gradient"), dict(alphas=[0.0])])
+@pytest.mark.parametrize("kwargs", [dict(line_search="full_rank"), dict(alphas=[0.0])])
 def test_quadratic_rule_refuses_what_it_cannot_fit(kwargs):
-    with pytest.raises(ValueError, match="step_size='quadratic' fits the losses"):
-        GrowAttentionCallback(grow_at_epochs=[1], step_size="quadratic", **kwargs)
+    with pytest.raises(ValueError, match="rule='quadratic' fits the losses"):
+        StepSearch(rule="quadratic", **kwargs)
 
 
 def test_text_config_steps_below_the_old_grid_and_appends(tmp_path, tiny_cli_args):
@@ -96,6 +95,6 @@ def test_text_config_steps_below_the_old_grid_and_appends(tmp_path, tiny_cli_arg
     cli = main(["--config", str(REPO / "configs/text_grow.yaml"), *tiny_cli_args, f"--data.init_args.path={corpus}"],
                run=False)
     grow = next(c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback))
-    settings = grow.settings
-    assert 0.0 in settings.alphas and min(a for a in settings.alphas if a > 0) <= 1 / 256
+    settings, alphas = grow.settings, grow.search.candidates
+    assert 0.0 in alphas and min(a for a in alphas if a > 0) <= 1 / 256
     assert (settings.method, settings.mode) == ("natural", "append")

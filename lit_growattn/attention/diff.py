@@ -8,12 +8,16 @@ each head's output is RMSNorm(·) × (1 − λ_init). The learnable temperatures
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.config import GPTConfig
+from lit_growattn.attention.registry import register_attention
+
+if TYPE_CHECKING:  # the config names the variants; they only need its type
+    from lit_growattn.config import GPTConfig
 
 
 def lambda_init_for(layer_idx: int) -> float:
@@ -21,6 +25,7 @@ def lambda_init_for(layer_idx: int) -> float:
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
 
 
+@register_attention("diff")
 class DiffAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_idx: int):
         super().__init__()

@@ -8,12 +8,17 @@ the future), so A3·V is the running mean of A1·V over query positions and need
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.diff import lambda_init_for
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.config import GPTConfig
+from lit_growattn.attention.registry import register_attention
+
+if TYPE_CHECKING:  # the config names the variants; they only need its type
+    from lit_growattn.config import GPTConfig
 
 
 def causal_mean(t: Tensor) -> Tensor:
@@ -56,6 +61,7 @@ class DenoisedAttention(nn.Module):
         return {"attn": a1 + self.lam[:, None, None] * (causal_mean(a1) - a2), "a1": a1, "a2": a2}
 
 
+@register_attention("dint")
 class DintAttention(DenoisedAttention):
     """Args: lambda_init: initial λ of every head (None → DIFF's schedule in the layer index)."""
 

@@ -13,14 +13,18 @@ and growing r would need the growth machinery to factor M′ through W_down, whi
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.dint import DenoisedAttention
 from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.attention.registry import register_attention
 from lit_growattn.attention.sdpa import SdpaPad, causal_attention
-from lit_growattn.config import GPTConfig
+
+if TYPE_CHECKING:  # the config names the variants; they only need its type
+    from lit_growattn.config import GPTConfig
 
 
 def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
@@ -30,7 +34,7 @@ def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
 
 class LowRankQK(nn.Module):
     """Causal scores τ·(X′ D_q U_q)(X′ D_k U_k)ᵀ per head, D: (e′, r), U: (r, d); the interface of a QKForm's
-    `scores` and `attend`, without statistics capture."""
+    `scores` and `attend`, without statistics capture: a `lit_growattn.contract.ScoreMap`, not a growable form."""
 
     def __init__(
         self, n_embd: int, n_head: int, d_head: int, rank: int, bias: bool, d2_ratio: float, sdpa_pad: SdpaPad = "auto"
@@ -66,15 +70,21 @@ class LowRankQK(nn.Module):
         q, k = self.queries_keys(x)
         return causal_attention(q, k, v, self.sdpa_pad)
 
-    def resize(self, d_head: int) -> None:
-        """Resizes to d_head with placeholder values, before loading a checkpoint whose map has that width (after
-        growth the hparams record the layer's new d_head, but this map keeps the width it was built with)."""
-        if d_head != self.d_head:
+    def bias_row_parameters(self) -> list[nn.Parameter]:
+        return [self.down_q, self.down_k] if self.bias else []
+
+    def resize_to(self, state_dict: Mapping[str, Tensor], prefix: str) -> None:
+        """Takes the width of `state_dict[prefix + "up_q"]` with placeholder values, before loading a checkpoint whose
+        map has that width (after growth the hparams record the layer's new d_head, but this map keeps the width
+        it was built with)."""
+        key = f"{prefix}up_q"
+        if key in state_dict and state_dict[key].shape[-1] != self.d_head:
             h, rank, _ = self.up_q.shape
-            self.up_q = nn.Parameter(self.up_q.new_zeros(h, rank, d_head))
-            self.up_k = nn.Parameter(self.up_k.new_zeros(h, rank, d_head))
+            self.up_q = nn.Parameter(self.up_q.new_zeros(h, rank, state_dict[key].shape[-1]))
+            self.up_k = nn.Parameter(self.up_k.new_zeros(h, rank, state_dict[key].shape[-1]))
 
 
+@register_attention("lowrank_dint")
 class LowRankDintAttention(DenoisedAttention):
     """Args:
         rank: rank r of the second map's factors.

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.config import GPTConfig
+from lit_growattn.attention.registry import register_attention
+
+if TYPE_CHECKING:  # the config names the variants; they only need its type
+    from lit_growattn.config import GPTConfig
 
 
+@register_attention("mha")
 class MultiHeadAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_idx: int):
         super().__init__()

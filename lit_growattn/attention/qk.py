@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
+from typing import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.sdpa import SdpaPad, causal_attention
-
-CaptureMode = Literal["extend", "explicit"]
+from lit_growattn.contract import CaptureMode
 
 
 def augment(x: Tensor, bias: bool) -> Tensor:
@@ -50,6 +49,8 @@ def causal_scores(q: Tensor, k: Tensor) -> Tensor:
 
 
 class QKForm(nn.Module):
+    """Satisfies `lit_growattn.contract.GrowableForm`, without grouping (n_kv_head = n_head)."""
+
     def __init__(
         self, n_embd: int, n_head: int, d_head: int, bias: bool = False, tau_init: float | None = None,
         sdpa_pad: SdpaPad = "auto",
@@ -73,8 +74,15 @@ class QKForm(nn.Module):
         return self.w_q.shape[0]
 
     @property
+    def n_kv_head(self) -> int:
+        return self.w_k.shape[0]
+
+    @property
     def d_head(self) -> int:
         return self.w_q.shape[-1]
+
+    def bias_row_parameters(self) -> list[nn.Parameter]:
+        return [self.w_q, self.w_k] if self.bias else []
 
     @property
     def tau(self) -> Tensor:
@@ -145,8 +153,10 @@ class QKForm(nn.Module):
         self.w_k = nn.Parameter(w_k.to(like.device, like.dtype).contiguous())
         self.log_tau = nn.Parameter(log_tau.to(like.device, like.dtype).clone())
 
-    def resize(self, d_head: int) -> None:
-        """Resizes to d_head with placeholder values (used before loading a checkpoint of a grown model)."""
-        if d_head != self.d_head:
-            h, e_in, _ = self.w_q.shape
-            self.set_weights(self.w_q.new_zeros(h, e_in, d_head), self.w_k.new_zeros(h, e_in, d_head), self.log_tau)
+    def resize_to(self, state_dict: Mapping[str, Tensor], prefix: str) -> None:
+        """Takes the head size of `state_dict[prefix + "w_q"]`, with placeholder values (before loading a grown checkpoint)."""
+        key = f"{prefix}w_q"
+        if key in state_dict and state_dict[key].shape[-1] != self.d_head:
+            d_head = state_dict[key].shape[-1]
+            self.set_weights(self.w_q.new_zeros(*self.w_q.shape[:2], d_head), self.w_k.new_zeros(*self.w_k.shape[:2], d_head),
+                             self.log_tau)

@@ -34,9 +34,8 @@ def padded_widths(d_qk: int, d_v: int) -> tuple[int, int]:
 
 
 def pads(mode: SdpaPad, device: torch.device) -> bool:
-    """Whether `mode` pads on this device. `auto`: on CUDA only. On CPU padding unlocks the CPU flash kernel:
-    measured (README, GPU section), a gain for long sequences in fp32, mixed for the small shipped configs
-    (the recall demo, d_head 1 padded to 64, gets slower) and a loss in bf16, so `auto` leaves CPU as it is."""
+    """Whether `mode` pads on this device. `auto`: on CUDA only. On CPU padding unlocks the CPU flash kernel,
+    which pays only for long sequences in fp32 (docs/gpu.md), so `auto` leaves CPU as it is."""
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 

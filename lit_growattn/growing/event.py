@@ -1,7 +1,7 @@
 """One growth event: plan from the reduced statistics, choose the step size, broadcast rank 0's tensors and
 install them. Lightning enters only through `trainer.strategy` (collectives) and the rebuild.
 
-The step-size choice is one function, `choose_step_size(plan, names, loss_of, settings)`: `loss_of` rates a
+The step-size choice is one function, `choose_step_size(plan, names, loss_of, search, method)`: `loss_of` rates a
 list of candidate installs (None: the forms as they are) by their loss, already averaged over ranks. A new
 rule is a new branch there (or a function with the same signature passed as `GrowthEvent.choose_step_size`).
 """
@@ -9,9 +9,7 @@ rule is a new branch there (or a function with the same signature passed as `Gro
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -21,58 +19,9 @@ from torch import Tensor
 from lit_growattn import growth
 from lit_growattn.growing.window import NamedForms
 from lit_growattn.growth.capacity import CapacityRule, Decision, decide
+from lit_growattn.settings import GrowthSettings, StepSearch
 
 LossOf = Callable[[Sequence[dict[str, growth.Growth] | None]], Tensor]
-
-
-@dataclass(frozen=True)
-class GrowthSettings:
-    """How each event grows; the callback's arguments of the same names."""
-
-    grow_by: int | list[int] | None = 1
-    dynamic_rank: float | None = None
-    max_d_head: int | None = None
-    method: growth.Method = "natural"
-    mode: growth.Mode = "append"
-    temperature: growth.Temperature = "keep"
-    truncation: growth.Truncation = "euclidean"
-    alphas: list[float] | None = None  # None: growth.candidate_steps()
-    line_search: growth.LineSearch = "low_rank"
-    new_second_moment: growth.SecondMoment = "mean"
-    step_size: growth.StepRule = "grid"
-    capacity: CapacityRule | None = None  # the automatic schedule's rule; grow_by then caps each event (None: no cap)
-
-    def __post_init__(self):
-        if self.capacity is not None and self.mode != "append":
-            raise ValueError("schedule='auto' sizes each layer from the gains of appended columns, and replace would "
-                             "also refactor the layers it leaves as they are: use mode='append'")
-        if self.capacity is not None and self.dynamic_rank is not None:
-            raise ValueError("dynamic_rank chooses the growth of fixed-schedule events; with schedule='auto' the "
-                             "capacity rule (auto_threshold) chooses it: leave dynamic_rank out")
-        if self.grow_by is None and self.dynamic_rank is None and self.capacity is None:
-            object.__setattr__(self, "grow_by", 1)
-        if any(p is not None and p <= 0 for p in (self.grow_by if isinstance(self.grow_by, list) else [self.grow_by])):
-            raise ValueError(f"grow_by must be positive, got {self.grow_by}")
-        if self.dynamic_rank is not None and not 0.0 < self.dynamic_rank < 1.0:
-            raise ValueError(f"dynamic_rank is a fraction of the largest singular value in (0, 1), got {self.dynamic_rank}")
-        for name, allowed in [("method", growth.METHODS), ("mode", growth.MODES), ("temperature", growth.TEMPERATURES),
-                              ("truncation", growth.TRUNCATIONS), ("line_search", growth.LINE_SEARCHES),
-                              ("new_second_moment", growth.SECOND_MOMENT_POLICIES), ("step_size", growth.STEP_RULES)]:
-            growth.check_choice(name, getattr(self, name), allowed)
-        if self.method in growth.BASELINES and self.mode != "append":
-            raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
-        alphas = self.alphas if self.alphas is not None else growth.candidate_steps()
-        if not alphas or not all(math.isfinite(a) and a >= 0 for a in alphas):
-            raise ValueError(f"step-size candidates must be a non-empty list of finite values ≥ 0, got {self.alphas}")
-        alphas = sorted(set(alphas))
-        if 0.0 not in alphas:
-            warnings.warn(f"alphas {alphas} has no 0: a growth may then raise the loss (0 keeps the function)")
-        object.__setattr__(self, "alphas", alphas)
-        if self.step_size == "quadratic" and (self.line_search != "low_rank" or max(alphas) <= 0):
-            raise ValueError(
-                f"step_size='quadratic' fits the losses of the grown forms at the positive alphas: it needs "
-                f"line_search='low_rank' and a positive step size in alphas, got {self.line_search!r} and {alphas}"
-            )
 
 
 @dataclass(frozen=True)
@@ -82,23 +31,28 @@ class StepChoice:
     loss_after: float
 
 
-def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSettings, seed: int) -> growth.GrowthPlan:
-    """The GrowthPlan of `forms` (layer, name, form) from their reduced statistics; forms of a layer grow together."""
+def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSettings, line_search: str,
+                sized_later: bool, seed: int) -> growth.GrowthPlan:
+    """The GrowthPlan of `forms` (layer, name, form) from their reduced statistics; forms of a layer grow together.
+    `sized_later`: the automatic schedule sizes each layer afterwards (`decide_sizes`), from this plan's bottlenecks."""
     layer_of = {name: layer for layer, name, _ in forms}
-    grow_by = {name: s.grow_by[layer] for layer, name, _ in forms} if isinstance(s.grow_by, list) else s.grow_by
-    if s.capacity is not None:
-        grow_by = 0  # sized afterwards by `decide_sizes`, from this plan's bottlenecks
+    if sized_later:
+        grow_by = 0
+    elif s.rank_threshold is not None:
+        grow_by = {name: s.cap(layer) for layer, name, _ in forms}
+    else:
+        grow_by = {name: s.count(layer) for layer, name, _ in forms}
     return growth.GrowthPlan.build(
         {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
-        dynamic_rank=s.dynamic_rank, max_d_head=s.max_d_head, group_of=layer_of.__getitem__, mode=s.mode,
-        temperature=s.temperature, truncation=s.truncation, line_search=s.line_search,
+        dynamic_rank=s.rank_threshold, max_d_head=s.max_d_head, group_of=layer_of.__getitem__, mode=s.mode,
+        temperature=s.temperature, truncation=s.truncation, line_search=line_search,
         # Random columns of the baselines: the same draw on every rank, and on a resumed run.
         generator=torch.Generator().manual_seed(seed),
     )
 
 
 def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.FormStats],
-                 half: list[growth.FormStats], s: GrowthSettings) -> list[Decision]:
+                 half: list[growth.FormStats], s: GrowthSettings, rule: CapacityRule) -> list[Decision]:
     """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks and those of the
     window's two halves (`half` and the rest of `stats`)."""
     def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth]:
@@ -109,24 +63,25 @@ def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.
     by_layer: dict[int, list[str]] = {}
     for layer, name, _ in forms:
         by_layer.setdefault(layer, []).append(name)
-    cap = lambda layer: s.grow_by[layer] if isinstance(s.grow_by, list) else s.grow_by  # noqa: E731
     pick = lambda found, names: [found[n] for n in names]  # noqa: E731
-    return [decide(layer, pick(plan.forms, names), pick(a, names), pick(b, names), s.capacity, s.max_d_head, cap(layer))
+    return [decide(layer, pick(plan.forms, names), pick(a, names), pick(b, names), rule, s.max_d_head, s.cap(layer))
             for layer, names in by_layer.items()]
 
 
-def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf, s: GrowthSettings) -> StepChoice:
+def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf, s: StepSearch,
+                     method: str) -> StepChoice:
     """The step size of the event, from forward-only losses of candidate growths."""
-    if s.method in growth.BASELINES:
+    if method in growth.BASELINES:
         # α does not enter a baseline: one evaluation of its growth beside the current loss.
         before, after = loss_of([None, {n: plan.grow(n, 0.0) for n in names}]).tolist()
         return StepChoice(None, before, after)
     # α = 0 keeps the function (new pairs with zero fan-in), so its loss is the current one: no forward for it.
-    moving = [a for a in s.alphas if a > 0]
+    candidates = s.candidates
+    moving = [a for a in candidates if a > 0]
     losses = loss_of([None] + [{n: plan.trial(n, a) for n in names} for a in moving])
     before, by_alpha = losses[0], dict(zip(moving, losses[1:]))
-    alphas, rated = s.alphas, torch.stack([by_alpha.get(a, before) for a in s.alphas])
-    if s.step_size == "quadratic":
+    alphas, rated = candidates, torch.stack([by_alpha.get(a, before) for a in candidates])
+    if s.rule == "quadratic":
         alphas, rated = _with_quadratic_step(plan, names, loss_of, alphas, before, rated)
     best = growth.choose_step(rated, alphas)
     alpha, after = alphas[best], rated[best]
@@ -178,10 +133,12 @@ class GrowthEvent:
     installed. `install(grown)` puts the tensors in place and rebuilds what depends on them."""
 
     settings: GrowthSettings
+    search: StepSearch
     loss_of: LossOf
     install: Callable[[dict[str, growth.Growth]], None]
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
-    choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, GrowthSettings], StepChoice] = choose_step_size
+    choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str], StepChoice] = choose_step_size
+    capacity: CapacityRule | None = None  # the automatic schedule's rule (None: the settings size the growth)
 
     def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int,
             half: list[growth.FormStats] | None = None) -> tuple[dict, dict[str, Tensor]]:
@@ -189,16 +146,17 @@ class GrowthEvent:
         `half`: the sums of half the window's micro-batches, which the automatic schedule's decision needs.
         Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""
         clock = Stopwatch(forms[0][2].w_q.device)
-        plan = plan_growth(forms, stats, self.settings, seed)
+        plan = plan_growth(forms, stats, self.settings, self.search.line_search, self.capacity is not None, seed)
         names = [name for _, name, _ in forms]
         decisions = None
-        if self.settings.capacity is not None:
+        if self.capacity is not None:
             current = self.loss_of([None])
             loss = float(current[0])
             # Rank 0's decisions on every rank, as for the grown tensors below.
             if half is None:
-                raise ValueError("schedule='auto' decides from the two halves of the window: pass `half`")
-            decisions = self.broadcast([d.as_dict() for d in decide_sizes(plan, forms, stats, half, self.settings)])
+                raise ValueError("the automatic schedule decides from the two halves of the window: pass `half`")
+            sizes = decide_sizes(plan, forms, stats, half, self.settings, self.capacity)
+            decisions = self.broadcast([d.as_dict() for d in sizes])
             columns = {d["layer"]: d["columns"] for d in decisions}
             plan = plan.resized({name: form.d_head + columns[layer] for layer, name, form in forms})
             if not any(columns.values()):
@@ -207,7 +165,7 @@ class GrowthEvent:
                         "timings": clock.seconds, "seconds": clock.total()}, {}
         clock.lap("plan")
         loss_of = self.loss_of if decisions is None else _knowing_current(self.loss_of, current)
-        choice = self.choose_step_size(plan, names, loss_of, self.settings)
+        choice = self.choose_step_size(plan, names, loss_of, self.search, self.settings.method)
         clock.lap("rating")
         # Rank 0's tensors for every rank, so replicas are bit-identical whatever the SVD did; through the CPU,
         # since a pickled CUDA tensor would land on rank 0's device.

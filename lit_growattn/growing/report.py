@@ -112,8 +112,7 @@ def log_event(trainer: L.Trainer, event: dict, layer_of: dict[str, int], spectra
         trainer.logger.log_metrics(event_metrics(event, layer_of), step=trainer.global_step)
     # On ranks other than 0 `logger.experiment` is a dummy: figures only there, after every collective.
     if spectra and trainer.is_global_zero and isinstance(trainer.logger, TensorBoardLogger):
-        titles = [name.removeprefix("model.") for name in spectra]
-        figure = spectrum_figure(list(spectra.values()), titles, ylabel="σ kept by the growth")
+        figure = spectrum_figure(list(spectra.values()), list(spectra), ylabel="σ kept by the growth")
         tag = "growth/spectrum/" + event["event"].replace(" ", "_")
         trainer.logger.experiment.add_figure(tag, figure, trainer.global_step)
 

@@ -1,25 +1,33 @@
 """When growth events happen, read from the trainer's counters alone (never from which hook ran).
 
-A growth point is an epoch start (`grow_at_epochs`) or an optimizer step (`grow_at_steps`, as
-`trainer.global_step`). The event happens at the first training-batch start at or after its point where no
-accumulation window is open. Its statistics window is the `stats_batches` micro-batches just before it.
+The schedule is one object, chosen in a config by its class: `AtEpochs`, `AtSteps` or `AutoSchedule`. Each checks
+its own settings when built, what the other settings and the model must be for it in `bind`, and the run's
+length in `check_run`; the callback never asks which kind it has.
+
+A growth point is an epoch start (`AtEpochs`) or an optimizer step (`AtSteps`, as `trainer.global_step`). The
+event happens at the first training-batch start at or after its point where no accumulation window is open. Its
+statistics window is the `statistics.batches` micro-batches just before it.
 `Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
-`AutoSchedule` (schedule='auto') checks every `check_every` optimizer steps instead, and ends by itself: after
-`patience` checks in a row where no layer grew, provided the loss no longer falls fast (by less than `min_fall` of
-itself per check over those checks), or once every growing layer is at max_d_head. Its next point is read from the
-history alone (one record per check), so a resumed run continues exactly where it stopped.
+`AutoSchedule` checks every `check_every` optimizer steps instead, and ends by itself: after `patience` checks in a
+row where no layer grew, provided the loss no longer falls fast (by less than `min_fall` of itself per check over
+those checks), or once every growing layer is at max_d_head. Its next point is read from the history alone (one
+record per check), so a resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from lit_growattn.growth.capacity import loss_fall
+from lit_growattn.growth.capacity import CapacityRule, loss_fall
+
+if TYPE_CHECKING:
+    from lit_growattn.settings import GrowthSettings
 
 
 @dataclass(frozen=True)
@@ -61,28 +69,22 @@ class GrowthPoint:
         return clock.step >= self.at and clock.between_windows
 
 
-class Schedule:
-    """The growth points, in order; exactly one of `epochs`, `steps` is given."""
+class GrowthSchedule(abc.ABC):
+    """When the callback grows: a list of growth points in advance, or a rule that decides as training goes."""
 
-    def __init__(self, epochs: list[int] | None, steps: list[int] | None):
-        if (epochs is None) == (steps is None):
-            raise ValueError("give exactly one of grow_at_epochs and grow_at_steps")
-        unit, points = ("epoch", epochs) if epochs is not None else ("step", steps)
-        option = f"grow_at_{unit}s"
-        if not points or len(set(points)) != len(points):
-            raise ValueError(f"{option} {points} must list each growth {unit} once (and at least one)")
-        if min(points) <= 0:
-            raise ValueError(
-                f"{option} {points}: growth at {unit} 0 (or earlier) has no statistics; {unit}s are 0-based, "
-                f"so the first possible growth is at {unit} 1"
-            )
-        self.unit = unit
-        self.points = [GrowthPoint(unit, at) for at in sorted(points)]
+    unit: Literal["epoch", "step"]
+    kind: Literal["fixed", "auto"]  # kept in checkpoints: a run resumes with the kind it was written by
+    capacity: CapacityRule | None = None  # the rule that sizes each growth from its statistics (None: the settings do)
 
+    @abc.abstractmethod
     def pending(self, history: list[dict]) -> GrowthPoint | None:
-        """The next point without an event in the history."""
-        done = {event["event"] for event in history}
-        return next((p for p in self.points if p.name not in done), None)
+        """The next point without an event in the history (None: no more growth)."""
+
+    def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
+        """Refuses growth settings that do not apply to this schedule; learns the growing layers and their sizes."""
+
+    def check_run(self, trainer, stats_batches: int) -> None:
+        """At train start, before any work: refuses a run too short for the schedule (`trainer`: its counters)."""
 
     @staticmethod
     def batches_before(point: GrowthPoint, clock: Clock, horizon: int) -> int | None:
@@ -95,34 +97,139 @@ class Schedule:
         return None
 
 
-class AutoSchedule:
-    """A check every `check_every` optimizer steps, until `patience` checks in a row grow nothing while the loss
-    falls by less than `min_fall` of itself per check (a near miss while training still moves fast is never final),
-    every layer of `layers` is at `max_d_head`, or the next check would come at or after `end` (the run's last step)."""
+class _FixedSchedule(GrowthSchedule):
+    """Growth at listed points of one unit."""
 
-    unit = "step"
+    kind = "fixed"
 
-    def __init__(self, check_every: int, patience: int, min_fall: float = 0.01):
+    def __init__(self, unit: Literal["epoch", "step"], points: list[int]):
+        if not points or len(set(points)) != len(points):
+            raise ValueError(f"{type(self).__name__}({unit}s={points}) must list each growth {unit} once (and at least one)")
+        if min(points) <= 0:
+            raise ValueError(
+                f"{type(self).__name__}({unit}s={points}): growth at {unit} 0 (or earlier) has no statistics; {unit}s "
+                f"are 0-based, so the first possible growth is at {unit} 1"
+            )
+        self.unit = unit
+        self.points = [GrowthPoint(unit, at) for at in sorted(points)]
+
+    def pending(self, history: list[dict]) -> GrowthPoint | None:
+        done = {event["event"] for event in history}
+        return next((p for p in self.points if p.name not in done), None)
+
+    def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
+        if settings.max_columns is not None and settings.rank_threshold is None:
+            raise ValueError(f"growth.max_columns caps a count chosen from the statistics, and {type(self).__name__} "
+                             "grows by growth.columns: set growth.rank_threshold to choose the count, or use "
+                             "growth.columns for a fixed one")
+
+    def check_run(self, trainer, stats_batches: int) -> None:
+        end = trainer.max_epochs if self.unit == "epoch" else trainer.max_steps
+        for point in self.points:
+            if end is not None and end >= 0 and point.at >= end:
+                warnings.warn(f"{type(self).__name__} has {point.name} but max_{self.unit}s={end}: it will never happen")
+
+
+class AtEpochs(_FixedSchedule):
+    """Growth at the start of listed epochs.
+
+    Args:
+        epochs: epochs (0-based, as `trainer.current_epoch`) at whose start d_head grows; 0 is refused (no
+            statistics yet).
+    """
+
+    def __init__(self, epochs: list[int]):
+        super().__init__("epoch", epochs)
+
+    def check_run(self, trainer, stats_batches: int) -> None:
+        super().check_run(trainer, stats_batches)
+        if stats_batches > trainer.num_training_batches:
+            raise ValueError(f"statistics.batches={stats_batches} is more than an epoch "
+                             f"({trainer.num_training_batches} batches); lower it")
+
+
+class AtSteps(_FixedSchedule):
+    """Growth at listed optimizer steps.
+
+    Args:
+        steps: optimizer steps (`trainer.global_step`) at which d_head grows: at the first batch start at or after
+            the step where no accumulation window is open.
+    """
+
+    def __init__(self, steps: list[int]):
+        super().__init__("step", steps)
+
+    def check_run(self, trainer, stats_batches: int) -> None:
+        super().check_run(trainer, stats_batches)
+        warn_past_the_end(self.points, trainer.max_steps, trainer.estimated_stepping_batches)
+        accumulate = trainer.accumulate_grad_batches
+        steps = [0] + [p.at for p in self.points]
+        if short := [b for a, b in zip(steps, steps[1:]) if (b - a) * accumulate < stats_batches]:
+            raise ValueError(
+                f"AtSteps {short} leave less than statistics.batches={stats_batches} micro-batches after the previous "
+                f"growth (or the start) with accumulate_grad_batches={accumulate}: space the steps further apart or "
+                "lower statistics.batches"
+            )
+
+
+class AutoSchedule(GrowthSchedule):
+    """A check every `check_every` optimizer steps, where each layer grows by the columns whose held-out gain is
+    at least `threshold` of what the layer's existing columns can still gain and `agreement` of their own in-sample
+    gain (`lit_growattn.growth.capacity`). It ends after `patience` checks in a row grow nothing while the loss falls
+    by less than `min_fall` of itself per check (a near miss while training still moves fast is never final), once
+    every growing layer is at max_d_head, or when the next check would come at or after the run's last step; no
+    statistics are taken after that.
+
+    Args:
+        check_every: optimizer steps between checks.
+        patience: checks in a row without growth after which the schedule may end.
+        threshold: a column's held-out first-order gain must be at least this ratio to the gain the layer's
+            existing query/key columns can still make (SENN's expansion score ratio; scale-free).
+        agreement: at least this share of a column's in-sample gain must hold out on the other half of the
+            window (½: more signal than fitted noise).
+        min_fall: the schedule may end only once the loss falls by less than this share of itself per check.
+    """
+
+    unit, kind = "step", "auto"
+
+    def __init__(self, check_every: int = 50, patience: int = 3, threshold: float = CapacityRule.ratio,
+                 agreement: float = CapacityRule.agreement, min_fall: float = CapacityRule.min_fall):
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
         if patience <= 0:
             raise ValueError(f"patience must be a positive number of checks, got {patience}")
-        self.check_every, self.patience, self.min_fall = check_every, patience, min_fall
-        # Set by the callback once the model is known: the growing layers, their limit, their sizes at the start.
+        self.check_every, self.patience = check_every, patience
+        self.capacity = CapacityRule(threshold, agreement, min_fall)
+        # Learnt in `bind` and `check_run`: the growing layers, their limit, their sizes at the start, the last step.
         self.layers: list[int] = []
         self.max_d_head: int | None = None
         self.start_sizes: list[int] = []
         self.end: int | None = None
 
-    @property
-    def points(self) -> list[GrowthPoint]:
-        return []  # none fixed in advance
+    def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
+        if settings.mode != "append":
+            raise ValueError("AutoSchedule sizes each layer from the gains of appended columns, and replace would also "
+                             "refactor the layers it leaves as they are: use growth.mode='append'")
+        for name, use in [("columns", "growth.max_columns to cap it"), ("rank_threshold", "AutoSchedule.threshold")]:
+            if getattr(settings, name) is not None:
+                raise ValueError(f"AutoSchedule chooses each layer's growth from its statistics: leave growth.{name} "
+                                 f"out (use {use})")
+        self.layers, self.max_d_head, self.start_sizes = layers, settings.max_d_head, start_sizes
+
+    def check_run(self, trainer, stats_batches: int) -> None:
+        self.end = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        if self.check_every * trainer.accumulate_grad_batches < stats_batches:
+            raise ValueError(
+                f"check_every={self.check_every} optimizer steps hold fewer than statistics.batches={stats_batches} "
+                f"micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): raise check_every or "
+                "lower statistics.batches"
+            )
 
     def finished(self, history: list[dict]) -> bool:
         recent = history[-self.patience:]
         if len(recent) == self.patience and all(e["d_head"] == e["d_head_before"] for e in recent):
             fall = loss_fall(history, self.patience)
-            if fall is not None and fall < self.min_fall:
+            if fall is not None and fall < self.capacity.min_fall:
                 return True
         sizes = history[-1]["d_head"] if history else self.start_sizes
         return all(sizes[i] >= self.max_d_head for i in self.layers)
@@ -141,16 +248,17 @@ def check_same_schedule(state_dict: dict, kind: str) -> None:
     saved = state_dict.get("schedule") or (
         ("auto" if any("decisions" in e for e in history) else "fixed") if history else None)  # older checkpoints
     if saved is not None and saved != kind:
-        raise ValueError(f"the checkpoint was written by a run with schedule={saved!r}, this one has schedule={kind!r}: "
-                         f"resume with schedule={saved!r}, or start a new run from its weights with "
+        named = {"fixed": "a fixed schedule (AtEpochs or AtSteps)", "auto": "the automatic schedule (AutoSchedule)"}
+        raise ValueError(f"the checkpoint was written by a run with {named[saved]}, this one has {named[kind]}: resume "
+                         f"with {named[saved].split(' (')[0]}, or start a new run from its weights with "
                          "--model.init_args.init_from=CHECKPOINT")
 
 
 def warn_past_the_end(points: list[GrowthPoint], max_steps: int, estimated_steps: float) -> None:
-    """grow_at_steps points the run never reaches when it is bounded by max_epochs (max_steps is checked at setup):
+    """AtSteps points the run never reaches when it is bounded by max_epochs (max_steps is checked at setup):
     the steps are estimated from the epochs and the train loader's length."""
     if max_steps < 0 and estimated_steps != float("inf"):
         for point in points:
             if point.at >= estimated_steps:
-                warnings.warn(f"grow_at_steps has {point.name} but the run ends after about {int(estimated_steps)} "
+                warnings.warn(f"AtSteps has {point.name} but the run ends after about {int(estimated_steps)} "
                               "optimizer steps (max_epochs × batches per epoch): it will never happen")

@@ -4,49 +4,40 @@ docs/design.md, "Lightning mechanics")."""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import Carry, Growth
+from lit_growattn.growth import Carry, Growth, installed
 from lit_growattn.optim_state import carry_state, snapshot_state
 
 
 def kept_batch_losses(
-    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[tuple[Tensor, Tensor]],
+    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[Any],
     candidates: Sequence[dict[str, Growth] | None],
 ) -> Tensor:
     """Mean loss over the kept batches of all ranks (`batches`: this rank's share, possibly none) of each candidate
     (name → Growth installed; None: the forms as they are), forward only, so that every rank makes the same
     choice. Sums and counts are reduced, not per-rank means: a run resumed on more ranks than there are kept
-    batches leaves some ranks without any. The forms are restored after."""
-    originals = [(form, (form.w_q, form.w_k, form.log_tau)) for _, _, form in forms]
-
-    def restore() -> None:
-        for form, (w_q, w_k, log_tau) in originals:
-            form.w_q, form.w_k, form.log_tau = w_q, w_k, log_tau
-
+    batches leaves some ranks without any. The forms are restored after. `pl_module.batch_loss` rates a batch."""
+    named = {name: form for _, name, form in forms}
     was_training = pl_module.training
     pl_module.eval()
     losses = []
     try:
         with torch.no_grad(), trainer.precision_plugin.forward_context():
             for grown in candidates:
-                for _, name, form in forms:
-                    if grown is not None:
-                        form.set_weights(grown[name].w_q, grown[name].w_k, grown[name].log_tau)
                 total = torch.zeros((), device=pl_module.device)
-                for inputs, labels in batches:
-                    inputs, labels = inputs.to(pl_module.device), labels.to(pl_module.device)
-                    total += pl_module.loss(pl_module(inputs), labels).float()
+                with installed(named, grown):
+                    for batch in batches:
+                        total += pl_module.batch_loss(move_data_to_device(batch, pl_module.device)).float()
                 losses.append(total)
-                restore()
     finally:
-        restore()
         pl_module.train(was_training)
     count = torch.tensor([float(len(batches))], device=pl_module.device)
     totals = trainer.strategy.reduce(torch.cat([torch.stack(losses), count]), reduce_op="sum")

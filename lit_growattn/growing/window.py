@@ -6,26 +6,26 @@ Lightning-free: a `strategy` here is anything with `reduce(t, reduce_op="sum")` 
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lit_growattn import growth
-from lit_growattn.attention import QKForm
-from lit_growattn.attention.qk import CaptureMode
+from lit_growattn.contract import CaptureMode, NamedForm
 
 Capture = Literal["auto", CaptureMode]
 CAPTURES: tuple[str, ...] = get_args(Capture)
-NamedForms = list[tuple[int, str, QKForm]]  # (layer, name, form), as GPT.named_qk_forms
+NamedForms = list[NamedForm]
 
 
 def capture_mode(capture: Capture, device: torch.device) -> CaptureMode:
     """The capture path of `capture='auto'` on `device`."""
     if capture != "auto":
         return capture
-    # Measured (scripts/bench.py, README): on CPU the explicit map is faster and smaller at every length tried
-    # (s 32 to 2048), because CPU SDPA builds the full map for the widened queries anyway. On GPU the explicit
+    # On CPU the explicit map is faster and smaller (docs/performance.md, scripts/bench.py's capture sweep),
+    # because CPU SDPA builds the full map for the widened queries anyway. On GPU the explicit
     # map would lose flash attention, and the extension's memory grows with s·e′ instead of s².
     return "explicit" if device.type == "cpu" else "extend"
 
@@ -65,14 +65,14 @@ class StatsWindow:
         self.event: str | None = None
         self.stats: list[growth.FormStats] | None = None
         self.half: list[growth.FormStats] | None = None
-        self.kept: list[tuple[Tensor, ...]] = []  # batches kept for the step-size evaluations
+        self.kept: list[Any] = []  # batches kept for the step-size evaluations, as the dataloader yields them
         self.reduced = False  # the sums are already summed over ranks (the window has closed)
 
     def clear(self) -> None:
         self.event, self.stats, self.half, self.kept, self.reduced = None, None, None, [], False
 
     def begin_step(self, event: str, forms: NamedForms, active: set[int], mode: CaptureMode, keep=None) -> None:
-        """Turns capture on for the forms of the `active` layers; `keep`: a batch to keep (a clone is kept)."""
+        """Turns capture on for the forms of the `active` layers; `keep`: a batch to keep (a clone of its tensors)."""
         if self.event != event:
             self.clear()  # statistics of another event (an older checkpoint's) never leak into this one
             self.event = event
@@ -85,7 +85,7 @@ class StatsWindow:
         for layer, _, form in forms:
             form.capture = mode if layer in active else None
         if keep is not None:
-            self.kept.append(tuple(t.detach().clone() for t in keep))
+            self.kept.append(apply_to_collection(keep, Tensor, lambda t: t.detach().clone()))
 
     def end_step(self, forms: NamedForms) -> None:
         for _, _, form in forms:
@@ -132,7 +132,7 @@ class StatsWindow:
                 "flat": (stats if per_rank else growth.flatten_stats(stats)).cpu(),
                 "like": [s.state_dict() for s in self._sums()],
             },
-            "kept": [tuple(t.cpu() for t in b) for b in kept],
+            "kept": [apply_to_collection(b, Tensor, Tensor.cpu) for b in kept],
         }
 
     def load_state_dict(self, state: dict, rank: int, world: int) -> None:
@@ -148,7 +148,7 @@ class StatsWindow:
             # Written by a run with the other schedule kind: its sums cannot serve this one; the event is skipped.
             return
         self.event, self.reduced = state["event"], state["reduced"]
-        stats, kept = state["stats"], [tuple(b) for b in state["kept"]]
+        stats, kept = state["stats"], list(state["kept"])
         if state["per_rank"]:
             stats = {**stats, "flat": stats["flat"][rank]}
             kept = kept[rank::world]
@@ -158,9 +158,10 @@ class StatsWindow:
         self.kept = kept
 
 
-def _gather_batches(strategy, batches: list[tuple[Tensor, ...]], world: int) -> list[tuple[Tensor, ...]]:
-    """The kept batches of all ranks, batch-major (batch k of rank r at index k·world + r)."""
+def _gather_batches(strategy, batches: list[Any], world: int) -> list[Any]:
+    """The kept batches of all ranks, batch-major (batch k of rank r at index k·world + r); every tensor of a
+    batch has the same shape on every rank."""
     if world == 1:
         return batches
-    gathered = [tuple(strategy.all_gather(t) for t in batch) for batch in batches]
-    return [tuple(t[r] for t in batch) for batch in gathered for r in range(world)]
+    gathered = [apply_to_collection(batch, Tensor, strategy.all_gather) for batch in batches]
+    return [apply_to_collection(batch, Tensor, lambda t: t[r]) for batch in gathered for r in range(world)]

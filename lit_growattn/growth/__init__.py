@@ -1,9 +1,9 @@
 """The maths of growing the query/key head size (pure torch; docs/design.md, sections 1–5).
 
 stats      FormStats: mergeable sums C, N (and C⁺NC⁺ for pinv) of one form; one flat buffer for all forms.
-solvers    directions ΔM by method name (gradient, natural, pinv) and their score-RMS normalisation.
+solvers    directions ΔM by method name (gradient, natural, pinv; @register_direction adds one) and their normalisation.
 factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | append), sign check, Adam carry-over.
-choices    the allowed values of every setting (one Literal each).
+choices    the allowed values of every setting (one Literal each; the methods come from the registry).
 step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 capacity   the automatic schedule's rule: predicted gain of each candidate column, calibrated.
@@ -12,12 +12,12 @@ linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bas
 """
 
 from lit_growattn.growth.choices import (
-    BASELINES, DIRECTION_NAMES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
-    LineSearch, Method, Mode, SCHEDULE_KINDS, SecondMoment, STEP_RULES, ScheduleKind, StepRule, Temperature, Truncation, check_choice,
+    BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
+    LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
-from lit_growattn.growth.plan import GrowthPlan
-from lit_growattn.growth.solvers import DIRECTIONS, direction
+from lit_growattn.growth.plan import GrowthPlan, installed
+from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
 from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
 
@@ -35,7 +35,6 @@ __all__ = [
     "check_choice",
     "Carry",
     "DIRECTIONS",
-    "DIRECTION_NAMES",
     "FormGrowth",
     "FormStats",
     "Growth",
@@ -45,9 +44,7 @@ __all__ = [
     "MODES",
     "Moments",
     "NonFiniteStatistics",
-    "SCHEDULE_KINDS",
     "STEP_RULES",
-    "ScheduleKind",
     "StepRule",
     "TEMPERATURES",
     "TRUNCATIONS",
@@ -56,6 +53,8 @@ __all__ = [
     "loss_rounding",
     "direction",
     "flatten_stats",
+    "installed",
     "quadratic_step",
+    "register_direction",
     "unflatten_stats",
 ]

@@ -2,13 +2,15 @@
 
     stats = unflatten_stats(all_reduce_sum(flatten_stats(pending)), pending)
     plan = GrowthPlan.build(dict(named_forms), stats, method="natural", grow_by=8)   # may raise NonFiniteStatistics
-    for α in alphas: install plan.trial(name, α) for every form, evaluate the loss, restore
+    for α in alphas:
+        with installed(forms, {name: plan.trial(name, α) for name in forms}): evaluate the loss
     α* = alphas[choose_step(all_reduce_mean(losses), alphas)]; install plan.grow(name, α*), carry Adam's state
 """
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -124,3 +126,18 @@ class GrowthPlan:
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]
+
+
+@contextmanager
+def installed(forms: Mapping[str, object], grown: Mapping[str, Growth] | None) -> Iterator[None]:
+    """Inside the block, every form named in `grown` holds its candidate growth (None: the forms as they are); on
+    exit every form of `forms` (name → form with w_q, w_k, log_tau and set_weights) gets its own parameters back,
+    the same objects, also after an error: for rating candidates, not for installing the chosen one."""
+    originals = {name: (form.w_q, form.w_k, form.log_tau) for name, form in forms.items()}
+    try:
+        for name, growth in (grown or {}).items():
+            forms[name].set_weights(growth.w_q, growth.w_k, growth.log_tau)
+        yield
+    finally:
+        for name, (w_q, w_k, log_tau) in originals.items():
+            forms[name].w_q, forms[name].w_k, forms[name].log_tau = w_q, w_k, log_tau

@@ -1,8 +1,9 @@
 """Growth directions ΔM per head (h, e′, e′) from the statistics' means (docs/design.md §2).
 
 A direction is a descent direction when ⟨N̄, ΔM⟩ < 0. A new method is one function `(moments, rcond) → ΔM`
-and one line in DIRECTIONS (its name in `choices.Direction`). The baselines `random` and `zero` use no direction: they only add random
-columns (see `factorize`).
+decorated with `@register_direction("name")`, in this file or in a module of your own (imported before the callback
+is built; from the command line: `extensions: [your_module]`). The registry is the list of allowed `method` names.
+The baselines `random` and `zero` use no direction: they only add random columns (see `factorize`).
 """
 
 from __future__ import annotations
@@ -11,30 +12,35 @@ from typing import Callable
 
 from torch import Tensor
 
-from lit_growattn.growth.choices import Direction
 from lit_growattn.growth.linalg import psd_pinv, score_energy
 from lit_growattn.growth.stats import Moments
+from lit_growattn.registry import registrar
+
+DirectionFn = Callable[[Moments, float], Tensor]
+DIRECTIONS: dict[str, DirectionFn] = {}  # method name → direction, filled by @register_direction (natural first)
+# @register_direction("name") on `fn(moments, rcond) → ΔM (h, e′, e′)` makes it growth method `name`.
+register_direction = registrar(DIRECTIONS, "growth direction")
 
 
-def gradient(mo: Moments, rcond: float) -> Tensor:
-    """Seed 002's dZ⁰: ΔM = −N̄, steepest descent in M."""
-    return -mo.n
-
-
+@register_direction("natural")
 def natural(mo: Moments, rcond: float) -> Tensor:
     """ΔM = −C̄⁺N̄C̄⁺: Gauss–Newton in score space, Kronecker-factored (C̄ΔMC̄ = −N̄ on range(C̄)); always descent."""
     cp = psd_pinv(mo.c, rcond)
     return -(cp @ mo.n @ cp)
 
 
+@register_direction("gradient")
+def gradient(mo: Moments, rcond: float) -> Tensor:
+    """Seed 002's dZ⁰: ΔM = −N̄, steepest descent in M."""
+    return -mo.n
+
+
+@register_direction("pinv")
 def pinv(mo: Moments, rcond: float) -> Tensor:
     """Seed 000 batch option (i) with the solution closest to M: ΔM = −mean_i C_i⁺N_iC_i⁺ (needs pinv statistics)."""
     if mo.p is None:
         raise ValueError("method 'pinv' needs statistics gathered with FormStats(..., pinv=True)")
     return -mo.p
-
-
-DIRECTIONS: dict[Direction, Callable[[Moments, float], Tensor]] = {"natural": natural, "gradient": gradient, "pinv": pinv}
 
 
 def direction(method: str, mo: Moments, m_energy: Tensor, rcond: float = 1e-6) -> Tensor:

@@ -1,0 +1,83 @@
+"""Configs written for the flat GrowAttentionCallback arguments (before the settings were grouped) are refused with
+the same settings in the grouped spelling, ready to paste."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GROUP_OF = {
+    "grow_by": ("growth", "columns"), "dynamic_rank": ("growth", "rank_threshold"),
+    "max_d_head": ("growth", "max_d_head"), "layers": ("growth", "layers"), "method": ("growth", "method"),
+    "mode": ("growth", "mode"), "temperature": ("growth", "temperature"), "truncation": ("growth", "truncation"),
+    "new_second_moment": ("growth", "new_second_moment"),
+    "stats_batches": ("statistics", "batches"), "layers_per_step": ("statistics", "layers_per_step"),
+    "capture": ("statistics", "capture"),
+    "alphas": ("step_search", "alphas"), "line_search_batches": ("step_search", "batches"),
+    "line_search": ("step_search", "line_search"), "step_size": ("step_search", "rule"),
+}
+AUTO_OF = {"check_every": "check_every", "patience": "patience", "auto_threshold": "threshold"}
+FLAT = {*GROUP_OF, *AUTO_OF, "grow_at_epochs", "grow_at_steps"}
+
+
+def is_flat(init_args: dict[str, Any]) -> bool:
+    """Whether the callback's init_args use the old flat names (`schedule: auto` is one of them)."""
+    return bool(FLAT & set(init_args)) or init_args.get("schedule") in ("auto", "fixed")
+
+
+def grouped(init_args: dict[str, Any]) -> dict[str, Any]:
+    """The flat init_args in the grouped spelling."""
+    auto = init_args.get("schedule") == "auto"
+    if auto:
+        schedule = {"class_path": "lit_growattn.AutoSchedule",
+                    "init_args": {AUTO_OF[k]: v for k, v in init_args.items() if k in AUTO_OF}}
+    elif init_args.get("grow_at_steps") is not None:
+        schedule = {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": init_args["grow_at_steps"]}}
+    else:
+        schedule = {"class_path": "lit_growattn.AtEpochs", "init_args": {"epochs": init_args.get("grow_at_epochs")}}
+    out: dict[str, Any] = {"schedule": schedule}
+    for key, value in init_args.items():
+        if key in GROUP_OF:
+            group, name = GROUP_OF[key]
+            if key == "grow_by" and (auto or init_args.get("dynamic_rank") is not None):
+                name = "max_columns"  # grow_by was a cap there
+            out.setdefault(group, {})[name] = value
+    return out
+
+
+def refuse_flat_config(args: list[str]) -> None:
+    """Raises ValueError when a `--config` file in `args` gives GrowAttentionCallback flat arguments, or `args`
+    set one on the command line (`--trainer.callbacks.init_args.grow_at_epochs=…`)."""
+    for i, arg in enumerate(args):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else args[i + 1] if arg == "--config" and i + 1 < len(args) \
+            else None
+        if path is not None and Path(path).is_file():
+            for init_args in _callback_init_args(yaml.safe_load(Path(path).read_text()) or {}):
+                if is_flat(init_args):
+                    raise ValueError(
+                        f"{path} gives GrowAttentionCallback its settings in the old flat form, which is no longer "
+                        "read; they are grouped now. Write its init_args as:\n"
+                        + yaml.safe_dump(grouped(init_args), sort_keys=False, default_flow_style=None)
+                    )
+        prefix = "--trainer.callbacks.init_args."
+        option = arg.removeprefix(prefix).split("=", 1)[0]
+        if arg.startswith(prefix) and option in FLAT:
+            raise ValueError(f"{arg}: GrowAttentionCallback's settings are grouped now; write "
+                             f"{prefix}{_new_option(option)}=… (`fit --print_config=comments` lists them all)")
+
+
+def _new_option(option: str) -> str:
+    if option in GROUP_OF:
+        return ".".join(GROUP_OF[option])
+    if option in AUTO_OF:
+        return f"schedule.init_args.{AUTO_OF[option]}"
+    return "schedule.init_args.epochs" if option == "grow_at_epochs" else "schedule.init_args.steps"
+
+
+def _callback_init_args(config: dict) -> list[dict]:
+    callbacks = (config.get("trainer") or {}).get("callbacks") or []
+    callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+    return [c.get("init_args") or {} for c in callbacks
+            if isinstance(c, dict) and str(c.get("class_path", "")).endswith("GrowAttentionCallback")]

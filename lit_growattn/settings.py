@@ -1,0 +1,169 @@
+"""GrowAttentionCallback's settings besides the schedule, in three groups, each with its defaults here only.
+
+In a LightningCLI config they are nested under the callback's init_args:
+
+    growth: {columns: 2, method: natural}
+    statistics: {batches: 16}
+    step_search: {alphas: [0, 1, 0.5, 0.25], batches: 2}
+
+Every check that needs only the settings runs when they are built; those that need the model or the trainer run
+in the callback's `setup` and at train start, before any training work.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+from lit_growattn import growth
+from lit_growattn.growing.window import CAPTURES, Capture
+
+
+def _per_layer(value: int | list[int] | None) -> list[int | None]:
+    return value if isinstance(value, list) else [value]
+
+
+@dataclass(frozen=True)
+class GrowthSettings:
+    """How each growth event grows the query/key head size.
+
+    Args:
+        columns: new columns per head at each event: one int, or one per layer (null: 1, unless `rank_threshold`
+            or the automatic schedule chooses the count).
+        rank_threshold: choose each layer's new columns from its bottleneck spectrum instead: the number of singular
+            values above this fraction (in (0, 1)) of the largest, at least 1 (fixed schedules only).
+        max_columns: a cap on the columns that `rank_threshold` or the automatic schedule chooses: one int, or one
+            per layer (null: no cap).
+        max_d_head: largest head size a layer may reach (null: the form's input size, its largest possible rank).
+        layers: the layers (0-based) that grow (null: every layer with a growable form).
+        method: the growth direction: natural | gradient | pinv, or a baseline without statistics: random | zero.
+        mode: append new columns to W_Q/W_K (the function is kept at step 0) | replace them by a refactorisation.
+        temperature: keep the learnable temperature τ | rescale it by √(d/d′) at each growth.
+        truncation: the metric of the truncated SVD of the growth: euclidean | whitened (by the input covariance).
+        new_second_moment: Adam second moments of new columns: mean (of the old ones; zero moments with a large
+            step count would give new columns a 3–6× effective learning rate) | zero.
+    """
+
+    columns: int | list[int] | None = None
+    rank_threshold: float | None = None
+    max_columns: int | list[int] | None = None
+    max_d_head: int | None = None
+    layers: list[int] | None = None
+    method: growth.Method = "natural"
+    mode: growth.Mode = "append"
+    temperature: growth.Temperature = "keep"
+    truncation: growth.Truncation = "euclidean"
+    new_second_moment: growth.SecondMoment = "mean"
+
+    def __post_init__(self):
+        for name, allowed in [("method", growth.METHODS), ("mode", growth.MODES), ("temperature", growth.TEMPERATURES),
+                              ("truncation", growth.TRUNCATIONS), ("new_second_moment", growth.SECOND_MOMENT_POLICIES)]:
+            growth.check_choice(f"growth.{name}", getattr(self, name), allowed)
+        for name in ("columns", "max_columns"):
+            if any(p is not None and p <= 0 for p in _per_layer(getattr(self, name))):
+                raise ValueError(f"growth.{name} must be positive, got {getattr(self, name)}")
+        if self.rank_threshold is not None:
+            if not 0.0 < self.rank_threshold < 1.0:
+                raise ValueError(f"growth.rank_threshold is a fraction of the largest singular value in (0, 1), "
+                                 f"got {self.rank_threshold}")
+            if self.columns is not None:
+                raise ValueError("growth.columns is a fixed count, and growth.rank_threshold chooses the count from the "
+                                 "spectrum: give one of them (growth.max_columns caps what rank_threshold chooses)")
+        elif self.max_columns is not None and self.columns is not None:
+            raise ValueError("growth.max_columns caps a chosen count (growth.rank_threshold or the automatic schedule), "
+                             f"but growth.columns={self.columns} fixes it: give one of them")
+        if self.max_d_head is not None and self.max_d_head <= 0:
+            raise ValueError(f"growth.max_d_head must be positive, got {self.max_d_head}")
+        if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
+            raise ValueError(f"growth.layers must list each layer to grow once (0-based), got {self.layers}; leave it "
+                             "out to grow all")
+        if self.method in growth.BASELINES and self.mode != "append":
+            raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
+
+    def count(self, layer: int) -> int | None:
+        """The fixed new columns of `layer` at an event (None: chosen from the spectrum, up to `cap(layer)`)."""
+        if self.rank_threshold is not None:
+            return None
+        columns = self.columns[layer] if isinstance(self.columns, list) else self.columns
+        return 1 if columns is None else columns
+
+    def cap(self, layer: int) -> int | None:
+        return self.max_columns[layer] if isinstance(self.max_columns, list) else self.max_columns
+
+    def per_layer_lengths(self) -> dict[str, int]:
+        """The per-layer lists among the settings and their lengths, to check against the model."""
+        return {name: len(v) for name in ("columns", "max_columns") if isinstance(v := getattr(self, name), list)}
+
+
+@dataclass(frozen=True)
+class StatisticsSettings:
+    """The statistics window before each growth event.
+
+    Args:
+        batches: micro-batches of statistics just before each growth (each captures the gradient of the scores).
+        layers_per_step: statistics of only this many of the growing layers per micro-batch, taken in turn
+            (round-robin), to make statistics steps cheaper on deep models (null: every layer every step).
+        capture: how statistics steps get G·X′: extend (SDPA on zero-extended queries) | explicit (an explicit score
+            map) | auto (explicit on CPU, extend on GPU).
+    """
+
+    batches: int = 8
+    layers_per_step: int | None = None
+    capture: Capture = "auto"
+
+    def __post_init__(self):
+        if self.batches <= 0:
+            raise ValueError(f"statistics.batches must be positive, got {self.batches}")
+        if self.layers_per_step is not None and self.layers_per_step <= 0:
+            raise ValueError(f"statistics.layers_per_step must be positive (or null for all layers), got {self.layers_per_step}")
+        growth.check_choice("statistics.capture", self.capture, CAPTURES)
+
+
+@dataclass(frozen=True)
+class StepSearch:
+    """How each event chooses its step size α along the growth direction, from forward-only losses.
+
+    Args:
+        alphas: the step-size candidates; 0 keeps the function, so a growth never raises the loss it is rated on
+            (null: 0, 1, 1/2, …, 1/256).
+        batches: the statistics window's last micro-batches, kept to rate the candidates on (null: 2, or
+            statistics.batches when that is smaller).
+        line_search: what a candidate installs: low_rank (the truncated growth itself) | full_rank (M + αΔM before
+            truncation, then the truncated growth at the chosen α is checked against α = 0).
+        rule: grid (the best candidate) | quadratic (also the minimiser of a quadratic fitted to the first-order
+            prediction and the candidates' losses; measured no better than the grid on text).
+    """
+
+    alphas: list[float] | None = None
+    batches: int | None = None
+    line_search: growth.LineSearch = "low_rank"
+    rule: growth.StepRule = "grid"
+
+    def __post_init__(self):
+        growth.check_choice("step_search.line_search", self.line_search, growth.LINE_SEARCHES)
+        growth.check_choice("step_search.rule", self.rule, growth.STEP_RULES)
+        if self.batches is not None and self.batches <= 0:
+            raise ValueError(f"step_search.batches must be positive, got {self.batches}")
+        if self.alphas is not None and not all(math.isfinite(a) and a >= 0 for a in self.alphas) or self.alphas == []:
+            raise ValueError(f"step-size candidates must be a non-empty list of finite values ≥ 0, got {self.alphas}")
+        alphas = self.candidates
+        if 0.0 not in alphas:
+            warnings.warn(f"alphas {alphas} has no 0: a growth may then raise the loss (0 keeps the function)")
+        if self.rule == "quadratic" and (self.line_search != "low_rank" or max(alphas) <= 0):
+            raise ValueError(
+                f"step_search.rule='quadratic' fits the losses of the grown forms at the positive alphas: it needs "
+                f"line_search='low_rank' and a positive step size in alphas, got {self.line_search!r} and {alphas}"
+            )
+
+    @property
+    def candidates(self) -> list[float]:
+        """The candidates, sorted, each once."""
+        return sorted(set(self.alphas if self.alphas is not None else growth.candidate_steps()))
+
+    def kept_batches(self, statistics: StatisticsSettings) -> int:
+        kept = self.batches if self.batches is not None else min(2, statistics.batches)
+        if kept > statistics.batches:
+            raise ValueError(f"need step_search.batches ≤ statistics.batches (the kept batches come from the "
+                             f"statistics window), got {kept} and {statistics.batches}")
+        return kept

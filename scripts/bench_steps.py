@@ -1,0 +1,255 @@
+"""scripts/bench.py, measurements 1–3: Lightning vs plain PyTorch, statistics steps, the growth event."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import asdict
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+from bench_common import StepTimer, plain_step_times
+from bench_setup import (CPU, ROUND_ROBIN_SHARE, VARIANTS, Env, Preset, Shape, auto_capture, fold, make_lm,
+                         make_trainer, median, named_forms, set_capture, token_data)
+
+from lit_growattn import growth, AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn.growing.event import plan_growth
+from lit_growattn.growing.window import NamedForms
+from lit_growattn.module import GrowAttentionLM
+
+
+# -- 1. Lightning vs plain PyTorch -----------------------------------------------------------------
+class BareLM(GrowAttentionLM):
+    """GrowAttentionLM with a training_step that only computes the loss: separates what Lightning's loop costs
+    from what the module's own per-step bookkeeping (4 + n_layer self.log calls, accuracy metric, FLOP count)
+    costs."""
+
+    def training_step(self, batch, batch_idx):
+        inputs, labels = batch
+        return self.loss(self(inputs), labels)
+
+
+def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
+    data = token_data(shape, p.fit_warmup + p.fit_steps)
+    lit = make_lm(shape)
+    bare = make_lm(shape, cls=BareLM)
+    plain = copy.deepcopy(lit)  # same GPT, same initial weights
+
+    def lightning_run(module: GrowAttentionLM, tmp: str) -> list[float]:
+        timer = StepTimer(CPU)
+        # Growth scheduled at epoch 2 of a 1-epoch fit: its statistics window (end of epoch 1) is never reached,
+        # but every hook of the callback still runs on every step.
+        grow = GrowAttentionCallback(AtEpochs([2]), statistics=StatisticsSettings(batches=1))
+        trainer = make_trainer(env, [grow, timer], tmp, max_epochs=1)
+        trainer.fit(module, DataLoader(data, batch_size=shape.batch))
+        return timer.step_times(p.fit_warmup)
+
+    sides = {"lightning": lambda tmp: lightning_run(lit, tmp), "bare": lambda tmp: lightning_run(bare, tmp),
+             "plain": lambda tmp: plain_step_times(plain, DataLoader(data, batch_size=shape.batch), CPU, False,
+                                                   p.fit_warmup)}
+    steps = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(p.fit_repeats):
+            # Rotate which side runs first, so a drift in the machine's load does not favour one side.
+            order = list(sides)[r % 3:] + list(sides)[: r % 3]
+            for name in order:
+                steps[name].append(median(sides[name](tmp)))
+            env.log(f"  throughput repeat {r}: " + " ".join(f"{k} {v[-1]:.4f}s" for k, v in steps.items()))
+    ratio = lambda a: median(x / y for x, y in zip(steps["plain"], steps[a]))  # noqa: E731
+    step_s = {name: median(v) for name, v in steps.items()}
+    return {
+        "lightning_vs_plain_throughput": ratio("lightning"),
+        "lightning_bare_vs_plain_throughput": ratio("bare"),
+        "tokens_per_s": {name: shape.tokens / t for name, t in step_s.items()},
+        "step_s": step_s,
+        "lightning_step_s": step_s["lightning"],
+        # Absolute per-step costs: the module's bookkeeping, and Lightning's loop itself (both independent of the
+        # model size, so the ratio approaches 1 as steps get longer).
+        "module_bookkeeping_ms_per_step": 1e3 * median(a - b for a, b in zip(steps["lightning"], steps["bare"])),
+        "lightning_loop_ms_per_step": 1e3 * median(a - b for a, b in zip(steps["bare"], steps["plain"])),
+        "per_repeat_step_s": steps,
+    }
+
+
+# -- 2. statistics step vs normal step -------------------------------------------------------------
+def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
+    lm = make_lm(shape)
+    forms = named_forms(lm)
+    opt = lm.configure_optimizers()["optimizer"]
+    inputs, labels = (t for t in token_data(shape, 1).tensors)
+    stats = {
+        "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],  # gradient: same sums
+        "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
+    }
+
+    auto = auto_capture(inputs)
+    n_layer = len(lm.model.blocks)
+    per_step = max(1, n_layer // ROUND_ROBIN_SHARE)
+    in_turn = [(layer, name, f) for layer, name, f in forms if layer < per_step]
+
+    def step(variant: str) -> tuple[float, float]:
+        """One training step; returns (step seconds, of which folding seconds)."""
+        mode, _, method = (auto, "", "") if variant == "round_robin" else variant.partition("_")
+        mode = None if mode == "normal" else mode
+        set_capture(in_turn if variant == "round_robin" else forms, mode)
+        t0 = time.perf_counter()
+        loss = lm.loss(lm(inputs), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        t1 = time.perf_counter()
+        if mode is not None:
+            fold(forms, stats[method or "natural"])
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        set_capture(forms, None)
+        return t3 - t0, t2 - t1
+
+    for v in VARIANTS:  # warm-up: first use of each path (allocator, AdamW state, kernels)
+        step(v)
+    times = {v: [] for v in VARIANTS}
+    folds = {v: [] for v in VARIANTS}
+    for r in range(p.repeats):
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]  # rotate: no fixed position
+        for v in order:
+            t, f = step(v)
+            times[v].append(t)
+            folds[v].append(f)
+        env.log(f"  {shape.name} repeat {r}: " + " ".join(f"{v} {times[v][-1]:.3f}" for v in VARIANTS))
+
+    def ratio(a: str, b: str) -> float:
+        return median(x / y for x, y in zip(times[a], times[b]))
+
+    return {
+        "step_s": {v: median(times[v]) for v in VARIANTS},
+        "fold_s": {v: median(folds[v]) for v in VARIANTS if v != "normal"},
+        "stats_step_cost_ratio": ratio("extend", "normal"),
+        "explicit_step_cost_ratio": ratio("explicit", "normal"),
+        "stats_vs_naive_cost_ratio": ratio("extend", "explicit"),
+        "stats_step_cost_ratio_pinv": ratio("extend_pinv", "normal"),
+        "explicit_step_cost_ratio_pinv": ratio("explicit_pinv", "normal"),
+        "stats_vs_naive_cost_ratio_pinv": ratio("extend_pinv", "explicit_pinv"),
+        "auto_capture": auto,
+        "auto_step_cost_ratio": ratio(auto, "normal"),
+        "auto_step_cost_ratio_pinv": ratio(f"{auto}_pinv", "normal"),
+        "round_robin_step_cost_ratio": ratio("round_robin", "normal"),
+        "round_robin_layers_per_step": f"{per_step} of {n_layer}",
+    }
+
+
+# -- 3. growth event -------------------------------------------------------------------------------
+def gather_stats(lm: GrowAttentionLM, forms, p: Preset, env: Env) -> dict[str, list[growth.FormStats]]:
+    """Statistics of growth_micro_batches micro-batches (weight 1/k each, as under accumulate_grad_batches=k),
+    for the sums without (natural, gradient) and with (pinv) per-instance pseudo-inverses."""
+    shape = p.growth_shape
+    data = token_data(shape, p.growth_micro_batches, seed=1)
+    sums = {
+        "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],
+        "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
+    }
+    set_capture(forms, auto_capture(data.tensors[0]))
+    for inputs, labels in DataLoader(data, batch_size=shape.batch):
+        loss = lm.loss(lm(inputs), labels) / p.growth_micro_batches
+        loss.backward()
+        captured = [(name, f.take_captured()) for _, name, f in forms]
+        for key, stats in sums.items():
+            for st, (_, pairs) in zip(stats, captured):
+                for xa, gx in pairs:
+                    st.update(xa, gx, 1.0 / p.growth_micro_batches)
+    set_capture(forms, None)
+    lm.zero_grad(set_to_none=True)
+    return sums
+
+
+def growth_compute_seconds(forms: NamedForms, stats, method: str, alphas: list[float], grow_by: int, env: Env) -> float:
+    """One growth computation as the callback's growth event does it, minus the forward passes: flat buffer
+    round trip (the all-reduce is the identity on one rank), the plan, plan.grow for every form at every α in
+    `alphas`. The callback's defaults otherwise: append, keep, euclidean, low_rank."""
+    settings = GrowthSettings(columns=grow_by, method=method, max_d_head=forms[0][2].w_q.shape[1])
+    t = time.perf_counter()
+    reduced = growth.unflatten_stats(growth.flatten_stats(stats), stats)
+    plan = plan_growth(forms, reduced, settings, "low_rank", sized_later=False, seed=1)
+    for alpha in alphas:
+        grown = {name: plan.grow(name, alpha) for _, name, _ in forms}
+    assert all(g.w_q.shape[-1] == forms[0][2].d_head + grow_by for g in grown.values())
+    return time.perf_counter() - t
+
+
+class StopAfterGrowth(Callback):
+    """Ends the fit once the growth callback has grown: nothing after the event is measured."""
+
+    def __init__(self, grow: GrowAttentionCallback):
+        self.grow = grow
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.grow.history:
+            trainer.should_stop = True
+
+
+def measure_growth_event(p: Preset, env: Env, step_s: float, stats_ratio: float) -> dict:
+    shape = p.growth_shape
+    lm = make_lm(shape)
+    forms = named_forms(lm)
+    sums = gather_stats(lm, forms, p, env)
+    alphas = StepSearch().candidates
+    compute = {}
+    for method in ("natural", "gradient", "pinv"):
+        stats = sums["pinv" if method == "pinv" else "natural"]
+        one = [growth_compute_seconds(forms, stats, method, [1.0], p.grow_by, env) for _ in range(p.growth_repeats)]
+        every = [growth_compute_seconds(forms, stats, method, alphas, p.grow_by, env) for _ in range(p.growth_repeats)]
+        compute[method] = {"one_alpha_s": median(one), "all_candidates_s": median(every)}
+        env.log(f"  growth compute {method}: {compute[method]}")
+    # The same computation on all cores (torch's default in training), for context: the batched float64 SVDs gain
+    # nothing from a second thread, and MKL's OpenMP team spin-waits when another job holds a core
+    # (docs/performance.md).
+    threads = torch.get_num_threads()
+    if (os.cpu_count() or 1) > threads:
+        torch.set_num_threads(os.cpu_count())
+        try:
+            all_cores = median(growth_compute_seconds(forms, sums["natural"], "natural", [1.0], p.grow_by, env)
+                               for _ in range(p.growth_repeats))
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        all_cores = compute["natural"]["one_alpha_s"]
+
+    # The full event through the real callback: statistics window of growth_micro_batches steps at the training
+    # batch size (so the statistics count the same instances), growth at the start of epoch 1, then stop.
+    data = token_data(shape, p.growth_micro_batches, seed=2)
+    cb = GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=p.grow_by),
+                               StatisticsSettings(batches=p.growth_micro_batches), StepSearch(batches=2))
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_trainer(env, [cb, StopAfterGrowth(cb)], tmp, max_epochs=2).fit(
+            make_lm(shape), DataLoader(data, batch_size=shape.batch))
+    event = cb.history[0]
+    # The event's own stopwatch: plan (GrowthPlan build), rating (factorisation of every candidate and the forward
+    # passes over the kept batches), apply (broadcast, install, optimizer and scheduler rebuild).
+    full_s, pieces = event["seconds"], event["timings"]
+    epoch_s = p.epoch_steps * step_s
+    natural = compute["natural"]["one_alpha_s"]
+    # Statistics window cost inside an epoch: the callback's default 8 statistics steps at the measured ratio.
+    window_s = StatisticsSettings().batches * max(stats_ratio - 1.0, 0.0) * step_s
+    return {
+        "growth_event_seconds": natural,
+        "growth_event_seconds_per_method": {m: c["one_alpha_s"] for m, c in compute.items()},
+        "growth_event_all_candidates_seconds_per_method": {m: c["all_candidates_s"] for m, c in compute.items()},
+        "growth_event_seconds_all_cores": all_cores,
+        "growth_event_full_seconds": full_s,
+        "growth_event_full_pieces": {
+            **pieces, "rest_s": full_s - sum(pieces.values()), "alpha": event["alpha"],
+            "rating_forwards": (len(alphas) + 1) * cb.line_search_batches, "d_head_after": event["d_head"],
+        },
+        "growth_event_epoch_share": full_s / epoch_s,
+        "growth_compute_epoch_share": natural / epoch_s,
+        "stats_window_epoch_share": window_s / epoch_s,
+        "epoch_assumed": f"{p.epoch_steps} optimizer steps of the default shape at the measured Lightning step "
+                         f"time ({step_s:.3f} s/step)",
+        "growth_shape": {**asdict(shape), "d_head_after": shape.d_head + p.grow_by,
+                         "stats_instances": shape.batch * p.growth_micro_batches},
+    }

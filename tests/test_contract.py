@@ -1,0 +1,120 @@
+"""The declared contract between GrowAttentionCallback and the module it grows: what is refused at setup, what the
+forms carry themselves, and that the callback reaches the model only through the contract."""
+
+import re
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from callback_helpers import params, recall_data, tiny_module, trainer
+from conftest import REPO
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM, GrowthSettings, StatisticsSettings
+from lit_growattn.attention import QKForm
+from lit_growattn.attention.lowrank_dint import LowRankQK
+from lit_growattn.checkpoint import resize_to_checkpoint
+from lit_growattn.contract import GrowableForm, GrowableModule, ScoreMap, missing
+
+
+def grow_once(**settings) -> GrowAttentionCallback:
+    return GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=2), StatisticsSettings(batches=2), **settings)
+
+
+class Plain(L.LightningModule):
+    """A LightningModule that knows nothing of growth."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_module_without_the_contract_is_refused_at_setup_naming_what_it_lacks(tmp_path):
+    loader = DataLoader([(torch.ones(4),)] * 4, batch_size=2)
+    with pytest.raises(TypeError, match="lacks batch_loss, growable_forms, head_sizes, record_head_sizes. A module to "
+                                        "grow implements lit_growattn.contract.GrowableModule"):
+        trainer(tmp_path, [grow_once()]).fit(Plain(), loader)
+
+
+class TwoOptimizers(GrowAttentionLM):
+    """Lightning takes two optimizers only under manual optimization."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        groups = self.parameter_groups()
+        return [torch.optim.AdamW(groups[:1]), torch.optim.SGD(groups[1:], lr=0.1)]
+
+
+def test_two_optimizers_are_refused_before_the_first_step(tmp_path):
+    data = recall_data()
+    module = TwoOptimizers(**{k: v for k, v in tiny_module(data).hparams.items()})
+    before = params(module)
+    with pytest.raises(ValueError, match="configures 2: return a single optimizer"):
+        trainer(tmp_path, [grow_once()]).fit(module, data)
+    assert all(torch.equal(before[k], v) for k, v in params(module).items())
+
+
+def test_the_project_types_meet_the_contract():
+    data = recall_data()
+    module = tiny_module(data)
+    assert isinstance(module, GrowableModule) and not missing(module, GrowableModule)
+    form = QKForm(8, 2, 3, bias=True)
+    assert isinstance(form, GrowableForm) and form.n_kv_head == form.n_head == 2
+    low_rank = LowRankQK(8, 2, 3, rank=2, bias=True, d2_ratio=1 / 9)
+    assert isinstance(low_rank, ScoreMap) and not isinstance(low_rank, GrowableForm)
+    assert [p is q for p, q in zip(form.bias_row_parameters(), [form.w_q, form.w_k])] == [True, True]
+    assert QKForm(8, 2, 3, bias=False).bias_row_parameters() == []
+
+
+class ScaledQK(QKForm):
+    """A subclass of a form: the resize and bias-row knowledge comes with it (no table keyed by exact type)."""
+
+
+def test_subclassed_forms_resize_to_a_checkpoint_and_keep_their_bias_rows():
+    model = torch.nn.ModuleDict({"a": ScaledQK(8, 2, 3, bias=True), "b": LowRankQK(8, 2, 3, 2, True, 1 / 9)})
+    grown = {"a.w_q": torch.zeros(2, 9, 5), "a.w_k": torch.zeros(2, 9, 5), "b.up_q": torch.zeros(2, 2, 7)}
+    resize_to_checkpoint(model, grown)
+    assert model["a"].d_head == 5 and model["b"].d_head == 7
+    assert len(model["a"].bias_row_parameters()) == 2
+
+
+class DictBatches(GrowAttentionLM):
+    """Batches as dicts: the callback rates candidate growths through `batch_loss`, whatever the batch is."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch["inputs"], batch["labels"]), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        return super().validation_step((batch["inputs"], batch["labels"]), batch_idx)
+
+    def batch_loss(self, batch):
+        return super().batch_loss((batch["inputs"], batch["labels"]))
+
+
+def test_batches_need_not_be_pairs(tmp_path):
+    L.seed_everything(0)
+    data = recall_data()
+    data.setup("fit")
+    pairs = [pair for batch in data.train_dataloader() for pair in zip(*batch)]
+    loader = DataLoader([{"inputs": x, "labels": y} for x, y in pairs], batch_size=16)
+    module = DictBatches(**{k: v for k, v in tiny_module(data).hparams.items()})
+    grow = grow_once()
+    trainer(tmp_path, [grow], max_epochs=2, limit_val_batches=1).fit(module, loader, loader)
+    assert module.head_sizes() == [4, 4] and not grow.history[0]["skipped"]
+
+
+def test_the_callback_and_growing_reach_the_model_only_through_the_contract():
+    sources = [REPO / "lit_growattn" / "callbacks.py", *(REPO / "lit_growattn" / "growing").glob("*.py")]
+    assert len(sources) > 3
+    for path in sources:
+        text = path.read_text()
+        assert "pl_module.model" not in text and not re.search(r"\bid\(", text) and '"model.' not in text, path

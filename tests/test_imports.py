@@ -1,0 +1,73 @@
+"""No import cycles, in the package or among the scripts: the graph of every import statement (lazy ones inside
+functions included; `if TYPE_CHECKING:` blocks left out, they never run) has no cycle."""
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+
+def module_names(root: Path, package: str | None) -> dict[str, Path]:
+    """Dotted name → file of every module under root (a package's name for its __init__.py)."""
+    names = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names[".".join([package, *parts] if package else parts)] = path
+    return names
+
+
+def imported(tree: ast.AST, known: dict[str, Path]) -> set[str]:
+    """The known modules that a module's import statements name (`from a import b` names `a.b` when that is a module)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                         for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found & set(known)
+
+
+def cycles(root: Path, package: str | None) -> list[list[str]]:
+    known = module_names(root, package)
+    graph = {name: imported(ast.parse(path.read_text()), known) - {name} for name, path in known.items()}
+    found, state = [], {}  # state: 1 on the current path, 2 done
+
+    def walk(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                found.append([*path[path.index(dep):], dep])
+            elif dep not in state:
+                walk(dep, [*path, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            walk(name, [name])
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(REPO / "lit_growattn", "lit_growattn") == []
+
+
+def test_the_scripts_have_no_import_cycle():
+    assert cycles(REPO / "scripts", None) == []
+
+
+def test_the_check_finds_a_cycle(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import g\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
+    (tmp_path / "d.py").write_text("import c\n")
+    assert cycles(tmp_path, None) == [["a", "b", "a"]]
