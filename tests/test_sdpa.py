@@ -73,8 +73,9 @@ def test_growth_run_with_padding_calls_sdpa_with_flash_shapes_only(tmp_path, tin
 @pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 def test_every_variant_runs_on_flash_alone_at_every_growth_width(attention, sdpa_calls):
     # On CPU too, flash needs q, k and v of one width: under `sdpa_kernel(FLASH)` a math fallback raises.
+    # n_embd 24 lets d_head reach 20 (a static d_head above n_embd is refused), wider than d_v and than 16.
     for d_head in (1, 5, 9, 20):
-        cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16, d_head=d_head, d_v=8,
+        cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=24, d_head=d_head, d_v=8,
                         attention=attention, attention_args=required_args(attention), sdpa_pad="on")
         model = GPT(cfg)
         idx = torch.randint(0, 16, (2, 8))
