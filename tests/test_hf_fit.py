@@ -119,3 +119,16 @@ def test_bad_models_fail_before_training(tmp_path):
         HFCausalLM(pretrained=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="model_type 'bert' is not supported; supported model types: gpt2, llama"):
         HFCausalLM(config={"model_type": "bert"})
+
+
+def test_auto_schedule_on_rotary_gqa_model_is_refused_before_training(tmp_path):
+    path = tmp_path / "auto.yaml"
+    grow = {"class_path": "lit_growattn.GrowAttentionCallback",
+            "init_args": {"schedule": {"class_path": "lit_growattn.AutoSchedule", "init_args": {"check_every": 4}},
+                          "growth": {"columns": None}, "statistics": {"batches": 4}}}
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [grow]}}))
+    done = _fit(tmp_path, f"--config={path}", expect_ok=False)
+    assert done.returncode != 0
+    assert "AutoSchedule cannot size forms whose query heads share keys (GQA) or that carry rotary columns" in done.stderr
+    assert "use AtEpochs or AtSteps" in done.stderr
+    assert not list(tmp_path.rglob("*.ckpt"))

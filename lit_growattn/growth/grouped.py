@@ -51,9 +51,14 @@ def check_modes(named_forms, mode: str, line_search: str) -> None:
             raise ValueError(f"{name}: {reason}")
 
 
+def is_grouped(form) -> bool:
+    """True when query heads share keys (GQA) or leading columns are rotary: the form grows by GroupedGrowth."""
+    return form.w_k.shape[0] != form.w_q.shape[0] or bool(getattr(form, "rotary", 0))
+
+
 def growth_for(form, moments: Moments, method: str = "natural", **kwargs) -> FormGrowth | GroupedGrowth:
     """FormGrowth for a plain form; GroupedGrowth when keys are shared or leading columns rotary."""
-    if form.w_k.shape[0] == form.w_q.shape[0] and not getattr(form, "rotary", 0):
+    if not is_grouped(form):
         return FormGrowth.from_form(form, moments, method, **kwargs)
     return GroupedGrowth(form.w_q, form.w_k, form.log_tau, moments, method, rotary=form.rotary, **kwargs)
 
