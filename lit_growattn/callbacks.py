@@ -9,7 +9,8 @@ Thin Lightning glue over `lit_growattn.growing` (docs/design.md, "Lightning mech
 - event: plan, step size, broadcast of rank 0's tensors, install;
 - rebuild: DDP re-wrapped, optimizer and scheduler rebuilt with their state carried over.
 The history and the pending window are in `state_dict`, so a run resumed from a checkpoint taken at any step
-grows exactly once per event, from the statistics the uninterrupted run used.
+grows exactly once per event, from the statistics the uninterrupted run used (inside a window, only with the
+settings the window began with: `check_resumed`).
 """
 
 from __future__ import annotations
@@ -118,11 +119,19 @@ class GrowAttentionCallback(Callback):
         if trainer.num_training_batches == float("inf"):
             raise ValueError("GrowAttentionCallback needs epochs of known length (a sized train dataloader)")
         self.schedule.check_run(trainer, self.statistics.batches)
+        self.window.check_resumed(self._window_settings(trainer))
         report.add_layout(trainer, len(pl_module.head_sizes()))
         if trainer.logger is not None:
             trainer.logger.log_metrics(report.head_size_metrics(pl_module.head_sizes()), step=trainer.global_step)
 
     # -- statistics window and growth, decided from the trainer's counters ---------------------------
+    def _window_settings(self, trainer: L.Trainer) -> dict:
+        """What decides the contents of a statistics window: which micro-batches it spans, which layers each
+        captures, their weights in the sums, and which batches are kept to rate the step sizes."""
+        return {"accumulate_grad_batches": trainer.accumulate_grad_batches, "statistics.batches": self.statistics.batches,
+                "statistics.layers_per_step": self.statistics.layers_per_step,
+                "step_search.batches": self.line_search_batches}
+
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
         """The forms that grow (layer, qualified parameter-name prefix, form)."""
         return [named for named in pl_module.growable_forms() if named.layer in self._layers]
@@ -141,7 +150,8 @@ class GrowAttentionCallback(Callback):
         forms = self._forms(pl_module)
         active = layers_in_turn(self._layers, self._per_step, batches - left)
         mode = capture_mode(self.statistics.capture, pl_module.device)
-        self.window.begin_step(point.name, forms, active, mode, keep=batch if left <= self.line_search_batches else None)
+        self.window.begin_step(point.name, forms, active, mode, self._window_settings(trainer),
+                               keep=batch if left <= self.line_search_batches else None)
         self._capturing, self._closes_window = True, left == 1
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -81,7 +81,7 @@ def test_restored_statistics_follow_the_model_device():
     form = QKForm(8, 2, 2)
     window = StatsWindow("natural")
     forms = [(0, "model.blocks.0.attn.qk", form)]
-    window.begin_step("epoch 1", forms, active={0}, mode="explicit")
+    window.begin_step("epoch 1", forms, active={0}, mode="explicit", gathered_with={})
     window.end_step(forms)
     saved = window.state_dict(strategy=None, world=1)  # inside the window: partial sums, on the CPU
     restored = StatsWindow("natural")
