@@ -28,7 +28,7 @@ from lit_growattn.contract import check_module
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
-from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
+from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.capacity import current_ratio
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
@@ -200,6 +200,7 @@ class GrowAttentionCallback(Callback):
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
             capacity=capacity,
             ratio=None if capacity is None else current_ratio(self.history, capacity),
+            terms=loss_terms(window.kept),  # every rank's kept batches
         )
         try:
             record, spectra = event.run(forms, [st for _, st in kept], seed=point.at)

@@ -14,11 +14,13 @@ from lit_growattn import callbacks
 from lit_growattn.attention import ATTENTIONS, Attention, QKForm
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.cli import main
+from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
 from callback_helpers import WindowRecorder, params, recall_data, tiny_module, trainer
 from conftest import REPO, required_args, scalar_tags
+from test_growth import Problem
 
 GROWTH_TAGS = {
     "growth/d_head/layer_0", "growth/d_head/layer_1", "growth/alpha", "growth/sign_fallbacks",
@@ -63,6 +65,34 @@ def test_baselines_rate_one_candidate(tmp_path, monkeypatch, method):
     trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
     assert rated == [2]  # the current forms and the baseline's growth, once (not once per α)
     assert grow.history[0]["alpha"] is None and grow.history[0]["d_head"] == [4, 4]
+
+
+def test_a_step_must_beat_the_round_off_of_every_token_it_was_rated_on():
+    """A step that beats α = 0 by 8× the round-off of one value, but by less than that of a mean of 4096 tokens
+    (64× one value's), is taken when the loss averages one value and not when it averages 4096."""
+    p = Problem(e=8, h=2, d=2)
+    loss = 2.0
+    gap = 8 * loss_rounding(loss, torch.float32)
+    rated = lambda candidates: torch.tensor([loss if c is None else loss - gap for c in candidates])  # noqa: E731
+
+    def chosen(terms: int) -> float:
+        event = GrowthEvent(GrowthSettings(columns=1), StepSearch(), loss_of=rated, install=lambda grown: None,
+                            broadcast=lambda obj: obj, terms=terms)
+        return event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)[0]["alpha"]
+
+    assert chosen(1) > 0 and chosen(4096) == 0.0
+
+
+def test_the_step_choice_counts_the_tokens_of_every_kept_batch(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(callbacks, "GrowthEvent", lambda *a, **k: made.append(k["terms"]) or GrowthEvent(*a, **k))
+    L.seed_everything(0)
+    data = recall_data()  # 8 full batches an epoch
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=4), step_search=StepSearch(batches=3))
+    trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
+    _, labels = next(iter(data.train_dataloader()))
+    assert made == [3 * labels.numel()]
 
 
 def test_console_line_per_event_and_summary_at_the_end(tmp_path, capsys):
