@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install "$(TORCH)"
-	$(PY) -m pip install -e ".[dev]"
+	$(PY) -m pip install -e ".[dev,hf]"  # hf: the Hugging Face tests run in CI too
 	touch $@
 
 demo: $(VENV)/.installed

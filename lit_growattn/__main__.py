@@ -1,4 +1,5 @@
-"""`python -m lit_growattn fit|validate|test …` (LightningCLI) and `python -m lit_growattn convert …`.
+"""`python -m lit_growattn fit|validate|test …` (LightningCLI), `python -m lit_growattn convert …` and
+`python -m lit_growattn export --ckpt CKPT --out DIR` (a Hugging Face model folder, `lit_growattn.hf.export`).
 
 An error is reported as the project's own message in a few lines, not as jsonargparse's and Lightning's
 wrappers around it; `LIT_GROWATTN_DEBUG=1` shows the full traceback instead.
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
             from lit_growattn.convert import main as convert
 
             convert(args[1:])
+        elif args[:1] == ["export"]:
+            from lit_growattn.hf.export import main as export
+
+            export(args[1:])
         else:
             from lit_growattn.cli import main as cli
 

@@ -27,10 +27,11 @@ from lit_growattn import growth
 from lit_growattn.contract import check_module
 from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent
+from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
-from lit_growattn.growth.capacity import current_ratio
+from lit_growattn.growth.grouped import check_modes
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.lightning_private import should_update_logs
 
@@ -60,7 +61,8 @@ class GrowAttentionCallback(Callback):
         self.schedule, self.settings, self.statistics, self.search = schedule, growth, statistics, step_search
         self.line_search_batches = step_search.kept_batches(statistics)
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints
-        self.window = StatsWindow(growth.method)
+        # A schedule with a capacity rule decides from two halves of each window (growth/capacity.py).
+        self.window = StatsWindow(growth.method, halves=schedule.capacity is not None)
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
 
@@ -96,13 +98,19 @@ class GrowAttentionCallback(Callback):
                 f"({e_in}: the bilinear form has rank ≤ {e_in})"
             )
         self._per_step = min(self.statistics.layers_per_step or len(layers), len(layers))
-        if self.statistics.batches < (turns := math.ceil(len(layers) / self._per_step)):
+        # The automatic schedule splits each layer's statistics in two halves: two turns per layer at least.
+        turns = math.ceil(len(layers) / self._per_step) * (2 if self.window.halves else 1)
+        if self.statistics.batches < turns:
             raise ValueError(
                 f"statistics.batches={self.statistics.batches} with layers_per_step={self.statistics.layers_per_step} "
                 f"leaves layers without statistics: {len(layers)} growing layers need at least {turns} statistics "
-                "batches; raise statistics.batches or statistics.layers_per_step"
+                "batches (AutoSchedule needs two per layer, one for each half of the window); raise statistics.batches "
+                "or statistics.layers_per_step"
             )
         self._layers = layers
+        check_modes(named, self.settings.mode, self.search.line_search)
+        report.say(trainer, check_statistics_memory(named, layers, self.statistics.layers_per_event, self.settings.method,
+                                                    self.statistics.max_memory_gb))
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
         self.schedule.bind(self.settings, layers, sizes)
 
@@ -133,8 +141,9 @@ class GrowAttentionCallback(Callback):
                 "step_search.batches": self.line_search_batches}
 
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
-        """The forms that grow (layer, qualified parameter-name prefix, form)."""
-        return [named for named in pl_module.growable_forms() if named.layer in self._layers]
+        """The forms that grow at the next event (layer, qualified parameter-name prefix, form)."""
+        layers = layers_of_event(self._layers, self.statistics.layers_per_event, len(self.history))
+        return [named for named in pl_module.growable_forms() if named.layer in layers]
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         clock = Clock(trainer.current_epoch, batch_idx, trainer.global_step, trainer.num_training_batches,
@@ -148,7 +157,7 @@ class GrowAttentionCallback(Callback):
         if not left:
             return
         forms = self._forms(pl_module)
-        active = layers_in_turn(self._layers, self._per_step, batches - left)
+        active = layers_in_turn(sorted({f.layer for f in forms}), self._per_step, batches - left)
         mode = capture_mode(self.statistics.capture, pl_module.device)
         self.window.begin_step(point.name, forms, active, mode, self._window_settings(trainer),
                                keep=batch if left <= self.line_search_batches else None)
@@ -159,7 +168,7 @@ class GrowAttentionCallback(Callback):
             # Lightning already divided the loss by accumulate_grad_batches; a 16-mixed GradScaler has not been undone.
             scaler = getattr(trainer.precision_plugin, "scaler", None)
             fold_captured(self._forms(pl_module), self.window.stats, 1.0 / trainer.accumulate_grad_batches,
-                          None if scaler is None else scaler.get_scale())
+                          None if scaler is None else scaler.get_scale(), self.window.half)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self._capturing:
@@ -183,13 +192,14 @@ class GrowAttentionCallback(Callback):
         window.to(pl_module.device)
         # Under a 16-mixed GradScaler overflowed steps are dropped: a short window (or a layer's few round-robin
         # turns) can end with nothing. Layers without statistics keep their size; the others still grow.
-        kept = [(f, st) for f, st in zip(forms, window.stats) if st.instances > 0]
+        halves = window.half or [None] * len(forms)
+        kept = [(f, st, h) for f, st, h in zip(forms, window.stats, halves) if st.instances > 0]
         if not kept:
             return self._skip(trainer, pl_module, where, "no finite statistics were captured in its window")
-        if empty := sorted({f[0] for f in forms} - {f[0] for f, _ in kept}):
+        if empty := sorted({f[0] for f in forms} - {f[0] for f, _, _ in kept}):
             warnings.warn(f"growth at {point.name}: layers {empty} have no finite statistics (every step that "
                           "captured them overflowed); they keep their size, the other layers grow")
-        forms = [f for f, _ in kept]
+        forms = [f for f, _, _ in kept]
         batches = window.kept[self._rank :: self._world]
         capacity = self.schedule.capacity
         event = GrowthEvent(
@@ -199,11 +209,11 @@ class GrowAttentionCallback(Callback):
             install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
             capacity=capacity,
-            ratio=None if capacity is None else current_ratio(self.history, capacity),
             terms=loss_terms(window.kept),  # every rank's kept batches
         )
         try:
-            record, spectra = event.run(forms, [st for _, st in kept], seed=point.at)
+            record, spectra = event.run(forms, [st for _, st, _ in kept], seed=point.at,
+                                        half=None if window.half is None else [h for _, _, h in kept])
         except growth.NonFiniteStatistics as err:
             return self._skip(trainer, pl_module, where, str(err))
         pl_module.record_head_sizes()
@@ -216,7 +226,7 @@ class GrowAttentionCallback(Callback):
     def _finish(self, trainer: L.Trainer, event: dict, spectra: dict | None = None) -> None:
         self.history.append(event)
         self.window.clear()
-        report.log_event(trainer, event, {name: layer for layer, name, _ in self._forms(trainer.lightning_module)}, spectra)
+        report.log_event(trainer, event, {f.name: f.layer for f in trainer.lightning_module.growable_forms()}, spectra)
         report.say(trainer, report.event_line(event))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

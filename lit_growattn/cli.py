@@ -9,12 +9,12 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
 from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.legacy import refuse_flat_config
-from lit_growattn.module import GrowAttentionLM
 
 TRAINER_DEFAULTS = {
     "logger": {
@@ -127,7 +127,7 @@ def _written_by_this_start(log_dir: Path) -> bool:
 def main(args: list[str] | None = None, run: bool = True) -> GrowAttentionCLI:
     """The CLI with the project's defaults; `run=False` builds model, data and trainer without a subcommand."""
     return GrowAttentionCLI(
-        GrowAttentionLM,
+        L.LightningModule,  # lit_growattn.GrowAttentionLM, lit_growattn.hf.HFCausalLM, or a module of your own
         subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults=TRAINER_DEFAULTS,

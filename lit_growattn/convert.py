@@ -8,7 +8,11 @@ The DINT layer computes A1·V + λ·(A3·V − A2·V). Q1/K1/temperature/V/O kee
 λ = 0 exactly, so the converted model's outputs are those of the mha model. λ is a free parameter sitting at 0,
 so it receives gradient at once, ⟨∂L/∂y, (A3 − A2)·V⟩; the fresh second map starts learning once λ ≠ 0.
 
-The result is a weights-only checkpoint (state_dict + hyper_parameters), readable by
+`--pretrained DIR` instead of `--ckpt`: a Hugging Face Llama/Mistral/Qwen2/Qwen3 folder becomes a DINT model
+folder (`lit_growattn.hf.dint`, registered model classes, λ = 0, outputs unchanged), which `fit` fine-tunes with
+`lit_growattn.hf.HFCausalLM` (`pretrained: DIR`, `growable: false`).
+
+The result of `--ckpt` is a weights-only checkpoint (state_dict + hyper_parameters), readable by
 `GrowAttentionLM.load_from_checkpoint`. It is not meant for `fit --ckpt_path`, which resumes a run: optimizer
 state, step counters and the LR schedule's position. Fine-tuning starts a new run from these weights instead:
 `main` writes the model's CLI config next to the checkpoint, whose `init_from` names the weights to start from.
@@ -108,15 +112,19 @@ def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int]) -> Gr
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m lit_growattn convert --ckpt mha.ckpt --to lowrank_dint --rank 8 --out new.ckpt`
-    or `… --to mha --d_head 4 [4 …] --out small.ckpt`"""
+    or `… --to mha --d_head 4 [4 …] --out small.ckpt`
+    or `… --pretrained path/to/llama --to lowrank_dint --rank 8 --out DIR` (a Hugging Face model folder)"""
     parser = argparse.ArgumentParser(prog="python -m lit_growattn convert", description=__doc__.split("\n")[0])
-    parser.add_argument("--ckpt", required=True, help="trained mha checkpoint")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="trained mha checkpoint of this project's GPT")
+    source.add_argument("--pretrained", help="Hugging Face model folder (llama, mistral, qwen2, qwen3) to convert to DINT")
     parser.add_argument("--to", choices=TARGETS, default="lowrank_dint")
     parser.add_argument("--rank", type=int, help="rank of the second map (lowrank_dint)")
     parser.add_argument("--d2_ratio", type=float, help="d₂ / d_head of the second map (lowrank_dint; default 1/9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the second map's initialisation")
     parser.add_argument("--d_head", type=int, nargs="+", help="head size to shrink to (mha): one, or one per layer")
-    parser.add_argument("--out", required=True, help="converted checkpoint; its model config goes beside it (.yaml)")
+    parser.add_argument("--out", required=True, help="converted checkpoint (its model config goes beside it, .yaml); "
+                        "with --pretrained, the model folder to write")
     args = parser.parse_args(argv)
     variant_args = {k: v for k in ("rank", "d2_ratio") if (v := getattr(args, k)) is not None}
     if args.to == "lowrank_dint" and "rank" not in variant_args:
@@ -125,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--rank and --d2_ratio belong to lowrank_dint")
     if (args.to == "mha") != (args.d_head is not None):
         parser.error("--d_head is required for --to mha (shrinking) and belongs to it alone")
+    if args.pretrained is not None:
+        _convert_pretrained(parser, args, variant_args)
+        return
     d_head = None if args.d_head is None else args.d_head[0] if len(args.d_head) == 1 else args.d_head
     module = convert_checkpoint(args.ckpt, args.out, args.to, seed=args.seed, d_head=d_head, **variant_args)
     # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
@@ -137,3 +148,16 @@ def main(argv: list[str] | None = None) -> None:
         f"wrote {args.out} and {config_path}; fine-tune with\n"
         f"  python -m lit_growattn fit --config <your run config> --model {config_path}"
     )
+
+
+def _convert_pretrained(parser: argparse.ArgumentParser, args: argparse.Namespace, variant_args: dict) -> None:
+    if args.to == "mha":
+        parser.error("--pretrained converts to dint or lowrank_dint (shrinking is for --ckpt)")
+    from lit_growattn.hf.dint import DintSettings
+    from lit_growattn.hf.dint_models import convert_pretrained
+
+    kind = "lowrank" if args.to == "lowrank_dint" else "full"
+    settings = DintSettings(kind, rank=variant_args.get("rank"), d2_ratio=variant_args.get("d2_ratio"))
+    convert_pretrained(args.pretrained, args.out, settings, seed=args.seed)
+    print(f"wrote {args.out}; fine-tune with\n  python -m lit_growattn fit --config <your run config> "
+          f"--model lit_growattn.hf.HFCausalLM --model.init_args.pretrained {args.out} --model.init_args.growable false")

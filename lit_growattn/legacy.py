@@ -18,8 +18,7 @@ GROUP_OF = {
     "alphas": ("step_search", "alphas"), "line_search_batches": ("step_search", "batches"),
     "line_search": ("step_search", "line_search"), "step_size": ("step_search", "rule"),
 }
-AUTO_OF = {"check_every": "check_every", "patience": "patience", "auto_threshold": "threshold",
-           "realised_ratio": "realised_ratio"}
+AUTO_OF = {"check_every": "check_every", "patience": "patience", "auto_threshold": "threshold"}
 FLAT = {*GROUP_OF, *AUTO_OF, "grow_at_epochs", "grow_at_steps"}
 
 

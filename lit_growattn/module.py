@@ -22,14 +22,14 @@ from torchmetrics.text import Perplexity
 from lit_growattn.attention.sdpa import SdpaPad
 from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
-from lit_growattn.contract import NamedForm, ScoreMap
+from lit_growattn.contract import NamedForm
 from lit_growattn.divergence import NonFiniteLosses, check_finite_weights
 from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model import GPT
-from lit_growattn.optimization import default_optimizer, lr_factor
+from lit_growattn.optimization import GrowthOptimization, default_optimizer
 
 
-class GrowAttentionLM(L.LightningModule):
+class GrowAttentionLM(GrowthOptimization, L.LightningModule):
     """Args:
         vocab_size, block_size: normally linked from the data module by the CLI.
         n_layer, n_head, n_embd: transformer size.
@@ -246,51 +246,3 @@ class GrowAttentionLM(L.LightningModule):
 
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         return self(batch[0]).argmax(-1)
-
-    # -- optimisation --------------------------------------------------------------------------
-    def parameter_groups(self) -> list[dict[str, Any]]:
-        """Weight decay only on ≥2-D weights; never on temperatures, biases, norms or gates.
-
-        The query/key bias is the last row of W_Q/W_K (and of the low-rank map's down factors): those tensors are
-        in the no-decay group, and `on_before_optimizer_step` decays their other rows.
-        """
-        with_bias_row = {id(p) for p in self._bias_row_parameters()}
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 and id(p) not in with_bias_row else no_decay).append(p)
-        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-    def _bias_row_parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.modules() if isinstance(m, ScoreMap) for p in m.bias_row_parameters()]
-
-    @torch.no_grad()
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Decoupled weight decay, as AdamW applies it, on every row but the bias row of the Q/K tensors that carry one.
-
-        Reads the decay group's weight_decay and the no-decay group's learning rate (`parameter_groups`' order).
-        """
-        params = [p for p in self._bias_row_parameters() if p.grad is not None]  # AdamW skips the others too
-        if not params:
-            return
-        decay_group, no_decay_group = optimizer.param_groups
-        shrink = 1.0 - no_decay_group["lr"] * decay_group.get("weight_decay", 0.0)
-        for p in params:
-            p[:, :-1].mul_(shrink)
-
-    def configure_optimizers(self):
-        optimizer = self.optimizer_factory(self.parameter_groups())
-        if self.scheduler_factory is not None:
-            scheduler = self.scheduler_factory(optimizer)
-        else:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._lr_factor)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def on_train_start(self) -> None:
-        # Read here, not when the scheduler is built: `estimated_stepping_batches` loads the train dataloader,
-        # and loading it before a checkpoint is restored would lose the dataloader's mid-epoch position.
-        self._total_steps = self.trainer.estimated_stepping_batches
-
-    def _lr_factor(self, step: int) -> float:
-        h = self.hparams
-        return lr_factor(step, h.warmup_steps, self._total_steps, h.min_lr_ratio, h.lr_schedule)

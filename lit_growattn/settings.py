@@ -107,17 +107,25 @@ class StatisticsSettings:
             (round-robin), to make statistics steps cheaper on deep models (null: every layer every step).
         capture: how statistics steps get G·X′: extend (SDPA on zero-extended queries) | explicit (an explicit score
             map) | auto (explicit on CPU, extend on GPU).
+        layers_per_event: each event grows only this many of the growing layers, in turn, each from its own window,
+            so that a window holds the statistics of that many layers (`growing.memory`; null: all at every event).
+        max_memory_gb: refuse at setup when one window's statistics would need more than this per rank (the
+            estimate is printed at setup either way; null: no limit).
     """
 
     batches: int = 8
     layers_per_step: int | None = None
     capture: Capture = "auto"
+    layers_per_event: int | None = None
+    max_memory_gb: float | None = None
 
     def __post_init__(self):
         if self.batches <= 0:
             raise ValueError(f"statistics.batches must be positive, got {self.batches}")
         if self.layers_per_step is not None and self.layers_per_step <= 0:
             raise ValueError(f"statistics.layers_per_step must be positive (or null for all layers), got {self.layers_per_step}")
+        if self.layers_per_event is not None and self.layers_per_event <= 0:
+            raise ValueError(f"statistics.layers_per_event must be positive (or null for all layers), got {self.layers_per_event}")
         growth.check_choice("statistics.capture", self.capture, CAPTURES)
 
 

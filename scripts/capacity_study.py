@@ -1,11 +1,12 @@
 """`scripts/experiments.py --capacity --text FILE`: does the automatic schedule find a small query/key width that
-matches full attention? Five rows on the text task, equal total steps (the growth study's setting):
+matches full attention? Six rows on the text task, equal total steps (the growth study's setting):
 
     static d_head 16 | static d_head 2 | auto from d_head 1 (configs/text_auto.yaml) |
     static at the auto-found sizes (from scratch) | static 16 for part of the steps, SVD-shrunk to the auto-found
-    sizes (`convert --to mha --d_head …`) and fine-tuned for the rest.
+    sizes (`convert --to mha --d_head …`) and fine-tuned for the rest | auto from d_head 16 (ample: should not grow).
 
-The last two rows take the sizes of the auto run of the same seed, so they run after it in one invocation.
+The fourth and fifth rows take the sizes of the auto run of the same seed, so they run after it in one invocation.
+Corpora other than Tiny Shakespeare: `python scripts/corpora.py DIR` (Python stdlib sources, /usr/share/doc).
 Writes docs/experiments_capacity.{md,json} and its plots: d_head per layer against steps, loss against K-cache size.
 """
 
@@ -28,8 +29,8 @@ SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"] 
 SHRINK_SHARE = 2 / 3  # static 16 for this share of the steps, then shrunk and fine-tuned for the rest
 FINE_TUNE_WARMUP = 25  # the fine-tune is a new run: a short warmup of its own instead of the config's 100 steps
 BYTES_PER_VALUE = 4  # float32 K cache
-AUTO = "auto from d_head 1"
-ROWS = ["static d_head 16", "static d_head 2", AUTO, "static at the auto sizes", "static 16, shrunk, fine-tuned"]
+AUTO, AMPLE = "auto from d_head 1", "auto from d_head 16"
+ROWS = ["static d_head 16", "static d_head 2", AUTO, "static at the auto sizes", "static 16, shrunk, fine-tuned", AMPLE]
 
 
 def k_cache_bytes(n_head: int, d_head: list[int]) -> int:
@@ -70,8 +71,8 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
     rows = only or ROWS
     if unknown := set(rows) - set(ROWS):
         raise ValueError(f"unknown capacity rows {sorted(unknown)}; known: {ROWS}")
-    if AUTO not in rows and set(rows) & set(ROWS[3:]):
-        raise ValueError(f"rows {ROWS[3:]} take the sizes the auto run found: run {AUTO!r} in the same invocation")
+    if AUTO not in rows and set(rows) & set(ROWS[3:5]):
+        raise ValueError(f"rows {ROWS[3:5]} take the sizes the auto run found: run {AUTO!r} in the same invocation")
     common = [f"--data.init_args.path={text}", *SETTING, *extra]
     results: dict[str, list[dict]] = {}
     for seed in seeds:
@@ -81,6 +82,8 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
             if name == AUTO:
                 result = run(AUTO_CONFIG, seeded, logs, grow=True)
                 found, steps = result["final"]["d_head"], result["final"]["step"]
+            elif name == AMPLE:
+                result = run(AUTO_CONFIG, [*seeded, "--model.init_args.d_head=16"], logs, grow=True)
             elif name == "static at the auto sizes":
                 result = run(AUTO_CONFIG, [*seeded, sizes(found)], logs, grow=False)
             elif name == "static 16, shrunk, fine-tuned":
@@ -123,11 +126,27 @@ def table(results: dict[str, list[dict]]) -> str:
 def paired(results: dict[str, list[dict]]) -> str:
     """Per seed: the auto run against the two peers at the sizes it found (the comparison that matters, since
     the sizes differ from seed to seed)."""
-    rows = {name: {r["seed"]: r for r in results.get(name, [])} for name in ROWS[2:]}
+    rows = {name: {r["seed"]: r for r in results.get(name, [])} for name in ROWS[2:5]}
     lines = ["| seed | auto sizes | auto | static at the auto sizes | static 16, shrunk, fine-tuned |", "|---|---|---|---|---|"]
     for seed, auto in sorted(rows[AUTO].items()):
         loss = lambda name: f"{rows[name][seed]['final']['loss']:.3f}" if seed in rows[name] else "–"  # noqa: E731
         lines.append(f"| {seed} | {auto['final']['d_head']} | {loss(AUTO)} | {loss(ROWS[3])} | {loss(ROWS[4])} |")
+    return "\n".join(lines)
+
+
+def signals(results: dict[str, list[dict]]) -> str:
+    """The decision inputs at every check of the first seed of each auto row: per layer the first candidate column's
+    held-out ratio to the existing columns' gain, its agreement, its share of the held-out score, the bottleneck's
+    energy share, and the columns taken."""
+    lines = ["| run | step | loss | layer | d_head | ratio₁ | agreement₁ | share₁ | bottleneck | columns |",
+             "|" + "---|" * 10]
+    for name in (AUTO, AMPLE):
+        for event in results.get(name, [{}])[0].get("events", []):
+            for d in event.get("decisions", []):
+                first = lambda key: f"{d[key][0]:.2f}" if d[key] else "–"  # noqa: E731
+                lines.append(f"| {name} | {event['step']} | {event['loss_before']:.3f} | {d['layer']} | {d['d_head']} | "
+                             f"{first('ratios')} | {first('agreement')} | {first('shares')} | {d['bottleneck']:.2f} | "
+                             f"{d['columns']} |")
     return "\n".join(lines)
 
 
@@ -169,6 +188,8 @@ def plot(results: dict[str, list[dict]], out: Path) -> list[Path]:
 
 def write(results: dict[str, list[dict]], out: Path, command: str) -> str:
     text = table(results) + "\n\nValidation loss per seed:\n\n" + paired(results)
+    if AUTO in results or AMPLE in results:
+        text += "\n\nDecision inputs at each check (first seed):\n\n" + signals(results)
     plots = plot(results, out)
     (out / "experiments_capacity.md").write_text(
         f"# experiments_capacity ({command})\n\n{text}\n\n" + "\n".join(f"![]({p.name})" for p in plots) + "\n")

@@ -1,13 +1,17 @@
-"""The automatic schedule's decision (growth/capacity.py): per-column gains, the rule, its calibration."""
+"""The automatic schedule's decision (growth/capacity.py): per-column gains against either half of the window, the
+cross-validated rule that noise cannot clear, and the end rule's loss fall."""
 
 import pytest
 import torch
 
+from lit_growattn.growing.schedule import AutoSchedule
 from lit_growattn.growth import FormGrowth
-from lit_growattn.growth.capacity import CapacityRule, current_ratio, decide, layer_gains, observed_ratio
+from lit_growattn.growth.capacity import CapacityRule, decide, layer_gains, layer_score, loss_fall
 from lit_growattn.growth.stats import Moments
 
 from test_growth import Problem
+
+F64 = torch.float64
 
 
 @pytest.mark.parametrize("method", ["natural", "gradient", "pinv"])
@@ -22,48 +26,98 @@ def test_column_gains_add_up_to_the_first_order_prediction_of_appending_them(met
         assert gains[:, :p].sum().item() == pytest.approx(grown.predicted_decrease, rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("method", ["natural", "gradient"])
+def test_score_is_the_first_order_prediction_of_the_whole_direction(method):
+    # Replacing at full width truncates nothing: M′ − M = ΔM, whose prediction is the score.
+    fg = Problem(e=8, h=2, d=2).growth(method)
+    assert fg.score() == pytest.approx(fg.grow(1.0, 8, mode="replace").predicted_decrease, rel=1e-9)
+    assert fg.score() > 0  # a descent direction
+
+
+def test_gains_and_score_against_another_gradient_are_linear_in_it():
+    fg = Problem(e=8, h=2, d=2).growth("natural")
+    n1, n2 = torch.randn(2, *fg.moments.n.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(fg.column_gains(fg.moments.n), fg.column_gains(), rtol=0, atol=0)
+    assert torch.allclose(fg.column_gains(n1 + 2 * n2), fg.column_gains(n1) + 2 * fg.column_gains(n2), rtol=1e-12, atol=1e-14)
+    assert fg.score(n1 + 2 * n2) == pytest.approx(fg.score(n1) + 2 * fg.score(n2), rel=1e-12)
+
+
+def halves(p: Problem, n_a: torch.Tensor, n_b: torch.Tensor, method="gradient"):
+    """One-form layers [FormGrowth] of the whole window and of its halves, whose score gradients are n_a and n_b."""
+    c = p.stats("natural").means().c
+    grow = lambda n: [FormGrowth.from_form(p.form, Moments(c, n, None), method)]  # noqa: E731
+    return grow((n_a + n_b) / 2), grow(n_a), grow(n_b)
+
+
+def test_with_equal_halves_a_layer_takes_the_leading_columns_whose_ratio_clears_the_bar():
+    p = Problem(e=12, h=3, d=2)
+    n = p.stats("natural").means().n
+    (full,), (a,), (b,) = halves(p, n, n)
+    # gradient: gains σ_j², in descending order; the bottleneck has rank e − d = 10, beyond that only round-off.
+    gains = layer_gains([a])
+    existing = layer_score([a]) - gains.sum().item()  # ‖N̄‖² − ‖N̄⊥‖²: what the existing columns can gain
+    ratios = (gains / existing)[:10].tolist()
+    assert ratios == sorted(ratios, reverse=True) and existing > 0 and ratios[0] > 0
+    rule = CapacityRule(ratio=(ratios[2] + ratios[3]) / 2)  # the bar lies between the third and fourth column
+    decision = decide(1, [full], [a], [b], rule, max_d_head=12)
+    assert (decision.layer, decision.d_head, decision.candidates, decision.columns) == (1, 2, 10, 3)
+    assert decision.ratios == pytest.approx(ratios, rel=1e-9) and decision.bar == rule.ratio
+    assert decision.existing == pytest.approx(existing, rel=1e-9)
+    assert decision.agreement[:3] == pytest.approx([1.0] * 3, rel=1e-9)  # nothing is lost out of sample
+    assert decision.shares == pytest.approx((gains / layer_score([a]))[:10].tolist(), rel=1e-9)
+    assert 0 < decision.bottleneck < 1
+    assert decide(1, [full], [a], [b], rule, max_d_head=4).columns == 2  # room below max_d_head
+    assert decide(1, [full], [a], [b], rule, max_d_head=12, cap=1).columns == 1
+    # Two forms of one layer (DIFF/DINT) add their gains and scores: the ratios stay.
+    assert decide(1, [full] * 2, [a] * 2, [b] * 2, rule, max_d_head=12).ratios == pytest.approx(decision.ratios)
+
+
+def test_noise_that_does_not_hold_out_cannot_clear_the_bar_and_signal_does():
+    p = Problem(e=12, h=3, d=2)
+    signal = p.stats("natural").means().n
+    g = torch.Generator().manual_seed(0)
+    noise = [torch.randn(signal.shape, dtype=F64, generator=g) for _ in range(2)]
+    noise = [z * signal.norm() / z.norm() for z in noise]  # as strong as the signal
+    rule = CapacityRule(ratio=1e-3)
+    # Independent noise in the halves: what each half fits does not hold out on the other.
+    pure = decide(0, *halves(p, noise[0], noise[1]), rule, max_d_head=12)
+    assert pure.columns == 0 and max(pure.agreement) < rule.agreement
+    # The same noise, 1/10 of the signal's norm, over a common signal: the leading columns hold out.
+    mixed = decide(0, *halves(p, signal + noise[0] / 10, signal + noise[1] / 10), rule, max_d_head=12)
+    assert mixed.columns >= 1 and mixed.agreement[0] > rule.agreement
+
+
 def test_zero_gradient_predicts_no_gain_and_nothing_grows():
     p = Problem(e=8, h=2, d=2)
-    moments = p.stats("natural").means()
-    still = FormGrowth.from_form(p.form, Moments(moments.c, torch.zeros_like(moments.n), None), "natural")
-    assert torch.equal(layer_gains([still]), torch.zeros(8, dtype=torch.float64))
-    assert decide(0, [still], loss=1.0, rule=CapacityRule(1e-12), ratio=1.0, max_d_head=8).columns == 0
+    zero = torch.zeros_like(p.stats("natural").means().n)
+    decision = decide(0, *halves(p, zero, zero, "natural"), CapacityRule(ratio=1e-9), max_d_head=8)
+    assert decision.columns == 0 and decision.score == 0 and decision.ratios == [0.0] * 6
 
 
-def test_decide_takes_the_leading_columns_that_clear_the_bar_within_the_room():
-    e, d = 12, 2
-    fg = Problem(e=e, h=3, d=d).growth("gradient")  # gradient: gains are σ², in descending order
-    gains = layer_gains([fg]).tolist()
-    # The bottleneck has rank ≤ e − d: only those gains are ordered by the maths, the others are round-off.
-    rank = e - d
-    assert gains[:rank] == sorted(gains[:rank], reverse=True) and gains[rank - 1] > 0
-    assert max(abs(g) for g in gains[rank:]) <= 100 * e * torch.finfo(torch.float64).eps * gains[0]
-    rule = CapacityRule(threshold=1.0, realised_ratio=1.0)
-    loss = (gains[2] + gains[3]) / 2  # the bar lies between the third and fourth column
-    decision = decide(1, [fg], loss, rule, ratio=1.0, max_d_head=12)
-    assert (decision.layer, decision.d_head, decision.candidates, decision.columns) == (1, 2, 10, 3)
-    assert decision.bar == loss and decision.gains == pytest.approx(gains[:10])
-    assert decide(1, [fg], loss, rule, ratio=1.0, max_d_head=4).columns == 2  # room below max_d_head
-    assert decide(1, [fg], loss, rule, ratio=1.0, max_d_head=12, cap=1).columns == 1
-    assert decide(1, [fg], loss, rule, ratio=0.0, max_d_head=12).columns == 0  # a distrusted prediction
-    # Two forms of one layer (DIFF/DINT) add their gains column by column.
-    assert layer_gains([fg, fg]) == pytest.approx(2 * layer_gains([fg]))
+def test_loss_fall_is_the_relative_decrease_per_check():
+    history = [{"loss_before": x} for x in (2.0, 1.9, 1.8, 1.7)]
+    assert loss_fall(history, 3) == pytest.approx(0.3 / (3 * 2.0))
+    assert loss_fall(history, 1) == pytest.approx(0.1 / 1.8)
+    assert loss_fall(history, 4) is None  # the loss four checks ago was never measured
+    assert loss_fall([{"loss_before": 2.0}, {"skipped": True}], 1) is None
 
 
-def test_calibration_starts_at_the_measured_ratio_and_only_falls():
-    rule = CapacityRule(1e-4, realised_ratio=0.004)
-    assert current_ratio([], rule) == 0.004
-    assert current_ratio([{"observed_ratio": 0.05}], rule) == 0.004  # a lucky growth is not trusted beyond
-    assert current_ratio([{"observed_ratio": 0.001}, {"d_head": [2]}], rule) == 0.001
-    grown = [{"gains": [0.004, 0.002, 0.001], "columns": 2, "ratio": 0.004}, {"gains": [1.0], "columns": 0, "ratio": 0.004}]
-    assert observed_ratio(0.015, grown) == pytest.approx(0.01)  # 0.015 of a predicted 1.5
-    assert observed_ratio(0.0, grown) == 0.0 and observed_ratio(-1.0, grown) == 0.0
+def test_no_end_of_growth_while_the_loss_falls_faster_than_min_fall():
+    schedule = AutoSchedule(check_every=50, patience=2, min_fall=0.01)
+    schedule.layers, schedule.max_d_head, schedule.start_sizes = [0], 16, [2]
+    idle = lambda loss: {"d_head_before": [2], "d_head": [2], "loss_before": loss}  # noqa: E731
+    falling = [idle(2.0), idle(2.0 * 0.97), idle(2.0 * 0.97**2)]  # 3 % a check: growth goes on being checked
+    assert not schedule.finished(falling) and schedule.pending(falling).at == 200
+    flat = [idle(2.0), idle(1.995), idle(1.99)]  # 0.25 % a check: two idle checks end it
+    assert schedule.finished(flat) and schedule.pending(flat) is None
+    grew = [idle(2.0), {"d_head_before": [2], "d_head": [3], "loss_before": 2.0}, idle(2.0)]
+    assert not schedule.finished(grew)  # the last growth is within the patience
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(threshold=0.0), "threshold must be positive"),
-    (dict(realised_ratio=0.0), "realised_ratio is a share"),
-    (dict(realised_ratio=2.0), "realised_ratio is a share"),
+    (dict(ratio=0.0), "threshold is a positive ratio"),
+    (dict(agreement=0.0), "agreement is a share"),
+    (dict(min_fall=-0.1), "min_fall is a relative loss decrease"),
 ])
 def test_bad_rules_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -94,6 +94,7 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
             "--override=--trainer.callbacks.init_args.schedule.init_args.check_every=3",
             "--override=--trainer.callbacks.init_args.statistics.batches=2",
             "--override=--trainer.callbacks.init_args.schedule.init_args.threshold=1e-7",
+            "--override=--trainer.callbacks.init_args.schedule.init_args.agreement=0.01",
             "--override=--trainer.callbacks.init_args.growth.max_columns=1"]
     experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
                       "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned"])

@@ -27,9 +27,10 @@ if TYPE_CHECKING:  # the config names the variants; they only need its type
     from lit_growattn.config import GPTConfig
 
 
-def _uniform(*shape: int, fan_in: int) -> nn.Parameter:
+def uniform_parameter(*shape: int, fan_in: int, device=None, dtype=None) -> nn.Parameter:
+    """nn.Linear's init U(−1/√fan_in, 1/√fan_in), from which the d₂ scale is derived."""
     bound = 1.0 / math.sqrt(fan_in)
-    return nn.Parameter(torch.empty(*shape).uniform_(-bound, bound))
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype).uniform_(-bound, bound))
 
 
 class LowRankQK(nn.Module):
@@ -42,10 +43,10 @@ class LowRankQK(nn.Module):
         super().__init__()
         e_in = n_embd + int(bias)
         self.bias, self.sdpa_pad = bias, sdpa_pad
-        self.down_q = _uniform(n_head, e_in, rank, fan_in=n_embd)
-        self.down_k = _uniform(n_head, e_in, rank, fan_in=n_embd)
-        self.up_q = _uniform(n_head, rank, d_head, fan_in=rank)
-        self.up_k = _uniform(n_head, rank, d_head, fan_in=rank)
+        self.down_q = uniform_parameter(n_head, e_in, rank, fan_in=n_embd)
+        self.down_k = uniform_parameter(n_head, e_in, rank, fan_in=n_embd)
+        self.up_q = uniform_parameter(n_head, rank, d_head, fan_in=rank)
+        self.up_k = uniform_parameter(n_head, rank, d_head, fan_in=rank)
         self.log_tau = nn.Parameter(torch.full((n_head,), -0.5 * math.log(d_head * d2_ratio)))
 
     @property

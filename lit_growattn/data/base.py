@@ -42,7 +42,10 @@ class ResumableLoader(DataLoader):
 
 class BaseDataModule(L.LightningDataModule):
     """Subclasses fill `self.train_set` and `self.val_sets` (one dataset per name in `val_names`) in `setup`
-    and set `batch_size`, `num_workers` and `seed`. The held-out sets serve validation and test alike."""
+    and set `batch_size`, `num_workers` and `seed`. The held-out sets serve validation and test alike.
+    `collate` (None: the default collation) builds batches from lists of examples."""
+
+    collate = None
 
     def train_dataloader(self) -> DataLoader:
         # A DistributedSampler shuffles with a generator seeded by seed + epoch, so the order depends on
@@ -58,7 +61,7 @@ class BaseDataModule(L.LightningDataModule):
     def _train_loader(self, sampler: Sampler) -> ResumableLoader:
         return ResumableLoader(
             self.train_set, self.batch_size, sampler=sampler, num_workers=self.num_workers,
-            position=self._position,
+            collate_fn=self.collate, position=self._position,
         )
 
     def _position(self) -> tuple[int, int]:
@@ -68,7 +71,8 @@ class BaseDataModule(L.LightningDataModule):
         return (epoch + 1, 0) if done >= self.trainer.num_training_batches else (epoch, done)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        loaders = [DataLoader(ds, self.batch_size, num_workers=self.num_workers) for ds in self.val_sets]
+        loaders = [DataLoader(ds, self.batch_size, num_workers=self.num_workers, collate_fn=self.collate)
+                   for ds in self.val_sets]
         return loaders if len(loaders) > 1 else loaders[0]
 
     def test_dataloader(self) -> DataLoader | list[DataLoader]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lit_growattn import growth
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth.capacity import CapacityRule, Decision, decide, observed_ratio
+from lit_growattn.growth.capacity import CapacityRule, Decision, decide
 from lit_growattn.settings import GrowthSettings, StepSearch
 
 LossOf = Callable[[Sequence[dict[str, growth.Growth] | None]], Tensor]
@@ -52,13 +52,20 @@ def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSetti
     )
 
 
-def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, loss: float, ratio: float, s: GrowthSettings,
-                 rule: CapacityRule) -> list[Decision]:
-    """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks."""
+def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.FormStats],
+                 half: list[growth.FormStats], s: GrowthSettings, rule: CapacityRule) -> list[Decision]:
+    """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks and those of the
+    window's two halves (`half` and the rest of `stats`)."""
+    def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth]:
+        return {name: growth.FormGrowth.from_form(form, st.means(), s.method, truncation=s.truncation)
+                for (_, name, form), st in zip(forms, sums)}
+
+    a, b = growths(half), growths([st - h for st, h in zip(stats, half)])
     by_layer: dict[int, list[str]] = {}
     for layer, name, _ in forms:
         by_layer.setdefault(layer, []).append(name)
-    return [decide(layer, [plan.forms[n] for n in names], loss, rule, ratio, s.max_d_head, s.cap(layer))
+    pick = lambda found, names: [found[n] for n in names]  # noqa: E731
+    return [decide(layer, pick(plan.forms, names), pick(a, names), pick(b, names), rule, s.max_d_head, s.cap(layer))
             for layer, names in by_layer.items()]
 
 
@@ -134,11 +141,12 @@ class GrowthEvent:
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
     choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str, int], StepChoice] = choose_step_size
     capacity: CapacityRule | None = None  # the automatic schedule's rule (None: the settings size the growth)
-    ratio: float | None = None  # the automatic schedule's realised/predicted calibration for this check
     terms: int = 1  # values (tokens) each rated loss averages: its round-off (trainer_ops.loss_terms)
 
-    def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int) -> tuple[dict, dict[str, Tensor]]:
+    def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int,
+            half: list[growth.FormStats] | None = None) -> tuple[dict, dict[str, Tensor]]:
         """Grows `forms` from their reduced `stats`; returns the event's record and the kept spectra per form.
+        `half`: the sums of half the window's micro-batches, which the automatic schedule's decision needs.
         Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""
         clock = Stopwatch(forms[0][2].w_q.device)
         plan = plan_growth(forms, stats, self.settings, self.search.line_search, self.capacity is not None, seed)
@@ -148,7 +156,9 @@ class GrowthEvent:
             current = self.loss_of([None])
             loss = float(current[0])
             # Rank 0's decisions on every rank, as for the grown tensors below.
-            sizes = decide_sizes(plan, forms, loss, self.ratio, self.settings, self.capacity)
+            if half is None:
+                raise ValueError("the automatic schedule decides from the two halves of the window: pass `half`")
+            sizes = decide_sizes(plan, forms, stats, half, self.settings, self.capacity)
             decisions = self.broadcast([d.as_dict() for d in sizes])
             columns = {d["layer"]: d["columns"] for d in decisions}
             plan = plan.resized({name: form.d_head + columns[layer] for layer, name, form in forms})
@@ -178,10 +188,6 @@ class GrowthEvent:
         }
         if decisions is not None:
             record["decisions"] = decisions
-            # A decrease within the evaluation's round-off realised nothing (it ends the automatic schedule).
-            noise = growth.loss_rounding(choice.loss_before, torch.float32, self.terms)
-            realised = record["realised_decrease"] if record["realised_decrease"] > noise else 0.0
-            record["observed_ratio"] = observed_ratio(realised, decisions)
         return record, {name: g.spectrum for name, g in grown.items()}
 
 

@@ -39,13 +39,16 @@ def grew(event: dict) -> bool:
 
 
 def decision_text(decisions: list[dict]) -> str:
-    """e.g. `layer 0 +2 of 15 (gains 3.1e-03 9.0e-04 2.0e-04 ≥ 5.0e-04?)`: per layer the columns taken, the
-    candidates, the expected gains of the first few and the bar they had to clear."""
+    """e.g. `layer 0 +2 of 15 (ratios 3.1 0.9 0.2 vs 0.5, agreement 0.9 0.8 0.2, shares 0.31 0.09 0.02, bottleneck
+    0.62)`: per layer the columns taken, the candidates, the held-out gain of the first few to the existing columns'
+    gain, against the bar, their agreement, their share of the held-out score, and the bottleneck's energy share."""
     parts = []
     for d in decisions:
-        shown = " ".join(f"{g:.1e}" for g in d["gains"][: d["columns"] + 2])
-        parts.append(f"layer {d['layer']} +{d['columns']} of {d['candidates']} (gains {shown or '–'} vs bar {d['bar']:.1e})")
-    return f"gains × {decisions[0]['ratio']:.2g} (realised/predicted): " + "; ".join(parts)
+        shown = lambda xs: " ".join(f"{x:.2g}" for x in xs[: d["columns"] + 2]) or "–"  # noqa: E731
+        parts.append(f"layer {d['layer']} +{d['columns']} of {d['candidates']} (ratios {shown(d['ratios'])} vs "
+                     f"{d['bar']:.2g}, agreement {shown(d['agreement'])}, shares {shown(d['shares'])}, "
+                     f"bottleneck {d['bottleneck']:.2f})")
+    return "; ".join(parts)
 
 
 def event_line(event: dict) -> str:
@@ -80,8 +83,12 @@ def summary_table(history: list[dict]) -> str:
 def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
     metrics = {"growth/skipped": float(event["skipped"])}
     for d in event.get("decisions", []):
-        metrics[f"growth/auto/columns/layer_{d['layer']}"] = float(d["columns"])
-        metrics[f"growth/auto/best_gain/layer_{d['layer']}"] = max(d["gains"], default=0.0)
+        layer = d["layer"]
+        metrics[f"growth/auto/columns/layer_{layer}"] = float(d["columns"])
+        metrics[f"growth/auto/first_ratio/layer_{layer}"] = d["ratios"][0] if d["ratios"] else 0.0
+        metrics[f"growth/auto/first_share/layer_{layer}"] = d["shares"][0] if d["shares"] else 0.0
+        metrics[f"growth/auto/first_agreement/layer_{layer}"] = d["agreement"][0] if d["agreement"] else 0.0
+        metrics[f"growth/auto/bottleneck/layer_{layer}"] = d["bottleneck"]
         metrics["growth/auto/bar"] = d["bar"]
     if not grew(event):
         return metrics
@@ -124,7 +131,10 @@ def add_layout(trainer: L.Trainer, n_layer: int) -> None:
             "sign fallbacks and skips": ["Multiline", ["growth/sign_fallbacks", "growth/skipped"]],
             "seconds": ["Multiline", ["growth/seconds"]],
             "automatic schedule: columns taken": ["Multiline", per_layer("auto/columns")],
-            "automatic schedule: best expected gain vs bar": ["Multiline", [*per_layer("auto/best_gain"), "growth/auto/bar"]],
+            "automatic schedule: first column's ratio to the existing columns vs bar": ["Multiline", [*per_layer("auto/first_ratio"), "growth/auto/bar"]],
+            "automatic schedule: first column's share of the held-out score": ["Multiline", per_layer("auto/first_share")],
+            "automatic schedule: first column's agreement": ["Multiline", per_layer("auto/first_agreement")],
+            "automatic schedule: bottleneck share": ["Multiline", per_layer("auto/bottleneck")],
         },
         "training": {
             "loss": ["Multiline", ["train/loss", "val/loss"]],

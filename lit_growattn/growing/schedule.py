@@ -10,10 +10,10 @@ statistics window is the `statistics.batches` micro-batches just before it.
 `Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
-`AutoSchedule` checks every `check_every` optimizer steps instead, and ends by itself: after
-`patience` checks in a row where no layer grew, after a growth that realised nothing, or once every growing layer
-is at max_d_head. Its next point is
-read from the history alone (one record per check), so a resumed run continues exactly where it stopped.
+`AutoSchedule` checks every `check_every` optimizer steps instead, and ends by itself: after `patience` checks in a
+row where no layer grew, provided the loss no longer falls fast (by less than `min_fall` of itself per check over
+those checks), or once every growing layer is at max_d_head. Its next point is read from the history alone (one
+record per check), so a resumed run continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from lit_growattn.growth.capacity import REALISED_PER_PREDICTED, CapacityRule, latest_observed_ratio
+from lit_growattn.growth.capacity import CapacityRule, loss_fall
 
 if TYPE_CHECKING:
     from lit_growattn.settings import GrowthSettings
@@ -173,30 +173,33 @@ class AtSteps(_FixedSchedule):
 
 
 class AutoSchedule(GrowthSchedule):
-    """A check every `check_every` optimizer steps, where each layer grows by the columns whose expected loss
-    decrease clears `threshold` × the loss (`lit_growattn.growth.capacity`). It ends after `patience` checks in a
-    row grow nothing, after a growth that realised nothing (its observed realised/predicted ratio is 0, so no
-    later prediction can be trusted), once every growing layer is at max_d_head, or when the next check would come
-    at or after the run's last step; no statistics are taken after that.
+    """A check every `check_every` optimizer steps, where each layer grows by the columns whose held-out gain is
+    at least `threshold` of what the layer's existing columns can still gain and `agreement` of their own in-sample
+    gain (`lit_growattn.growth.capacity`). It ends after `patience` checks in a row grow nothing while the loss falls
+    by less than `min_fall` of itself per check (a near miss while training still moves fast is never final), once
+    every growing layer is at max_d_head, or when the next check would come at or after the run's last step; no
+    statistics are taken after that.
 
     Args:
         check_every: optimizer steps between checks.
-        patience: checks in a row without growth after which the schedule ends.
-        threshold: a column must be expected to lower the loss by this share of it (e.g. 1e-4).
-        realised_ratio: the share of the first-order prediction at α = 1 that a growth realises (the measured
-            calibration, docs/design.md "Automatic capacity"); lowered by what each growth realises.
+        patience: checks in a row without growth after which the schedule may end.
+        threshold: a column's held-out first-order gain must be at least this ratio to the gain the layer's
+            existing query/key columns can still make (SENN's expansion score ratio; scale-free).
+        agreement: at least this share of a column's in-sample gain must hold out on the other half of the
+            window (½: more signal than fitted noise).
+        min_fall: the schedule may end only once the loss falls by less than this share of itself per check.
     """
 
     unit, kind = "step", "auto"
 
-    def __init__(self, check_every: int = 50, patience: int = 2, threshold: float = 1e-4,
-                 realised_ratio: float = REALISED_PER_PREDICTED):
+    def __init__(self, check_every: int = 50, patience: int = 3, threshold: float = CapacityRule.ratio,
+                 agreement: float = CapacityRule.agreement, min_fall: float = CapacityRule.min_fall):
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
         if patience <= 0:
             raise ValueError(f"patience must be a positive number of checks, got {patience}")
         self.check_every, self.patience = check_every, patience
-        self.capacity = CapacityRule(threshold, realised_ratio)
+        self.capacity = CapacityRule(threshold, agreement, min_fall)
         # Learnt in `bind` and `check_run`: the growing layers, their limit, their sizes at the start, the last step.
         self.layers: list[int] = []
         self.max_d_head: int | None = None
@@ -225,9 +228,9 @@ class AutoSchedule(GrowthSchedule):
     def finished(self, history: list[dict]) -> bool:
         recent = history[-self.patience:]
         if len(recent) == self.patience and all(e["d_head"] == e["d_head_before"] for e in recent):
-            return True
-        if latest_observed_ratio(history) == 0:
-            return True
+            fall = loss_fall(history, self.patience)
+            if fall is not None and fall < self.capacity.min_fall:
+                return True
         sizes = history[-1]["d_head"] if history else self.start_sizes
         return all(sizes[i] >= self.max_d_head for i in self.layers)
 

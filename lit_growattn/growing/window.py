@@ -35,28 +35,36 @@ def layers_in_turn(layers: list[int], per_step: int, window_step: int) -> set[in
     return {layers[(window_step * per_step + j) % len(layers)] for j in range(per_step)}
 
 
-def fold_captured(forms: NamedForms, stats: list[growth.FormStats], weight: float, grad_scale: float | None) -> None:
+def fold_captured(forms: NamedForms, stats: list[growth.FormStats], weight: float, grad_scale: float | None,
+                  half: list[growth.FormStats] | None = None) -> None:
     """Folds each form's captured (X′, G·X′) pairs into its sums. `weight`: the micro-batch's share of the
-    optimizer step; `grad_scale`: a 16-mixed GradScaler's factor still in the gradients (None: none)."""
-    for st, (_, _, form) in zip(stats, forms):
+    optimizer step; `grad_scale`: a 16-mixed GradScaler's factor still in the gradients (None: none); `half`:
+    sums that also take every other captured micro-batch of each form (those while they hold at most half the
+    weight), so that the window splits into two halves (`half` and the rest) whatever the round-robin."""
+    for i, (st, (_, _, form)) in enumerate(zip(stats, forms)):
+        targets = [st] + ([half[i]] if half is not None and 2 * half[i].weight <= st.weight else [])
         for xa, gx in form.take_captured():
             try:
-                st.update(xa, gx if grad_scale is None else gx / grad_scale, weight)
+                for target in targets:
+                    target.update(xa, gx if grad_scale is None else gx / grad_scale, weight)
             except growth.NonFiniteStatistics:
                 if grad_scale is None:
                     # Poison the sums rather than raise: after the all-reduce every rank sees the NaN and skips
                     # this growth together, and training goes on.
-                    st.weight.fill_(float("nan"))
+                    for target in targets:
+                        target.weight.fill_(float("nan"))
                 # With a GradScaler an overflow is routine (the scaler skips that optimizer step): drop the pair.
 
 
 class StatsWindow:
-    """Pending statistics of the next growth event, tagged with its name; `state_dict` survives checkpoints."""
+    """Pending statistics of the next growth event, tagged with its name; `state_dict` survives checkpoints.
+    With `halves`, `half` holds the sums of every other micro-batch of each form (`fold_captured`)."""
 
-    def __init__(self, method: str):
-        self.method = method
+    def __init__(self, method: str, halves: bool = False):
+        self.method, self.halves = method, halves
         self.event: str | None = None
         self.stats: list[growth.FormStats] | None = None
+        self.half: list[growth.FormStats] | None = None
         self.kept: list[Any] = []  # batches kept for the step-size evaluations, as the dataloader yields them
         self.reduced = False  # the sums are already summed over ranks (the window has closed)
         # The settings that decide what the sums and kept batches hold (statistics.batches,
@@ -64,7 +72,7 @@ class StatsWindow:
         self.gathered_with: dict[str, Any] | None = None
 
     def clear(self) -> None:
-        self.event, self.stats, self.kept, self.reduced, self.gathered_with = None, None, [], False, None
+        self.event, self.stats, self.half, self.kept, self.reduced, self.gathered_with = None, None, None, [], False, None
 
     def begin_step(self, event: str, forms: NamedForms, active: set[int], mode: CaptureMode, gathered_with: dict,
                    keep=None) -> None:
@@ -77,6 +85,8 @@ class StatsWindow:
             # float64 sums when the model itself runs in float64 (precision="64-true").
             dtype = torch.float64 if forms[0][2].w_q.dtype == torch.float64 else torch.float32
             self.stats = [growth.FormStats.empty_like(form, self.method, dtype=dtype) for _, _, form in forms]
+            if self.halves:
+                self.half = [growth.FormStats.empty_like(form, self.method, dtype=dtype) for _, _, form in forms]
         for layer, _, form in forms:
             form.capture = mode if layer in active else None
         if keep is not None:
@@ -89,19 +99,28 @@ class StatsWindow:
 
     def to(self, device: torch.device) -> None:
         """Moves the sums to `device`: a checkpoint restores them on the CPU, whatever device the model is on."""
-        for st in self.stats or []:
+        for st in self._sums():
             st.to(device)
+
+    def _sums(self) -> list[growth.FormStats]:
+        """The whole window's sums, then those of the half (one list, reduced and saved together)."""
+        return (self.stats or []) + (self.half or [])
+
+    def _split(self, sums: list[growth.FormStats]) -> None:
+        cut = len(sums) // 2 if self.halves else len(sums)
+        self.stats, self.half = sums[:cut], (sums[cut:] if self.halves else None)
 
     def close(self, strategy, world: int, device: torch.device) -> None:
         """Sums the statistics over ranks (the one collective of the window) and gathers the kept batches, as
         soon as the window ends: every rank then holds the same state, which a checkpoint saves whole."""
         self.to(device)
-        self.stats = growth.unflatten_stats(strategy.reduce(growth.flatten_stats(self.stats), reduce_op="sum"), self.stats)
+        sums = self._sums()
+        self._split(growth.unflatten_stats(strategy.reduce(growth.flatten_stats(sums), reduce_op="sum"), sums))
         self.kept = _gather_batches(strategy, self.kept, world)
         self.reduced = True
 
     def state_dict(self, strategy, world: int) -> dict:
-        stats, kept = self.stats, self.kept
+        stats, kept = (self._sums() or None), self.kept
         per_rank = stats is not None and not self.reduced and world > 1
         if per_rank:
             # Inside the window every rank holds its own partial sums: keep all of them (this runs on every
@@ -113,9 +132,10 @@ class StatsWindow:
             "reduced": self.reduced,
             "per_rank": per_rank,
             "world_size": world,
+            "halves": self.halves,
             "stats": None if stats is None else {
                 "flat": (stats if per_rank else growth.flatten_stats(stats)).cpu(),
-                "like": [s.state_dict() for s in self.stats],
+                "like": [s.state_dict() for s in self._sums()],
             },
             "kept": [apply_to_collection(b, Tensor, Tensor.cpu) for b in kept],
             "gathered_with": self.gathered_with,
@@ -130,6 +150,9 @@ class StatsWindow:
                 "outside the window"
             )
         self.clear()
+        if state.get("halves", False) != self.halves:
+            # Written by a run with the other schedule kind: its sums cannot serve this one; the event is skipped.
+            return
         self.event, self.reduced = state["event"], state["reduced"]
         stats, kept = state["stats"], list(state["kept"])
         if state["per_rank"]:
@@ -137,7 +160,7 @@ class StatsWindow:
             kept = kept[rank::world]
         if stats is not None:
             like = [growth.FormStats.from_state_dict(s) for s in stats["like"]]
-            self.stats = growth.unflatten_stats(stats["flat"], like)
+            self._split(growth.unflatten_stats(stats["flat"], like))
         self.kept = kept
         self.gathered_with = state.get("gathered_with")  # absent from checkpoints of earlier versions
 

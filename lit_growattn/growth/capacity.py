@@ -1,17 +1,22 @@
 """How many columns a layer grows by under the automatic schedule (docs/design.md, "Automatic capacity").
 
-Appending the bottleneck pair j of a form at step α changes M by α·σ_j u_j v_jᵀ, whose first-order loss
-decrease is α·g_j with g_j = −σ_j u_jᵀN̄v_j (`FormGrowth.column_gains`). The forms of a layer share d_head, so
-the layer's gain of column j sums g_j over its heads and forms. The first-order prediction at α = 1 overstates
-what a step achieves by far (at real text growth events the best held-out decrease over all step sizes is a
-small fraction of it: docs/design.md §11, docs/growth_step.md). A column is therefore trusted to
-deliver ratio × g_j, and qualifies when that clears `threshold` × the current loss. The ratio starts at that
-measured `realised_ratio` and can only fall: after each growth of the schedule it is the smaller of the prior and
-what that growth realised on the kept batches ÷ the first-order prediction at α = 1 of the columns it added
-(`observed_ratio`; a lucky early growth, measured on two batches, is not trusted beyond the prior). A growth that
-realised nothing (the line search kept α = 0) therefore stops the next ones: that is how a solved task, whose
-loss and predicted gains both shrink towards 0 at a constant ratio, stops growing.
-Columns are taken in order (largest σ first) while they qualify, up to the room left below max_d_head.
+Every quantity here is a ratio of two first-order loss decreases measured on the same statistics, so the loss's
+scale, the learning rate, the corpus and the direction's normalisation all cancel; nothing is calibrated.
+
+The statistics window is split in two halves A and B (alternate micro-batches). From each half X the natural
+direction ΔM^X and the SVD of its bottleneck ΔM⊥^X = (I − P_Q)ΔM^X(I − P_K) (the part the current columns cannot
+express to first order, TINY's expressivity bottleneck) give, against the score gradient N̄^Y of either half Y:
+    g_j^{XY} = −σ_j u_jᵀ N̄^Y v_j   first-order decrease of appending bottleneck pair j of X at α = 1,
+    G^{XY}   = −⟨N̄^Y, ΔM^X⟩        the same for the whole direction.
+Held out (X ≠ Y), noise fitted on X does not help on Y: in expectation only the signal survives. Per layer
+(heads and forms summed), with g_j = ½(g_j^{AB} + g_j^{BA}) and in-sample ĝ_j = ½(g_j^{AA} + g_j^{BB}), Ĝ likewise:
+    existing    = Ĝ − Σ_j ĝ_j  what the layer's existing query/key columns can still gain along ΔM − ΔM⊥ (SENN's
+                               natural-gradient score of the current parameters; in sample, so noise only raises it);
+    ratio_j     = g_j / existing   what column j adds, held out, against that (SENN's expansion score ratio);
+    agreement_j = g_j / ĝ_j        the part of column j's in-sample gain that holds out (1: signal, ≤ 0: noise).
+Column j qualifies when ratio_j ≥ `ratio` and agreement_j ≥ `agreement`; a layer takes its leading qualifying
+columns (largest σ first), up to the room left below max_d_head. Logged beside them: shares_j = g_j / G (held-out
+score of the whole direction) and the bottleneck's share of the direction's energy ‖ΔM⊥‖²/‖ΔM‖².
 """
 
 from __future__ import annotations
@@ -24,75 +29,99 @@ from torch import Tensor
 
 from lit_growattn.growth.factorize import FormGrowth
 
-# Median over the probed text events of (best realised decrease over α) / (first-order prediction at α = 1):
-# docs/design.md §11, with the command that measures it.
-REALISED_PER_PREDICTED = 0.004
-
 
 @dataclass(frozen=True)
 class CapacityRule:
-    """threshold: a column must be expected to lower the loss by this share of it; realised_ratio: the share
-    of the first-order prediction at α = 1 a growth realises (the calibration above)."""
+    """ratio: a column's held-out gain must be at least this share of what the layer's existing columns can gain;
+    agreement: at least this share of its in-sample gain must hold out on the other half of the window (½:
+    more signal than fitted noise); min_fall: the schedule may end only once the loss falls by less than this
+    share of itself per check (growth never ends while the loss still falls fast)."""
 
-    threshold: float = 1e-4
-    realised_ratio: float = REALISED_PER_PREDICTED
+    ratio: float = 0.5
+    agreement: float = 0.5
+    min_fall: float = 0.01
 
     def __post_init__(self):
-        if not self.threshold > 0:
-            raise ValueError(f"AutoSchedule threshold must be positive (a share of the loss, e.g. 1e-4), got {self.threshold}")
-        if not 0 < self.realised_ratio <= 1:
-            raise ValueError(f"realised_ratio is a share of the predicted decrease in (0, 1], got {self.realised_ratio}")
+        if not self.ratio > 0:
+            raise ValueError(f"threshold is a positive ratio to the existing columns' gain (e.g. 0.5), got {self.ratio}")
+        if not 0 < self.agreement <= 1:
+            raise ValueError(f"agreement is a share of the in-sample gain in (0, 1], got {self.agreement}")
+        if not self.min_fall >= 0:
+            raise ValueError(f"min_fall is a relative loss decrease per check (≥ 0, e.g. 0.01), got {self.min_fall}")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One layer at one check: `gains` are the expected (calibrated) decreases of its candidate columns, in the
-    order they would be appended; `columns` of them clear `bar` = threshold × loss."""
+    """One layer at one check: per candidate column, in the order they would be appended, its `ratios` (to the
+    existing columns' gain `existing`) and `agreement`; `columns` of them qualify against `bar` (the rule's ratio) and
+    the rule's agreement. Logged only: `shares` of the held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
 
     layer: int
     d_head: int
     candidates: int
-    gains: list[float]
+    ratios: list[float]
+    agreement: list[float]
     bar: float
     columns: int
-    ratio: float  # the realised/predicted ratio the gains were calibrated with
+    existing: float
+    shares: list[float]
+    score: float
+    bottleneck: float
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
-def layer_gains(growths: Sequence[FormGrowth]) -> Tensor:
-    """(e′,) first-order decrease at α = 1 of appending column j to every head of every form of one layer."""
-    return torch.stack([g.column_gains().sum(0) for g in growths]).sum(0)
+def layer_gains(growths: Sequence[FormGrowth], n: Sequence[Tensor] | None = None) -> Tensor:
+    """(e′,) first-order decrease at α = 1 of appending column j to every head of every form of one layer, against
+    each form's own N̄ or the given ones (held out)."""
+    held = n if n is not None else [None] * len(growths)
+    return torch.stack([g.column_gains(h).sum(0) for g, h in zip(growths, held)]).sum(0)
 
 
-def latest_observed_ratio(history: list[dict]) -> float | None:
-    """The observed ratio of the schedule's latest growth (None before its first)."""
-    return next((e["observed_ratio"] for e in reversed(history) if "observed_ratio" in e), None)
+def layer_score(growths: Sequence[FormGrowth], n: Sequence[Tensor] | None = None) -> float:
+    """First-order decrease at α = 1 of the whole direction ΔM of every form of one layer, against their own N̄ or
+    the given ones."""
+    held = n if n is not None else [None] * len(growths)
+    return sum(g.score(h) for g, h in zip(growths, held))
 
 
-def current_ratio(history: list[dict], rule: CapacityRule) -> float:
-    """The calibration for the next check: the measured prior, lowered to the latest growth's observed ratio."""
-    observed = latest_observed_ratio(history)
-    return rule.realised_ratio if observed is None else min(rule.realised_ratio, observed)
+def bottleneck_share(growths: Sequence[FormGrowth]) -> float:
+    """‖ΔM⊥‖²/‖ΔM‖² over the heads and forms of one layer: how much of the direction the current width cannot express."""
+    parts = [g.bottleneck(g.sizing_method) for g in growths]
+    total = sum(float(energy.sum()) for _, _, _, energy in parts)
+    return sum(float(s.square().sum()) for _, s, _, _ in parts) / total if total > 0 else 0.0
 
 
-def observed_ratio(realised: float, decisions: Sequence[dict]) -> float:
-    """What a growth realised ÷ the first-order prediction at α = 1 of the columns it added, in [0, 1]."""
-    predicted = sum(sum(d["gains"][: d["columns"]]) / d["ratio"] for d in decisions if d["columns"])
-    return min(max(realised / predicted, 0.0), 1.0) if predicted > 0 else 0.0
-
-
-def decide(layer: int, growths: Sequence[FormGrowth], loss: float, rule: CapacityRule, ratio: float,
+def decide(layer: int, full: Sequence[FormGrowth], a: Sequence[FormGrowth], b: Sequence[FormGrowth], rule: CapacityRule,
            max_d_head: int, cap: int | None = None) -> Decision:
-    """How many columns `layer` (its forms' growths) grows by, with gains calibrated by `ratio`; at most `cap`
-    (None: no cap) and max_d_head."""
-    d_head = growths[0].d_head
-    room = max(0, min(max_d_head, growths[0].e_in) - d_head)
+    """How many columns `layer` grows by: its forms' growths from the whole window (`full`, whose columns are
+    appended) and from the halves `a`, `b` of the window; at most `cap` (None: no cap) and max_d_head."""
+    d_head = full[0].d_head
+    room = max(0, min(max_d_head, full[0].e_in) - d_head)
     if cap is not None:
         room = min(room, cap)
-    expected = ratio * layer_gains(growths)[:room]
-    bar = rule.threshold * loss
-    clears = (expected >= bar).tolist()
-    columns = clears.index(False) if False in clears else len(clears)
-    return Decision(layer, d_head, room, [float(x) for x in expected], bar, columns, ratio)
+    n_a, n_b = [g.moments.n for g in a], [g.moments.n for g in b]
+    held_out = (layer_gains(a, n_b) + layer_gains(b, n_a)) / 2
+    in_sample = (layer_gains(a) + layer_gains(b)) / 2
+    existing = (layer_score(a) + layer_score(b)) / 2 - float(in_sample.sum())
+    score = (layer_score(a, n_b) + layer_score(b, n_a)) / 2
+    held_out, in_sample = held_out[:room], in_sample[:room]
+    # Existing columns that can gain nothing: any column that holds out is worth having (ratio +inf).
+    ratios = held_out / existing if existing > 0 else torch.where(held_out > 0, torch.inf, 0.0).to(held_out)
+    # A column without positive in-sample gain is noise: agreement 0.
+    agreement = torch.where(in_sample > 0, held_out / in_sample.clamp_min(torch.finfo(in_sample.dtype).tiny), 0.0)
+    shares = held_out / score if score > 0 else torch.zeros_like(held_out)
+    qualifies = ((ratios >= rule.ratio) & (agreement >= rule.agreement)).tolist()
+    columns = qualifies.index(False) if False in qualifies else len(qualifies)
+    return Decision(layer, d_head, room, ratios.tolist(), agreement.tolist(), rule.ratio, columns, existing,
+                    shares.tolist(), score, bottleneck_share(full))
+
+
+def loss_fall(history: list[dict], checks: int) -> float | None:
+    """Relative decrease of the loss per check over the last `checks` checks, (L₀ − L)/(checks · L₀), from the
+    loss each check measured on its kept batches; None while fewer than checks + 1 checks measured it."""
+    losses = [e.get("loss_before") for e in history[-checks - 1:]]
+    if len(losses) < checks + 1 or None in losses or not losses[0] > 0:
+        return None
+    return (losses[0] - losses[-1]) / (checks * losses[0])

@@ -138,16 +138,28 @@ class FormGrowth:
         """Dynamic rank p (seed 004): singular values of the bottleneck above threshold × the largest in the form,
         counted per head, max over heads (d_head is uniform in a form); at least 1, at most max_d_head − d.
         Baselines use the gradient's bottleneck, so that they grow as much as the gradient method would."""
-        s = self.bottleneck(self.method if self.method in DIRECTIONS else "gradient")[1]
+        s = self.bottleneck(self.sizing_method)[1]
         count = int((s > threshold * s.max()).sum(-1).max())
         return max(0, min(max(count, 1), min(max_d_head, self.e_in) - self.d_head))
 
-    def column_gains(self) -> Tensor:
+    @property
+    def sizing_method(self) -> str:
+        """The direction whose bottleneck sizes a growth: the form's own, the gradient's for the baselines."""
+        return self.method if self.method in DIRECTIONS else "gradient"
+
+    def column_gains(self, n: Tensor | None = None) -> Tensor:
         """First-order loss decrease −⟨N̄, σ_j u_j v_jᵀ⟩ of appending bottleneck pair j at α = 1, per head (h, e′),
-        in the order `append` takes the pairs (σ descending); the gradient's bottleneck for the baselines."""
-        u, s, v, _ = self.bottleneck(self.method if self.method in DIRECTIONS else "gradient")
+        in the order `append` takes the pairs (σ descending); against this form's N̄ or a given one (h, e′, e′)."""
+        u, s, v, _ = self.bottleneck(self.sizing_method)
         u, v = self._cols_from_work(u), self._cols_from_work(v)
-        return -s * torch.einsum("hej,hef,hfj->hj", u, self.moments.n.to(u.dtype), v)
+        n = self.moments.n if n is None else n
+        return -s * torch.einsum("hej,hef,hfj->hj", u, n.to(u.dtype), v)
+
+    def score(self, n: Tensor | None = None) -> float:
+        """First-order loss decrease −⟨N̄, ΔM⟩ of the whole direction at α = 1, summed over heads; against this form's
+        N̄ or a given one."""
+        n = self.moments.n if n is None else n
+        return -float((n.to(self.m.dtype) * self.direction(self.sizing_method)).sum())
 
     def grow(
         self,

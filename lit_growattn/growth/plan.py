@@ -16,6 +16,7 @@ import torch
 
 from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, MODES, TEMPERATURES, check_choice
 from lit_growattn.growth.factorize import FormGrowth, Growth
+from lit_growattn.growth.grouped import GroupedGrowth, growth_for
 from lit_growattn.growth.stats import FormStats
 
 
@@ -28,7 +29,7 @@ class GrowthPlan:
 
     def __init__(
         self,
-        forms: Mapping[str, FormGrowth],
+        forms: Mapping[str, FormGrowth | GroupedGrowth],
         d_new: Mapping[str, int],
         *,
         mode: str = "append",
@@ -63,7 +64,8 @@ class GrowthPlan:
         rcond: float = 1e-6,
         generator: torch.Generator | None = None,
     ) -> GrowthPlan:
-        """Plans the growth of QKForm-like `forms` (name → form, in the order of `stats`, reduced sums).
+        """Plans the growth of QKForm-like `forms` (name → form, in the order of `stats`, reduced sums); forms with
+        shared keys (GQA) or rotary columns grow by `grouped.GroupedGrowth`.
 
         New columns p per form: `grow_by` (one int or per name); with `dynamic_rank` set, `FormGrowth.rank`
         with that threshold, `grow_by` then only caps it (None: no cap). Always d + p ≤ max_d_head ≤ e′.
@@ -75,7 +77,7 @@ class GrowthPlan:
         if dynamic_rank is None and grow_by is None:
             raise ValueError("give grow_by, or dynamic_rank to choose it from the spectrum")
         growths = {
-            name: FormGrowth.from_form(form, s.means(), method, truncation=truncation, rcond=rcond)
+            name: growth_for(form, s.means(), method, truncation=truncation, rcond=rcond)
             for (name, form), s in zip(forms.items(), stats)
         }
         d_new = {}

@@ -122,11 +122,18 @@ class FormStats:
         return self
 
     def __add__(self, other: FormStats) -> FormStats:
+        return self._combined(other, 1.0)
+
+    def __sub__(self, other: FormStats) -> FormStats:
+        """The sums of self without those of other (other's micro-batches are a part of self's)."""
+        return self._combined(other, -1.0)
+
+    def _combined(self, other: FormStats, sign: float) -> FormStats:
         if self.names != other.names or any(a.shape != b.shape for a, b in zip(self.tensors(), other.tensors())):
-            raise ValueError("cannot add statistics of forms with different shapes or methods")
+            raise ValueError("cannot combine statistics of forms with different shapes or methods")
         out = copy.copy(self)
         for name, a, b in zip(self.names, self.tensors(), other.tensors()):
-            setattr(out, name, a + b)
+            setattr(out, name, a + sign * b)
         return out
 
     def state_dict(self) -> dict:

@@ -1,0 +1,51 @@
+"""How much memory the statistics of a growth window hold, and which layers an event grows when the statistics
+of all layers at once would not fit (DESIGN §11: it grows as layers × heads × e′²; Llama-3.2-1B, 16 layers × 32 heads
+× 2048², needs about 8.6 GB of N in float32).
+
+The window keeps per growing form C̄ (e′²) and N (h·e′²), plus C⁺NC⁺ (h·e′²) for method `pinv`, in float32.
+With `layers_per_event = k` each event grows k layers in turn (round-robin over the events) from its own window,
+so a window holds the statistics of k layers only.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lit_growattn.contract import NamedForm
+
+BYTES = 4  # float32 sums
+
+
+def form_bytes(form, method: str) -> int:
+    h, e_in = form.w_q.shape[0], form.w_q.shape[1]
+    return BYTES * e_in * e_in * (1 + h * (2 if method == "pinv" else 1))
+
+
+def layers_of_event(layers: list[int], per_event: int | None, event: int) -> list[int]:
+    """The layers event number `event` (0-based, skipped events included) grows: all, or the next `per_event`."""
+    if per_event is None or per_event >= len(layers):
+        return layers
+    start = (event * per_event) % len(layers)
+    return [layers[(start + i) % len(layers)] for i in range(per_event)]
+
+
+def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event: int | None, method: str,
+                            limit_gb: float | None) -> str:
+    """The console line stating the window's statistics memory; a ValueError saying what to change when it exceeds
+    `limit_gb` (None: no limit)."""
+    per_layer: dict[int, int] = {}
+    for named in forms:
+        if named.layer in layers:
+            per_layer[named.layer] = per_layer.get(named.layer, 0) + form_bytes(named.form, method)
+    k = len(layers) if per_event is None else min(per_event, len(layers))
+    worst = max(sum(per_layer[i] for i in layers_of_event(layers, per_event, n)) for n in range(len(layers)))
+    h, e_in = forms[0].form.w_q.shape[:2]
+    size = f"{worst / 1e9:.3g} GB" if worst >= 1e8 else f"{worst / 1e6:.3g} MB"
+    line = (f"growth statistics: {size} per rank ({k} of {len(layers)} layers per window × {h} heads × "
+            f"e′² = {e_in}² × {BYTES} B{', twice for pinv' if method == 'pinv' else ''})")
+    if limit_gb is not None and worst > limit_gb * 1e9:
+        fits = math.floor(limit_gb * 1e9 / max(per_layer.values()))
+        fix = (f"set statistics.layers_per_event: {fits} (each event then grows {fits} layers in turn, each from its own window)"
+               if fits >= 1 else "one layer alone does not fit: raise statistics.max_memory_gb or use method gradient/natural")
+        raise ValueError(f"{line} exceed statistics.max_memory_gb={limit_gb}: {fix}")
+    return line

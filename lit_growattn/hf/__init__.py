@@ -1,0 +1,22 @@
+"""Hugging Face causal LMs (transformers, an optional dependency: `pip install lit_growattn[hf]`).
+
+surgery   replace each layer's native attention by a module built from it, by model type.
+growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA.
+module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
+dint      DINT / low-rank DINT attention (seed 001); dint_models: its registered model classes and conversion.
+
+Importing this package registers the DINT model types (`dint_llama`, …) with transformers' Auto classes, so a
+converted model folder loads with `AutoModelForCausalLM.from_pretrained` and no remote code.
+"""
+
+from lit_growattn.hf.dint import DintAttention, DintSettings
+from lit_growattn.hf.dint_models import convert_to_dint, register_all
+from lit_growattn.hf.growable import GrowableAttention, make_growable
+from lit_growattn.hf.module import HFCausalLM
+from lit_growattn.hf.surgery import NATIVE_ATTENTION, attention_modules, replace_attention
+
+
+register_all()
+
+__all__ = ["DintAttention", "DintSettings", "GrowableAttention", "HFCausalLM", "NATIVE_ATTENTION", "attention_modules",
+           "convert_to_dint", "make_growable", "replace_attention"]

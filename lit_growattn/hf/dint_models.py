@@ -1,0 +1,102 @@
+"""Registered DINT model classes, so that a converted model round-trips `save_pretrained`/`from_pretrained`
+with no remote code: `import lit_growattn.hf` registers them with transformers' Auto classes.
+
+For each family (llama, mistral, qwen2, qwen3) there is a config `Dint<Family>Config` (model_type
+`dint_<family>`, the native config plus a `dint` dict of `DintSettings`) and a model `Dint<Family>ForCausalLM`,
+the native causal LM whose attention layers are replaced by DINT ones when it is built (through the attention
+surgery, `hf.surgery.replace_attention`).
+
+`convert_to_dint` builds the DINT model from a native one: every native weight copied, the second maps
+initialised from `seed`, λ = 0, so its outputs are the native model's (tests/test_hf_dint.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from lit_growattn.hf.dint import DintAttention, DintSettings
+from lit_growattn.hf.surgery import replace_attention
+
+FAMILIES = {
+    "llama": ("llama", "Llama"),
+    "mistral": ("mistral", "Mistral"),
+    "qwen2": ("qwen2", "Qwen2"),
+    "qwen3": ("qwen3", "Qwen3"),
+}
+DINT_MODEL_TYPES = tuple(f"dint_{t}" for t in FAMILIES)
+_REGISTERED: dict[str, tuple[type, type]] = {}
+
+
+def dint_classes(model_type: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of the DINT version of a native `model_type`, registered on first use."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"DINT conversion supports model types {', '.join(FAMILIES)}, not {model_type!r}")
+    if model_type not in _REGISTERED:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        module_name, prefix = FAMILIES[model_type]
+        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+        native_config, native_model = getattr(module, f"{prefix}Config"), getattr(module, f"{prefix}ForCausalLM")
+
+        def __init__(self, config) -> None:
+            native_model.__init__(self, config)
+            settings = DintSettings(**config.dint)
+            replace_attention(self, lambda m: DintAttention.from_native(m, settings))
+
+        config_cls = type(f"Dint{prefix}Config", (native_config,), {
+            "model_type": f"dint_{model_type}", "base_model_type": model_type, "__module__": __name__})
+        model_cls = type(f"Dint{prefix}ForCausalLM", (native_model,), {
+            "config_class": config_cls, "__init__": __init__, "__module__": __name__})
+        AutoConfig.register(config_cls.model_type, config_cls)
+        AutoModelForCausalLM.register(config_cls, model_cls)
+        globals()[config_cls.__name__], globals()[model_cls.__name__] = config_cls, model_cls
+        _REGISTERED[model_type] = config_cls, model_cls
+    return _REGISTERED[model_type]
+
+
+def register_all() -> None:
+    for model_type in FAMILIES:
+        dint_classes(model_type)
+
+
+def convert_to_dint(model: nn.Module, settings: DintSettings, seed: int = 0) -> nn.Module:
+    """A DINT copy of the native causal LM `model` (same dtype and device), outputs unchanged at λ = 0."""
+    native_type = model.config.model_type
+    config_cls, model_cls = dint_classes(native_type)
+    fields = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "architectures")}
+    config = config_cls(**fields, dint=settings.to_dict())
+    config.architectures = [model_cls.__name__]
+    config._attn_implementation = model.config._attn_implementation
+    weight = next(model.parameters())
+    with torch.random.fork_rng(devices=[]):  # the second maps' init, without touching the global RNG
+        torch.manual_seed(seed)
+        converted = model_cls(config).to(device=weight.device, dtype=weight.dtype)
+    missing, unexpected = converted.load_state_dict(model.state_dict(), strict=False)
+    new = {name for name, _ in converted.named_parameters() if ".second." in name or name.endswith((
+        ".lam", ".q2_norm.weight", ".k2_norm.weight"))}
+    if set(missing) - new or unexpected:
+        raise ValueError(f"the {native_type} weights do not fit its DINT model: missing {sorted(set(missing) - new)}, "
+                         f"unexpected {sorted(unexpected)}")
+    converted.generation_config = model.generation_config
+    return converted.eval() if not model.training else converted
+
+
+def convert_pretrained(src: str, out: str, settings: DintSettings, seed: int = 0) -> nn.Module:
+    """Converts the model folder `src` (save_pretrained layout) to DINT and writes it, with src's tokenizer when it
+    has one, to `out`; the weights keep their stored dtype. Returns the converted model."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise FileNotFoundError(f"--pretrained {src!r} is not a model folder (no config.json): give a local folder "
+                                "written by save_pretrained (models are never downloaded here)")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    converted = convert_to_dint(model, settings, seed)
+    converted.save_pretrained(out)
+    if any(os.path.isfile(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return converted

@@ -1,0 +1,153 @@
+"""Export of a growable Hugging Face model as a `save_pretrained` folder that `AutoModelForCausalLM.from_pretrained`
+loads back after `import lit_growattn` (no remote code).
+
+- Expressible natively (every layer at its rotary/original width, and for Qwen3 one temperature per layer, since
+  its q_norm is scale-invariant): the original architecture, with τ_j/scaling folded into head j's query rows, so
+  that the native `scaling` gives back τ_j. Any transformers install loads it.
+- Otherwise (grown): model_type `growattn_<type>` (e.g. growattn_llama), a registered subclass of the original
+  config with `qk_head_sizes` per layer, whose model class builds the original model, makes its attention growable
+  and sizes it. `register()` (run by `import lit_growattn` when transformers is installed) registers all five.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from lit_growattn.hf.growable import GrowableAttention, make_growable
+from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
+
+PREFIX = "growattn_"
+
+
+def _growables(model: nn.Module) -> list[tuple[str, GrowableAttention]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, GrowableAttention)]
+
+
+def natively_expressible(model: nn.Module) -> bool:
+    for _, m in _growables(model):
+        if m.d_head != m.head_dim:  # grown past the original q/k width
+            return False
+        if hasattr(m, "q_norm") and not torch.allclose(m.log_tau, m.log_tau[:1].expand_as(m.log_tau), rtol=0, atol=0):
+            return False
+    return True
+
+
+@torch.no_grad()
+def to_native(attn: GrowableAttention) -> nn.Module:
+    """The native attention module computing what `attn` computes (its width must be the original one)."""
+    native_cls = next(c for c in type(attn).__mro__ if c.__module__.startswith("transformers."))
+    native = native_cls(attn.config, layer_idx=attn.layer_idx).to(attn.w_q.device, attn.w_q.dtype)
+    shared = native.state_dict().keys()  # o_proj/c_proj, v_proj, the q/k norms
+    native.load_state_dict({k: v for k, v in attn.state_dict().items() if k in shared}, strict=False)
+    gain = attn.tau / attn.scaling  # (H,): native multiplies by `scaling`
+    if hasattr(attn, "q_norm"):
+        native.q_norm.weight.mul_(gain[0])  # RMSNorm is scale-invariant: the one temperature goes into its weight
+        gain = torch.ones_like(gain)
+    w_q, w_k = attn.w_q * gain[:, None, None], attn.w_k
+    flat = lambda w: w.transpose(0, 1).reshape(w.shape[1], -1)  # (heads, e′, d) → (e′, heads·d)  # noqa: E731
+    if hasattr(native, "c_attn"):  # GPT-2: Conv1D weight (e, 3e), bias (3e,) with the bias row last
+        v = torch.cat([attn.v_proj.weight.T, attn.v_proj.bias[None]])
+        fused = torch.cat([flat(w_q), flat(w_k), v], 1)
+        native.c_attn.weight.copy_(fused[:-1])
+        native.c_attn.bias.copy_(fused[-1])
+        return native
+    for proj, w in ((native.q_proj, w_q), (native.k_proj, w_k)):
+        full = flat(w)
+        proj.weight.copy_(full[: proj.in_features].T)
+        if proj.bias is not None:
+            proj.bias.copy_(full[-1])
+    return native
+
+
+def export(model: nn.Module, out: str | os.PathLike) -> str:
+    """Writes `model` (a growable AutoModelForCausalLM, unchanged) to the folder `out`; returns the model type written."""
+    model = copy.deepcopy(model)
+    if natively_expressible(model):
+        for name, attn in _growables(model):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, to_native(attn))
+    else:
+        base_type = model.config.model_type.removeprefix(PREFIX)
+        config_cls, model_cls = grown_classes(base_type)
+        settings = model.config.to_dict() | {"qk_head_sizes": [m.d_head for _, m in _growables(model)]}
+        settings.pop("model_type", None)
+        model.config = config_cls(**{k: v for k, v in settings.items() if k not in ("architectures", "transformers_version")})
+        model.__class__ = model_cls
+    model.save_pretrained(out)
+    return model.config.model_type
+
+
+_GROWN: dict[str, tuple[type, type]] = {}
+
+
+def grown_classes(base_type: str) -> tuple[type, type]:
+    """(config class, model class) of grown models of `base_type`, e.g. GrowAttnLlamaConfig, GrowAttnLlamaForCausalLM."""
+    if base_type not in _GROWN:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        base_config = type(AutoConfig.for_model(base_type))
+        base_model = AutoModelForCausalLM._model_mapping[base_config]
+        stem = base_config.__name__.removesuffix("Config")
+
+        def config_init(self, qk_head_sizes: list[int] | None = None, **kwargs):
+            base_config.__init__(self, **kwargs)
+            self.qk_head_sizes = qk_head_sizes
+
+        def model_init(self, config):
+            base_model.__init__(self, config)
+            make_growable(self)
+            for (_, attn), d in zip(_growables(self), config.qk_head_sizes or []):
+                attn.resize(d)
+
+        config_cls = type(f"GrowAttn{stem}Config", (base_config,), {"model_type": PREFIX + base_type, "base_model_type": base_type, "__init__": config_init,
+                                                                       "__module__": __name__})
+        model_cls = type(f"GrowAttn{base_model.__name__}", (base_model,), {"config_class": config_cls, "__init__": model_init,
+                                                                             "__module__": __name__})
+        _GROWN[base_type] = config_cls, model_cls
+    return _GROWN[base_type]
+
+
+def register() -> None:
+    """Registers the grown config and model classes of every supported model type with the Auto classes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for base_type in NATIVE_ATTENTION:
+        config_cls, model_cls = grown_classes(base_type)
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def main(argv: list[str]) -> None:
+    """`python -m lit_growattn export --ckpt CKPT --out DIR`: an HFCausalLM checkpoint (as `fit` writes it) as a
+    save_pretrained folder, with the tokenizer files of its `pretrained` folder when it has them."""
+    import argparse
+    import shutil
+
+    from lit_growattn.checkpoint import read_checkpoint
+    from lit_growattn.hf.module import HFCausalLM
+
+    parser = argparse.ArgumentParser(prog="python -m lit_growattn export", description=main.__doc__)
+    parser.add_argument("--ckpt", required=True, help="a checkpoint of lit_growattn.hf.HFCausalLM written by fit")
+    parser.add_argument("--out", required=True, help="the folder to write (save_pretrained)")
+    args = parser.parse_args(argv)
+    ckpt = read_checkpoint(args.ckpt)
+    hparams = ckpt.get("hyper_parameters", {})
+    if "pretrained" not in hparams or "config" not in hparams:
+        raise ValueError(f"{args.ckpt} is not a checkpoint of lit_growattn.hf.HFCausalLM (its hyperparameters have "
+                         "no pretrained/config); for GrowAttentionLM checkpoints use `python -m lit_growattn convert`")
+    module = HFCausalLM(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+    module.load_state_dict(ckpt["state_dict"])
+    written = export(module.model, args.out)
+    source = hparams["pretrained"]
+    copied = [name for name in TOKENIZER_FILES if source and os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copy(os.path.join(source, name), os.path.join(args.out, name))
+    print(f"wrote {args.out}: model type {written}, query/key head sizes {module.head_sizes()}"
+          + (f", tokenizer files {', '.join(copied)}" if copied else ""))

@@ -1,0 +1,247 @@
+"""Growable attention for Hugging Face causal LMs: a subclass of the native attention class (so `isinstance`
+checks and output capture still see it) with the same forward signature, still dispatching through
+transformers' attention interface (DESIGN §11).
+
+Per layer, with H query heads, KV key/value heads (GQA: query head j uses key head j // (H/KV)), input size
+e′ (= hidden + 1 when q/k have a bias: the bias is the last row, as in `attention.qk`):
+    w_q (H, e′, d), w_k (KV, e′, d), log_tau (H,),  d = rotary + nope,
+columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_dim; 0 for GPT-2) get RoPE with
+the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE columns, which are one bilinear
+form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave it exact.
+The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface gets
+scaling = 1. The value projection keeps its width: q/k width is independent of v width.
+Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (DESIGN §4):
+`extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
+its gradient (cheaper on CPU; the callback's capture=auto picks it there).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class, replace_attention
+
+_CLASSES: dict[str, type[nn.Module]] = {}
+
+
+class GrowableAttention(nn.Module):
+    """Mixin placed before the native class; built with `from_native`, never with the native __init__."""
+
+    rotary: int
+    qk_bias: bool
+    v_head_dim: int
+
+    @staticmethod
+    def from_native(native: nn.Module) -> GrowableAttention:
+        """A growable copy of `native` (its value/output projections and norms shared, q/k copied into w_q, w_k)."""
+        cls = growable_class(type(native))
+        new = cls.__new__(cls)
+        new.__dict__.update(native.__dict__)
+        for key in ("_parameters", "_buffers", "_modules"):
+            new.__dict__[key] = dict(native.__dict__[key])
+        new._adopt()
+        return new
+
+    # -- the form the growth maths sees (same names as `attention.qk.QKForm`) -----------------------
+    @property
+    def n_head(self) -> int:
+        return self.w_q.shape[0]
+
+    @property
+    def n_kv_head(self) -> int:
+        return self.w_k.shape[0]
+
+    @property
+    def d_head(self) -> int:
+        return self.w_q.shape[-1]
+
+    @property
+    def tau(self) -> Tensor:
+        return self.log_tau.exp()
+
+    def _init_form(self, w_q: Tensor, w_k: Tensor, scaling: float, rotary: int, bias: bool, v_head_dim: int) -> None:
+        self.rotary, self.qk_bias, self.v_head_dim = rotary, bias, v_head_dim
+        self.w_q = nn.Parameter(w_q.detach().clone().contiguous())
+        self.w_k = nn.Parameter(w_k.detach().clone().contiguous())
+        self.log_tau = nn.Parameter(torch.full((w_q.shape[0],), float(scaling), dtype=w_q.dtype).log())
+        self.capture: str | None = None
+        self.captured: list[tuple[Tensor, Tensor]] = []
+
+    @torch.no_grad()
+    def set_weights(self, w_q: Tensor, w_k: Tensor, log_tau: Tensor) -> None:
+        """Replaces the parameters (possibly with a new d_head); new Parameter objects, so optimizers must be rebuilt."""
+        if (w_q.shape[:2] != self.w_q.shape[:2] or w_k.shape[:2] != self.w_k.shape[:2] or w_q.shape[-1] != w_k.shape[-1]
+                or w_q.shape[-1] < self.rotary or log_tau.shape != self.log_tau.shape):
+            raise ValueError(f"new Q/K shapes {tuple(w_q.shape)}/{tuple(w_k.shape)} do not fit {self.n_head} query heads, "
+                             f"{self.n_kv_head} key heads, input size {self.w_q.shape[1]}, {self.rotary} rotary columns")
+        like = self.w_q
+        self.w_q = nn.Parameter(w_q.to(like.device, like.dtype).contiguous())
+        self.w_k = nn.Parameter(w_k.to(like.device, like.dtype).contiguous())
+        self.log_tau = nn.Parameter(log_tau.to(like.device, like.dtype).clone())
+
+    def resize_to(self, state_dict, prefix: str) -> None:
+        """Takes the head size of `state_dict[prefix + "w_q"]` (zero NoPE columns; loading then fills them)."""
+        if (key := f"{prefix}w_q") in state_dict:
+            self.resize(state_dict[key].shape[-1])
+
+    def resize(self, d_head: int) -> None:
+        """Resizes to d_head ≥ rotary, keeping the leading columns and appending zero NoPE columns."""
+        if d_head != self.d_head:
+            fit = lambda w: torch.cat([w[..., :d_head], w.new_zeros(*w.shape[:-1], max(0, d_head - w.shape[-1]))], -1)  # noqa: E731
+            self.set_weights(fit(self.w_q), fit(self.w_k), self.log_tau)
+
+    def bias_row_parameters(self) -> list[nn.Parameter]:
+        return [self.w_q, self.w_k] if self.qk_bias else []
+
+    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
+        """The (X′, G X′) pairs recorded since the last call; G X′ is (b, H, s, e′)."""
+        out, self.captured = self.captured, []
+        return out
+
+    # -- forward pieces --------------------------------------------------------------------------------
+    def project(self, x: Tensor, w: Tensor) -> Tensor:
+        """x (b, s, e) through per-head columns w (heads, e′, d) → (b, heads, s, d): one matmul, as the native Linear."""
+        heads, e_in, d = w.shape
+        flat = w.to(x.dtype).transpose(0, 1).reshape(e_in, heads * d)  # (e′, heads·d), the bias as its last row
+        out = x @ flat[: x.shape[-1]] + flat[-1] if self.qk_bias else x @ flat
+        return out.view(*x.shape[:-1], heads, d).transpose(1, 2)
+
+    def queries_keys(self, x: Tensor, position_embeddings: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """x (b, s, e) → (τ·q (b, H, s, d), k (b, KV, s, d)), RoPE (and Qwen3's norms) on the first `rotary` columns."""
+        q, k = self.project(x, self.w_q), self.project(x, self.w_k)
+        if r := self.rotary:
+            q_rot, k_rot = (q, k) if self.d_head == r else (q[..., :r], k[..., :r])
+            if hasattr(self, "q_norm"):
+                q_rot, k_rot = self.q_norm(q_rot), self.k_norm(k_rot)
+            q_rot, k_rot = self.apply_rotary(q_rot, k_rot, *position_embeddings)
+            q, k = (q_rot, k_rot) if self.d_head == r else (torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1))
+        return q * self.tau.to(q.dtype)[:, None, None], k
+
+    def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float, **kwargs):
+        """Through the configured attention interface with scaling 1; with statistics capture on, the queries'
+        zero-extension (`extend`) or an explicit score map whose gradient is recorded (`explicit`), DESIGN §4."""
+        capturing = self.capture is not None and torch.is_grad_enabled()
+        if capturing and k.shape[2] != x.shape[1]:
+            raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
+        if capturing and self.capture == "explicit":
+            return self._attend_explicit(augment(x, self.qk_bias).detach(), q, k, v, attention_mask, dropout)
+        if capturing:
+            kept = augment(x, self.qk_bias).detach()
+            b, s, e_in = kept.shape
+            ext = q.new_zeros(b, self.n_head, s, e_in, requires_grad=True)
+            ext.register_hook(lambda grad: self.captured.append((kept, grad.detach().to(kept.dtype))))
+            q = torch.cat([q, ext], -1)
+            k = torch.cat([k, kept.to(k.dtype).unsqueeze(1).expand(b, self.n_kv_head, s, e_in)], -1)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.eager_attention)
+        return interface(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
+
+    def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float):
+        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, d_v), None."""
+        groups = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        if attention_mask is None:  # sdpa's is_causal path: the model passed no mask
+            scores = causal_scores(q, k)
+        elif attention_mask.dtype == torch.bool:  # True: attend
+            scores = (q @ k.transpose(-1, -2)).masked_fill(~attention_mask, float("-inf"))
+        else:  # additive
+            scores = q @ k.transpose(-1, -2) + attention_mask
+        scores.register_hook(lambda grad: self.captured.append((xa, grad.to(xa.dtype) @ xa.unsqueeze(1))))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+        weights = nn.functional.dropout(weights, p=dropout, training=self.training)
+        return (weights @ v).transpose(1, 2), None
+
+
+class GrowableRopeAttention(GrowableAttention):
+    """Llama, Mistral, Qwen2, Qwen3: separate q/k/v projections, RoPE, GQA."""
+
+    def _adopt(self) -> None:
+        hd, e = self.head_dim, self.q_proj.in_features
+        bias = self.q_proj.bias is not None
+        if (self.k_proj.bias is not None) != bias:
+            raise ValueError("q_proj and k_proj must both have a bias or neither")
+
+        def per_head(linear: nn.Linear) -> Tensor:
+            w = linear.weight.detach().T.reshape(e, -1, hd).transpose(0, 1)  # (heads, e, hd)
+            return torch.cat([w, linear.bias.detach().reshape(-1, 1, hd)], 1) if bias else w
+
+        self._init_form(per_head(self.q_proj), per_head(self.k_proj), self.scaling, hd, bias, hd)
+        del self.q_proj, self.k_proj
+
+    def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
+                attention_mask: Tensor | None = None, past_key_values=None, **kwargs) -> tuple[Tensor, Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        q, k = self.queries_keys(hidden_states, position_embeddings)
+        v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
+        out, weights = self.attend(hidden_states, q, k, v, attention_mask, 0.0 if not self.training else self.attention_dropout,
+                                   sliding_window=window, **kwargs)
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+class GrowableGPT2Attention(GrowableAttention):
+    """GPT-2: fused c_attn split into w_q, w_k (with the bias row) and a value Linear `v_proj`; no RoPE."""
+
+    def _adopt(self) -> None:
+        if self.is_cross_attention:
+            raise ValueError("GPT-2 cross-attention is not supported; only causal self-attention grows")
+        e, hd, h = self.embed_dim, self.head_dim, self.num_heads
+        w, b = self.c_attn.weight.detach(), self.c_attn.bias.detach()  # Conv1D: (e, 3e), (3e,)
+        per_head = lambda i: torch.cat([w[:, i * e:(i + 1) * e], b[None, i * e:(i + 1) * e]]).reshape(e + 1, h, hd).transpose(0, 1)  # noqa: E731
+        self._init_form(per_head(0), per_head(1), self.scaling, 0, True, hd)
+        self.v_proj = nn.Linear(e, e).to(w.device, w.dtype)
+        with torch.no_grad():
+            self.v_proj.weight.copy_(w[:, 2 * e:].T)
+            self.v_proj.bias.copy_(b[2 * e:])
+        del self.c_attn
+
+    def forward(self, hidden_states: Tensor, past_key_values=None, attention_mask: Tensor | None = None,
+                encoder_hidden_states: Tensor | None = None, encoder_attention_mask: Tensor | None = None,
+                output_attentions: bool | None = False, **kwargs) -> tuple[Tensor, Tensor | None]:
+        if encoder_hidden_states is not None:
+            raise ValueError("growable GPT-2 attention is causal self-attention only")
+        input_shape = hidden_states.shape[:-1]
+        q, k = self.queries_keys(hidden_states, None)
+        v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
+        if past_key_values is not None:
+            cache = getattr(past_key_values, "self_attention_cache", past_key_values)
+            k, v = cache.update(k, v, self.layer_idx)
+        out, weights = self.attend(hidden_states, q, k, v, attention_mask, self.attn_dropout.p if self.training else 0.0, **kwargs)
+        out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
+        return self.resid_dropout(out), weights
+
+
+def make_growable(model: nn.Module) -> list[str]:
+    """Converts the attention of a llama/mistral/qwen2/qwen3/gpt2 model in place; returns the converted names."""
+    return replace_attention(model, GrowableAttention.from_native)
+
+
+def growable_class(native: type[nn.Module]) -> type[GrowableAttention]:
+    """The growable subclass of a native attention class (created once, importable from this module by name)."""
+    name = f"Growable{native.__name__}"
+    if name not in _CLASSES:
+        base = GrowableGPT2Attention if native.__name__ == "GPT2Attention" else GrowableRopeAttention
+        module = sys.modules[native.__module__]
+        extras: dict[str, Callable] = {"eager_attention": staticmethod(module.eager_attention_forward),
+                                       "__module__": __name__}
+        if base is GrowableRopeAttention:
+            extras["apply_rotary"] = staticmethod(module.apply_rotary_pos_emb)
+        _CLASSES[name] = type(name, (base, native), extras)
+    return _CLASSES[name]
+
+
+def __getattr__(name: str):
+    # Pickling (ddp_spawn, deepcopy across processes) finds the generated classes by name.
+    for model_type in NATIVE_ATTENTION:
+        native = native_attention_class(model_type)
+        if name == f"Growable{native.__name__}":
+            return growable_class(native)
+    raise AttributeError(name)

@@ -1,0 +1,186 @@
+"""DINT conversion of Llama-family models: exact at λ = 0 (logits, greedy tokens with and without the KV cache),
+λ learns at once, A3 causal and per document, save_pretrained round trip through the registered classes."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from lit_growattn.hf.dint import DintAttention, DintSettings, d2_ratio_for_init, document_running_mean  # noqa: E402
+from lit_growattn.hf.dint_models import convert_to_dint  # noqa: E402
+
+from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
+
+MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3"]
+SETTINGS = {"lowrank": DintSettings("lowrank", rank=2), "full": DintSettings("full")}
+
+
+def greedy(model, prompt, use_cache):
+    return model.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=use_cache, pad_token_id=0,
+                          min_new_tokens=20)
+
+
+@pytest.mark.parametrize("kind", ["lowrank", "full"])
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_conversion_is_exact(tmp_path, model_type, kind):
+    from transformers import AutoModelForCausalLM
+
+    native = load(saved_tiny_model(model_type, tmp_path / "native"))
+    converted = convert_to_dint(native, SETTINGS[kind], seed=3)
+    layers = [layer.self_attn for layer in converted.model.layers]
+    assert all(isinstance(a, DintAttention) and isinstance(a, type(native.model.layers[0].self_attn)) for a in layers)
+    assert all(torch.equal(a.lam, torch.zeros(4)) for a in layers)
+    converted.save_pretrained(tmp_path / "dint")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dint", dtype=torch.float32).eval()
+    assert type(reloaded) is type(converted)
+    ids = torch.randint(0, VOCAB, (3, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = native(ids).logits
+        for model in (converted, reloaded):
+            assert (model(ids).logits - reference).abs().max() <= 1e-5
+    prompt = ids[:2, :4]
+    expected = greedy(native, prompt, use_cache=True)
+    for use_cache in (True, False):
+        assert torch.equal(greedy(reloaded, prompt, use_cache), expected)
+
+
+def test_second_map_shapes_and_scale(tmp_path):
+    native = load(saved_tiny_model("llama", tmp_path))  # 4 heads, 2 kv heads, head_dim 8, hidden 32
+    attn = convert_to_dint(native, DintSettings("lowrank", rank=3)).model.layers[0].self_attn
+    assert attn.second.down_q.shape == (4, 32, 3) and attn.second.up_q.shape == (4, 3, 8)
+    assert attn.second.down_k.shape == (2, 32, 3) and attn.second.up_k.shape == (2, 3, 8)
+    assert attn.q2_gain == pytest.approx(3.0)  # d₂ = d/9: 1/√d₂ = 3/√d
+    assert d2_ratio_for_init("lowrank", 2048, 8, normalised=False) == pytest.approx(1 / 9)
+    assert d2_ratio_for_init("full", 2048, None, normalised=False) == 1.0
+    custom = convert_to_dint(native, DintSettings("lowrank", rank=3, d2_ratio=0.25)).model.layers[0].self_attn
+    assert custom.q2_gain == pytest.approx(2.0)
+
+
+def test_lowrank_score_variance_matches_a_fresh_full_map():
+    """The derivation behind d₂ = d/9, measured: scores of a fresh low-rank map scaled by 1/√d₂ have the variance
+    of a fresh full map's scaled by 1/√d, over many draws of the init (float64)."""
+    from lit_growattn.attention.lowrank_dint import uniform_parameter
+
+    torch.manual_seed(0)
+    torch.set_grad_enabled(False)
+    e, r, d, n = 64, 4, 16, 4000
+    x = torch.randn(2, e, dtype=torch.float64)
+    full = [(x[0] @ uniform_parameter(e, d, fan_in=e).double()) @ (x[1] @ uniform_parameter(e, d, fan_in=e).double())
+            for _ in range(n)]
+    low = [(x[0] @ uniform_parameter(e, r, fan_in=e).double() @ uniform_parameter(r, d, fan_in=r).double())
+           @ (x[1] @ uniform_parameter(e, r, fan_in=e).double() @ uniform_parameter(r, d, fan_in=r).double())
+           for _ in range(n)]
+    var_full = torch.stack(full).var() / d
+    var_low = torch.stack(low).var() / (d * d2_ratio_for_init("lowrank", e, r, normalised=False))
+    torch.set_grad_enabled(True)
+    # Each variance estimate from 4000 draws of a heavy-tailed product has ~4% relative noise: 0.15 is 3 σ of the ratio.
+    assert (var_low / var_full).item() == pytest.approx(1.0, abs=0.15)
+
+
+def test_lambda_gets_gradient_at_first_step(tmp_path):
+    native = load(saved_tiny_model("qwen2", tmp_path))
+    model = convert_to_dint(native, DintSettings("lowrank", rank=2)).train()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    for layer in model.model.layers:
+        assert layer.self_attn.lam.grad is not None and layer.self_attn.lam.grad.abs().min() > 0
+        assert layer.self_attn.second.up_q.grad.abs().max() == 0  # λ = 0: the second map waits for λ
+
+
+def test_document_running_mean_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64)
+    starts = torch.tensor([[1, 0, 0, 1, 0, 0, 0], [0, 0, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    prior_sum, prior_count = torch.randn(2, 3, 4, generator=g, dtype=torch.float64), torch.tensor([0.0, 5.0], dtype=torch.float64)
+    means, last_sum, last_count = document_running_mean(y, starts, prior_sum, prior_count)
+    for b in range(2):
+        total, count = prior_sum[b].clone(), prior_count[b].item()
+        for i in range(7):
+            if starts[b, i]:
+                total, count = torch.zeros_like(total), 0
+            total, count = total + y[b, :, i], count + 1
+            torch.testing.assert_close(means[b, :, i], total / count, rtol=0, atol=1e-12)
+        torch.testing.assert_close(last_sum[b], total, rtol=0, atol=1e-12)
+        assert last_count[b] == count
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_documents_equal_separate_runs(tmp_path, attn):
+    """Two documents packed in one row (position_ids restart at 0) give each document's own outputs: A1 per
+    document by the model's packed mask (transformers builds it only without a cache: use_cache=False, as in
+    training), A3 by the running mean's restart; λ ≠ 0 so A3 and A2 count."""
+    native = load(saved_tiny_model("llama", tmp_path), attn_implementation=attn)
+    model = convert_to_dint(native, DintSettings("lowrank", rank=2))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.lam.fill_(0.3)
+    a, b = torch.randint(0, VOCAB, (1, 6)), torch.randint(0, VOCAB, (1, 5))
+    packed = torch.cat([a, b], 1)
+    positions = torch.cat([torch.arange(6), torch.arange(5)])[None]
+    with torch.no_grad():
+        together = model(packed, position_ids=positions, use_cache=False).logits
+        apart = torch.cat([model(a).logits, model(b).logits], 1)
+    assert (together - apart).abs().max() <= 1e-5
+
+
+def test_cached_decoding_keeps_a3_with_nonzero_lambda(tmp_path):
+    native = load(saved_tiny_model("mistral", tmp_path))  # sliding window 4: the cache drops old keys
+    model = convert_to_dint(native, DintSettings("full"))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.lam.fill_(0.4)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(greedy(model, prompt, True), greedy(model, prompt, False))
+
+
+def test_left_padded_batch_generates_like_single_prompts(tmp_path):
+    native = load(saved_tiny_model("llama", tmp_path))
+    model = convert_to_dint(native, DintSettings("lowrank", rank=2))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.lam.fill_(0.3)
+    short, long = torch.randint(1, VOCAB, (1, 3)), torch.randint(1, VOCAB, (1, 6))
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), long])
+    mask = (torch.arange(6) >= torch.tensor([[3], [0]])).long()
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(out[0, 6:], greedy(model, short, True)[0, 3:11])
+    assert torch.equal(out[1, 6:], greedy(model, long, True)[0, 6:14])
+
+
+def test_foreign_cache_is_refused(tmp_path):
+    from transformers import DynamicCache
+
+    native = load(saved_tiny_model("llama", tmp_path))
+    model = convert_to_dint(native, DintSettings("full"))
+    ids = torch.randint(0, VOCAB, (1, 6))
+    cache = DynamicCache(config=model.config)
+    model(ids, past_key_values=cache, use_cache=True)
+    del cache.dint_running
+    with pytest.raises(RuntimeError, match="running mean of A1·V beside the KV cache"):
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_entropy_reference_is_the_original_models(tmp_path):
+    """At λ = 0 the combined map is A1, so the entropy measured on the converted model is the original's; with
+    λ ≠ 0 the combined map's rows still sum to 1 (A1, A2 and A3 rows each do) and the entropy changes."""
+    from lit_growattn.hf.entropy import layer_entropies
+
+    native = load(saved_tiny_model("qwen3", tmp_path))
+    model = convert_to_dint(native, DintSettings("lowrank", rank=2))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    labels = torch.where(torch.arange(9) < 7, ids, -100)  # the last two rows are padding: not counted
+    batches = [(ids, labels)]
+    before = layer_entropies(native, batches)
+    assert before.shape == (2,) and torch.allclose(layer_entropies(model, batches), before, atol=1e-5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.lam.fill_(0.5)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        maps = model(ids, output_attentions=True, use_cache=False).attentions
+    assert torch.allclose(maps[0].sum(-1), torch.ones(2, 4, 9), atol=1e-5)
+    model.set_attn_implementation("sdpa")
+    assert (layer_entropies(model, batches) - before).abs().max() > 1e-3

@@ -1,0 +1,80 @@
+"""Export: a grown model round-trips save_pretrained → AutoModelForCausalLM.from_pretrained (after `import
+lit_growattn`), an ungrown one exports as its original architecture; equal logits and greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import lit_growattn  # noqa: E402, F401  (registers the grown model types)
+from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
+from lit_growattn.hf import make_growable  # noqa: E402
+from lit_growattn.hf.export import export  # noqa: E402
+
+
+def _growable(tmp_path, model_type: str):
+    model = load(saved_tiny_model(model_type, tmp_path / "src"))
+    make_growable(model)
+    return model
+
+
+@torch.no_grad()
+def _perturb(model, grow_by: int, same_tau: bool = False) -> None:
+    """Learned-looking temperatures (per head, or one per layer) and `grow_by` random NoPE columns per layer."""
+    gen = torch.Generator().manual_seed(3)
+    for name, m in model.named_modules():
+        if hasattr(m, "log_tau") and hasattr(m, "set_weights"):
+            shift = torch.randn(1 if same_tau else m.n_head, generator=gen) * 0.3
+            extra = lambda w: torch.randn(*w.shape[:2], grow_by, generator=gen) * 0.2  # noqa: E731
+            m.set_weights(torch.cat([m.w_q, extra(m.w_q)], -1), torch.cat([m.w_k, extra(m.w_k)], -1),
+                          m.log_tau + shift.expand(m.n_head))
+
+
+def _same_model(a, b) -> None:
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (a(ids).logits - b(ids).logits).abs().max() <= 1e-5
+    greedy = lambda m: m.generate(ids[:1, :4], max_new_tokens=20, do_sample=False, pad_token_id=0)  # noqa: E731
+    assert torch.equal(greedy(a), greedy(b))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])
+def test_grown_model_round_trips(tmp_path, model_type):
+    model = _growable(tmp_path, model_type)
+    _perturb(model, grow_by=3)
+    assert export(model, tmp_path / "out") == f"growattn_{model_type}"
+    loaded = load(tmp_path / "out")
+    assert type(loaded).__name__.startswith("GrowAttn")
+    _same_model(model.eval(), loaded)
+
+
+@pytest.mark.parametrize("model_type, same_tau", [("llama", False), ("qwen2", False), ("qwen3", True), ("gpt2", False)])
+def test_ungrown_model_exports_as_its_original_architecture(tmp_path, model_type, same_tau):
+    model = _growable(tmp_path, model_type)
+    _perturb(model, grow_by=0, same_tau=same_tau)
+    assert export(model, tmp_path / "out") == model_type
+    loaded = load(tmp_path / "out")
+    assert not type(loaded).__name__.startswith("GrowAttn")
+    _same_model(model.eval(), loaded)
+
+
+def test_qwen3_with_per_head_temperatures_keeps_the_growable_form(tmp_path):
+    # q_norm is scale-invariant: per-head temperatures have no place in the native Qwen3 attention.
+    model = _growable(tmp_path, "qwen3")
+    _perturb(model, grow_by=0)
+    assert export(model, tmp_path / "out") == "growattn_qwen3"
+    _same_model(model.eval(), load(tmp_path / "out"))
+
+
+def test_exported_grown_folder_continues_training_from_its_sizes(tmp_path):
+    from lit_growattn.hf import HFCausalLM
+
+    model = _growable(tmp_path, "llama")
+    _perturb(model, grow_by=2)
+    export(model, tmp_path / "out")
+    module = HFCausalLM(pretrained=str(tmp_path / "out"))
+    assert module.head_sizes() == [10, 10]
+    _same_model(model.eval(), module.model.eval())

@@ -1,0 +1,149 @@
+"""Growth of converted Hugging Face attention (float64): function kept at α = 0, first-order prediction at small α,
+shared K columns per GQA group, rotary columns untouched."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
+from lit_growattn.growth import FormStats  # noqa: E402
+from lit_growattn.growth.grouped import GroupedGrowth, growth_for, refused_mode  # noqa: E402
+from lit_growattn.hf import make_growable  # noqa: E402
+
+
+def _model_and_batch(tmp_path, model_type: str):
+    model = load(saved_tiny_model(model_type, tmp_path)).double()
+    make_growable(model)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
+    return model, ids
+
+
+def _forms(model):
+    return [layer.self_attn if hasattr(layer, "self_attn") else layer.attn
+            for layer in (model.model.layers if hasattr(model, "model") else model.transformer.h)]
+
+
+def _loss(model, ids) -> torch.Tensor:
+    # Not the model's own loss: transformers' ForCausalLMLoss upcasts to float32, which would hide float64 effects.
+    logits = model(ids, use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _growths(model, ids, method="natural", capture="extend", **kwargs):
+    forms = _forms(model)
+    for f in forms:
+        f.capture = capture
+    _loss(model, ids).backward()
+    growths = []
+    for f in forms:
+        f.capture = None
+        stats = FormStats.empty_like(f, method, dtype=torch.float64)
+        for xa, gx in f.take_captured():
+            stats.update(xa, gx)
+        growths.append(growth_for(f, stats.means(), method, **kwargs))
+    model.zero_grad()
+    return forms, growths
+
+
+def _install(forms, grown):
+    for f, g in zip(forms, grown):
+        f.set_weights(g.w_q, g.w_k, g.log_tau)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])
+def test_alpha_zero_keeps_logits(tmp_path, model_type):
+    model, ids = _model_and_batch(tmp_path, model_type)
+    with torch.no_grad():
+        before = model(ids).logits
+    forms, growths = _growths(model, ids)
+    _install(forms, [g.grow(0.0, g.d_head + 3) for g in growths])
+    assert all(f.d_head == growths[0].d_head + 3 for f in forms)
+    with torch.no_grad():
+        assert (model(ids).logits - before).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("method", ["natural", "gradient"])
+def test_first_order_prediction(tmp_path, model_type, method):
+    model, ids = _model_and_batch(tmp_path, model_type)
+    with torch.no_grad():
+        before = float(_loss(model, ids))
+    forms, growths = _growths(model, ids, method)
+    # Not smaller: the models' RMSNorms compute in float32 even on float64 inputs, which sets a noise floor.
+    alpha = 1e-3
+    grown = [g.grow(alpha, g.d_head + 2) for g in growths]
+    predicted = sum(g.predicted_decrease for g in grown)
+    _install(forms, grown)
+    with torch.no_grad():
+        realised = before - float(_loss(model, ids))
+    assert predicted > 0
+    # Second-order terms are O(α²) against the first-order O(α) change (measured: 0.2 % at α = 1e-3).
+    assert realised == pytest.approx(predicted, rel=1e-2)
+
+
+def test_gqa_group_shares_new_keys_and_matches_stacked_svd(tmp_path):
+    model, ids = _model_and_batch(tmp_path, "llama")
+    forms, growths = _growths(model, ids)
+    g, form = growths[0], forms[0]
+    assert isinstance(g, GroupedGrowth) and g.group == 2
+    p, alpha = 3, 0.5
+    grown = g.grow(alpha, g.d_head + p)
+    d, tau = g.d_head, grown.log_tau.exp()
+    # Each key head carries one set of new columns; each query head reads its group's.
+    assert grown.w_k.shape == (2, 32, d + p)
+    change = tau[:, None, None] * grown.w_q[..., d:] @ grown.w_k[..., d:].repeat_interleave(2, 0).mT  # (H, e, e)
+    # Reference: per group, α × the best rank-p approximation of the stacked bottlenecks.
+    u, s, v, _ = g.bottleneck("natural")
+    for group in range(2):
+        stacked = (u[group, :, :p] * s[group, :p]) @ v[group, :, :p].mT
+        assert torch.allclose(change[2 * group: 2 * group + 2].reshape(-1, 32), alpha * stacked, atol=1e-12)
+    # Both heads of a group see the identical key columns: their changes share the right factor's row space.
+    for group in range(2):
+        a, b = change[2 * group], change[2 * group + 1]
+        k_span = grown.w_k[group, :, d:]
+        proj = k_span @ torch.linalg.pinv(k_span)
+        assert torch.allclose(a @ proj, a, atol=1e-12) and torch.allclose(b @ proj, b, atol=1e-12)
+
+
+@pytest.mark.parametrize("temperature", ["keep", "rescale"])
+def test_rotary_columns_bit_identical(tmp_path, temperature):
+    model, ids = _model_and_batch(tmp_path, "qwen3")
+    forms, growths = _growths(model, ids)
+    before = [(f.w_q.detach().clone(), f.w_k.detach().clone()) for f in forms]
+    _install(forms, [g.grow(0.25, g.d_head + 2, temperature=temperature) for g in growths])
+    for f, (w_q, w_k) in zip(forms, before):
+        r = f.rotary
+        if temperature == "keep":
+            assert torch.equal(f.w_q[..., :r], w_q[..., :r]) and torch.equal(f.w_k[..., :r], w_k[..., :r])
+        else:  # the old columns are scaled by c = (d_new/d)^¼ and τ by (d/d_new)^½: the scores are kept
+            c = ((r + 2) / r) ** 0.25
+            assert torch.allclose(f.w_q[..., :r], c * w_q[..., :r], rtol=1e-15, atol=0)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_replace_across_rotary_columns_is_refused(tmp_path):
+    model, ids = _model_and_batch(tmp_path, "llama")
+    form = _forms(model)[0]
+    assert "rotary" in refused_mode(form, "replace")
+    assert refused_mode(form, "append") is None
+    forms, growths = _growths(model, ids)
+    with pytest.raises(ValueError, match="rotary"):
+        growths[0].grow(0.5, growths[0].d_head + 1, mode="replace")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_explicit_and_extended_capture_agree(tmp_path, model_type, attn):
+    model = load(saved_tiny_model(model_type, tmp_path), attn_implementation=attn).double()
+    make_growable(model)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))  # longer than Mistral's window
+    (_, extended), (_, explicit) = (_growths(model, ids, capture=mode) for mode in ("extend", "explicit"))
+    for a, b in zip(extended, explicit):
+        # Llama's and Mistral's eager attention take the softmax in float32 even for float64 inputs.
+        scale = 1e-12 if attn == "sdpa" or model_type == "gpt2" else 1e-5
+        torch.testing.assert_close(a.moments.n, b.moments.n, rtol=0, atol=scale * float(a.moments.n.abs().max()))

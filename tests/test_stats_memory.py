@@ -1,0 +1,41 @@
+"""Statistics memory: the estimate printed at setup, its bound, and layers growing in turn from their own windows."""
+
+import pytest
+
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
+from lit_growattn.contract import NamedForm
+from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
+
+from callback_helpers import recall_data, tiny_module, trainer
+
+
+class _Form:
+    def __init__(self, h, e_in):
+        import torch
+
+        self.w_q = torch.zeros(h, e_in, 1)
+
+
+def test_llama_1b_estimate_and_the_fix_it_names():
+    # Llama-3.2-1B: 16 layers, 32 heads, e = 2048 (DESIGN §11: 8.6 GB of N in float32, plus C̄).
+    forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(16)]
+    line = check_statistics_memory(forms, list(range(16)), None, "natural", None)
+    assert line.startswith("growth statistics: 8.86 GB per rank (16 of 16 layers per window × 32 heads")
+    with pytest.raises(ValueError, match="exceed statistics.max_memory_gb=2.0: set statistics.layers_per_event: 3"):
+        check_statistics_memory(forms, list(range(16)), None, "natural", 2.0)
+    assert "1.66 GB" in check_statistics_memory(forms, list(range(16)), 3, "natural", 2.0)
+
+
+def test_layers_of_event_take_turns():
+    assert [layers_of_event([0, 1, 2], 2, n) for n in range(3)] == [[0, 1], [2, 0], [1, 2]]
+    assert layers_of_event([0, 1, 2], None, 5) == [0, 1, 2]
+
+
+def test_each_event_grows_its_own_layers(tmp_path, capsys):
+    data = recall_data()
+    grow = GrowAttentionCallback(AtEpochs([1, 2]), GrowthSettings(columns=1),
+                                 StatisticsSettings(batches=2, layers_per_event=1, max_memory_gb=1.0))
+    module = tiny_module(data)
+    trainer(tmp_path, [grow], max_epochs=3).fit(module, data)
+    assert [e["d_head"] for e in grow.history] == [[3, 2], [3, 3]]
+    assert "growth statistics: " in capsys.readouterr().out
