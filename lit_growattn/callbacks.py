@@ -9,7 +9,8 @@ Thin Lightning glue over `lit_growattn.growing` (docs/design.md, "Lightning mech
 - event: plan, step size, broadcast of rank 0's tensors, install;
 - rebuild: DDP re-wrapped, optimizer and scheduler rebuilt with their state carried over.
 The history and the pending window are in `state_dict`, so a run resumed from a checkpoint taken at any step
-grows exactly once per event, from the statistics the uninterrupted run used.
+grows exactly once per event, from the statistics the uninterrupted run used (inside a window, only with the
+settings the window began with: `check_resumed`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from lit_growattn.growing import report
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
-from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses
+from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.grouped import check_modes, is_grouped
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
@@ -142,11 +143,19 @@ class GrowAttentionCallback(Callback):
         if trainer.num_training_batches == float("inf"):
             raise ValueError("GrowAttentionCallback needs epochs of known length (a sized train dataloader)")
         self.schedule.check_run(trainer, self.statistics.batches)
+        self.window.check_resumed(self._window_settings(trainer))
         report.add_layout(trainer, len(pl_module.head_sizes()))
         if trainer.logger is not None:
             trainer.logger.log_metrics(report.head_size_metrics(pl_module.head_sizes()), step=trainer.global_step)
 
     # -- statistics window and growth, decided from the trainer's counters ---------------------------
+    def _window_settings(self, trainer: L.Trainer) -> dict:
+        """What decides the contents of a statistics window: which micro-batches it spans, which layers each
+        captures, their weights in the sums, and which batches are kept to rate the step sizes."""
+        return {"accumulate_grad_batches": trainer.accumulate_grad_batches, "statistics.batches": self.statistics.batches,
+                "statistics.layers_per_step": self.statistics.layers_per_step,
+                "step_search.batches": self.line_search_batches}
+
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
         """The forms that grow at the next event (layer, qualified parameter-name prefix, form)."""
         layers = layers_of_event(self._layers, self.statistics.layers_per_event, len(self.history))
@@ -166,7 +175,8 @@ class GrowAttentionCallback(Callback):
         forms = self._forms(pl_module)
         active = layers_in_turn(sorted({f.layer for f in forms}), self._per_step, batches - left)
         mode = capture_mode(self.statistics.capture, pl_module.device)
-        self.window.begin_step(point.name, forms, active, mode, keep=batch if left <= self.line_search_batches else None)
+        self.window.begin_step(point.name, forms, active, mode, self._window_settings(trainer),
+                               keep=batch if left <= self.line_search_batches else None)
         self._capturing, self._closes_window = True, left == 1
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -215,6 +225,7 @@ class GrowAttentionCallback(Callback):
             install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
             capacity=capacity,
+            terms=loss_terms(window.kept),  # every rank's kept batches
         )
         try:
             record, spectra = event.run(forms, [st for _, st, _ in kept], seed=point.at,

@@ -16,6 +16,7 @@ from step_study import GROW_EPOCHS, GRIDS, KEPT, OLD_GRID, WINDOW, build, grow_a
 
 from lit_growattn import StepSearch, growth  # step_study has put the repository on the path
 from lit_growattn.growing.event import choose_step_size
+from lit_growattn.growing.trainer_ops import loss_terms
 
 GRID = [0.0] + [2.0**-k for k in range(13)]  # 1 … 1/4096
 PAIRS = [(m, mode) for m in growth.DIRECTIONS for mode in growth.MODES]
@@ -70,9 +71,9 @@ def losses_with(model, loss, forms: dict, grown: dict | None, batches) -> list[f
 
 
 def rate_rule(plan, forms: dict, search: StepSearch, method: str,
-              kept_loss: Callable[[float], float]) -> tuple[float, list[float]]:
+              kept_loss: Callable[[float], float], terms: int) -> tuple[float, list[float]]:
     """The step the callback's own choice (`choose_step_size`) installs under `search`, rated on the kept
-    batches through `kept_loss(α)`; and every α it rated (the quadratic rule adds its minimiser α*)."""
+    batches (`terms` tokens) through `kept_loss(α)`; and every α it rated (the quadratic rule adds its minimiser α*)."""
     rated: list[float] = []
 
     def loss_of(candidates) -> torch.Tensor:
@@ -80,7 +81,7 @@ def rate_rule(plan, forms: dict, search: StepSearch, method: str,
         rated.extend(alphas)
         return torch.tensor([kept_loss(a) for a in alphas])
 
-    return choose_step_size(plan, list(forms), loss_of, search, method).alpha, rated
+    return choose_step_size(plan, list(forms), loss_of, search, method, terms).alpha, rated
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -110,7 +111,7 @@ def measure_event(pl_module, train_set, held: list, generator, grow_by: int = 7)
     forms = named_forms(model)
     batches = random_batches(train_set, MAX_BATCHES, held[0][0].shape[0], generator)
     stats = per_batch_stats(model, loss, forms, batches)
-    window, kept = batches[:WINDOW], batches[WINDOW - KEPT:WINDOW]
+    window, terms = batches[:WINDOW], loss_terms(batches[WINDOW - KEPT:WINDOW])
     evaluate = {"window": window, "held_out": held}
     base = {k: losses_with(model, loss, forms, None, b) for k, b in evaluate.items()}
     curves = []
@@ -134,8 +135,8 @@ def measure_event(pl_module, train_set, held: list, generator, grow_by: int = 7)
                 return sum(point["window"][WINDOW - KEPT:]) / KEPT
 
             for label, grid in GRIDS.items():
-                chosen, _ = rate_rule(plan, forms, StepSearch([0.0, *grid], rule="grid"), method, kept_loss)
-                _, rated = rate_rule(plan, forms, StepSearch([0.0, *grid], rule="quadratic"), method, kept_loss)
+                chosen, _ = rate_rule(plan, forms, StepSearch([0.0, *grid], rule="grid"), method, kept_loss, terms)
+                _, rated = rate_rule(plan, forms, StepSearch([0.0, *grid], rule="quadratic"), method, kept_loss, terms)
                 star = next((a for a in rated if a not in (0.0, *grid)), None)  # None: α* is a grid point
                 rules[label] = {"grid": chosen, **({"quadratic": at(star)} if star is not None else {})}
         curves.append({"method": method, "mode": mode, "points": points, "rules": rules})

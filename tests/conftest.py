@@ -16,10 +16,13 @@ SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not beside this clone")
 
 
-@pytest.fixture(autouse=True)
-def command_line_of_its_own(monkeypatch):
-    """LightningCLI gets its arguments from each test; pytest's own (`-q -x …`) are not the command line's."""
-    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+@pytest.fixture(autouse=True, scope="session")
+def command_line_of_its_own():
+    """LightningCLI gets its arguments from each test; pytest's own (`-q -x …`) are not the command line's.
+    Session-wide, so that module-scoped fixtures which run the CLI see it too."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", [sys.argv[0]])
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -17,7 +17,7 @@ from test_growth_schedule import assert_same_run, cli_fit, growth_history
 
 # Fused recall, 5 batches an epoch when run by cli_fit: a check every 5 optimizer steps from 3 statistics batches.
 AUTO = [
-    "--trainer.max_epochs=6", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.schedule.init_args.check_every=5",
+    "--trainer.max_epochs=6", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1", "--trainer.callbacks.init_args.schedule.init_args.check_every=5",
     "--trainer.callbacks.init_args.statistics.batches=3", "--trainer.callbacks.init_args.schedule.init_args.patience=2",
     # A tiny run's few statistics batches are noisy: a low bar, so that growth happens at all.
     "--trainer.callbacks.init_args.schedule.init_args.threshold=1e-3", "--trainer.callbacks.init_args.schedule.init_args.agreement=0.1",

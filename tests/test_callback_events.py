@@ -14,11 +14,13 @@ from lit_growattn import callbacks
 from lit_growattn.attention import ATTENTIONS, Attention, QKForm
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.cli import main
+from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
 from callback_helpers import WindowRecorder, params, recall_data, tiny_module, trainer
 from conftest import REPO, required_args, scalar_tags
+from test_growth import Problem
 
 GROWTH_TAGS = {
     "growth/d_head/layer_0", "growth/d_head/layer_1", "growth/alpha", "growth/sign_fallbacks",
@@ -65,6 +67,34 @@ def test_baselines_rate_one_candidate(tmp_path, monkeypatch, method):
     assert grow.history[0]["alpha"] is None and grow.history[0]["d_head"] == [4, 4]
 
 
+def test_a_step_must_beat_the_round_off_of_every_token_it_was_rated_on():
+    """A step that beats α = 0 by 8× the round-off of one value, but by less than that of a mean of 4096 tokens
+    (64× one value's), is taken when the loss averages one value and not when it averages 4096."""
+    p = Problem(e=8, h=2, d=2)
+    loss = 2.0
+    gap = 8 * loss_rounding(loss, torch.float32)
+    rated = lambda candidates: torch.tensor([loss if c is None else loss - gap for c in candidates])  # noqa: E731
+
+    def chosen(terms: int) -> float:
+        event = GrowthEvent(GrowthSettings(columns=1), StepSearch(), loss_of=rated, install=lambda grown: None,
+                            broadcast=lambda obj: obj, terms=terms)
+        return event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)[0]["alpha"]
+
+    assert chosen(1) > 0 and chosen(4096) == 0.0
+
+
+def test_the_step_choice_counts_the_tokens_of_every_kept_batch(tmp_path, monkeypatch):
+    made = []
+    monkeypatch.setattr(callbacks, "GrowthEvent", lambda *a, **k: made.append(k["terms"]) or GrowthEvent(*a, **k))
+    L.seed_everything(0)
+    data = recall_data()  # 8 full batches an epoch
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=4), step_search=StepSearch(batches=3))
+    trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
+    _, labels = next(iter(data.train_dataloader()))
+    assert made == [3 * labels.numel()]
+
+
 def test_console_line_per_event_and_summary_at_the_end(tmp_path, capsys):
     L.seed_everything(0)
     data = recall_data()  # 8 batches an epoch
@@ -106,7 +136,9 @@ def test_growth_checkpoint_loads_for_validate_and_test(tmp_path):
     loaded = GrowAttentionLM.load_from_checkpoint(ckpt)
     assert loaded.model.head_sizes() == [5, 5]
     t = trainer(tmp_path / "eval", [])
-    assert "val/loss" in t.validate(tiny_module(data), data, ckpt_path=ckpt)[0]
+    # Evaluating needs no growth callback: Lightning's note that the checkpoint's callbacks are absent is expected.
+    with pytest.warns(UserWarning, match=r"callbacks used to create the checkpoint .* \['GrowAttentionCallback'\]"):
+        assert "val/loss" in t.validate(tiny_module(data), data, ckpt_path=ckpt)[0]
     assert "test/loss" in t.test(loaded, data)[0]
 
 
@@ -365,7 +397,8 @@ def test_full_rank_line_search_never_installs_a_growth_that_raises_the_eval_loss
 
 def test_the_demo_config_prints_its_growth_lines_between_progress_bars(tmp_path, capsys):
     main(["fit", "--config", str(REPO / "configs/recall_grow.yaml"), "--trainer.max_epochs=2",
-          "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.callbacks.init_args.statistics.batches=2",
+          "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+          "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2",
           "--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64",
           f"--trainer.logger.init_args.save_dir={tmp_path}"])
     out = capsys.readouterr().out

@@ -145,6 +145,31 @@ def test_resuming_with_changed_model_settings_names_them(tmp_path, fixed_run, cl
     assert sum("given, the checkpoint's" in str(w.message) for w in caught) == 1
 
 
+@pytest.fixture(scope="module")
+def in_window_run(tmp_path_factory):
+    """A run stopped inside the statistics window of its growth at epoch 1 (window: the last 3 micro-batches of
+    epoch 0; stopped after the first optimizer step of 2 micro-batches): its last checkpoint."""
+    out = tmp_path_factory.mktemp("window")
+    assert command_line([str(a) for a in (*RECALL, *logs(out), "--trainer.max_epochs=2", "--trainer.max_steps=1",
+                         "--trainer.limit_train_batches=4", "--trainer.accumulate_grad_batches=2",
+                         "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+                         "--trainer.callbacks.init_args.statistics.batches=3")]) == 0
+    (last,) = out.rglob("last.ckpt")
+    return last
+
+
+@pytest.mark.parametrize("changed, named", [
+    ("--trainer.accumulate_grad_batches=1", "accumulate_grad_batches=2 in the checkpoint but 1 now"),
+    ("--trainer.callbacks.init_args.statistics.batches=2", "statistics.batches=3 in the checkpoint but 2 now"),
+])
+def test_resuming_inside_a_statistics_window_with_other_window_settings_is_refused(tmp_path, in_window_run, cli,
+                                                                                  changed, named):
+    done = cli(*RECALL, *logs(tmp_path), "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
+               "--trainer.accumulate_grad_batches=2", "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+               "--trainer.callbacks.init_args.statistics.batches=3", changed, f"--ckpt_path={in_window_run}")
+    refused(done, "inside the statistics window of growth 'epoch 1'", named, "resume with", "outside the window")
+
+
 # 7. A token file overwritten in place is rebuilt, not read.
 def test_a_token_file_overwritten_in_place_is_rebuilt(tmp_path, corpus, cli):
     args = [*TEXT, *logs(tmp_path), f"--data.init_args.path={corpus}", "--data.init_args.tokenizer=bpe",

@@ -92,8 +92,8 @@ def test_every_variant_runs_on_flash_alone_at_every_growth_width(attention, sdpa
 def test_auto_leaves_cpu_shapes_alone_and_bad_values_fail():
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16, d_head=3, d_v=8)
     model = GPT(cfg)
-    with pytest.raises(RuntimeError):  # unpadded, d_head 3 ≠ d_v 8 has no fused kernel
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+    with pytest.raises(RuntimeError):  # unpadded, d_head 3 ≠ d_v 8 has no fused kernel (torch warns why)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), pytest.warns(UserWarning, match="Flash attention"):
             model(torch.randint(0, 16, (2, 8)))
     with pytest.raises(ValueError, match="sdpa_pad must be one of auto, on, off"):
         GPTConfig(sdpa_pad="yes")

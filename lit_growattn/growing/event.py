@@ -1,8 +1,9 @@
 """One growth event: plan from the reduced statistics, choose the step size, broadcast rank 0's tensors and
 install them. Lightning enters only through `trainer.strategy` (collectives) and the rebuild.
 
-The step-size choice is one function, `choose_step_size(plan, names, loss_of, search, method)`: `loss_of` rates a
-list of candidate installs (None: the forms as they are) by their loss, already averaged over ranks. A new
+The step-size choice is one function, `choose_step_size(plan, names, loss_of, search, method, terms)`: `loss_of`
+rates a list of candidate installs (None: the forms as they are) by their loss, already averaged over ranks, and
+`terms` is how many values that loss averages (its round-off: a step must beat α = 0 by more). A new
 rule is a new branch there (or a function with the same signature passed as `GrowthEvent.choose_step_size`).
 """
 
@@ -69,8 +70,9 @@ def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.
 
 
 def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf, s: StepSearch,
-                     method: str) -> StepChoice:
-    """The step size of the event, from forward-only losses of candidate growths."""
+                     method: str, terms: int) -> StepChoice:
+    """The step size of the event, from forward-only losses of candidate growths, each a mean of `terms` values
+    (tokens): losses closer than their round-off (`growth.loss_rounding`) are equal, and the smaller step wins."""
     if method in growth.BASELINES:
         # α does not enter a baseline: one evaluation of its growth beside the current loss.
         before, after = loss_of([None, {n: plan.grow(n, 0.0) for n in names}]).tolist()
@@ -83,13 +85,13 @@ def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf,
     alphas, rated = candidates, torch.stack([by_alpha.get(a, before) for a in candidates])
     if s.rule == "quadratic":
         alphas, rated = _with_quadratic_step(plan, names, loss_of, alphas, before, rated)
-    best = growth.choose_step(rated, alphas)
+    best = growth.choose_step(rated, alphas, terms)
     alpha, after = alphas[best], rated[best]
     if s.line_search == "full_rank":
         # λ_FR rated α before truncation: measure the truncated growth itself, and keep α = 0 if that is better.
         finalists = [0.0, alpha]
         final = loss_of([{n: plan.grow(n, a) for n in names} for a in finalists])
-        pick = growth.choose_step(final, finalists)
+        pick = growth.choose_step(final, finalists, terms)
         alpha, after = finalists[pick], final[pick]
     return StepChoice(alpha, float(before), float(after))
 
@@ -137,8 +139,9 @@ class GrowthEvent:
     loss_of: LossOf
     install: Callable[[dict[str, growth.Growth]], None]
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
-    choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str], StepChoice] = choose_step_size
+    choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str, int], StepChoice] = choose_step_size
     capacity: CapacityRule | None = None  # the automatic schedule's rule (None: the settings size the growth)
+    terms: int = 1  # values (tokens) each rated loss averages: its round-off (trainer_ops.loss_terms)
 
     def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int,
             half: list[growth.FormStats] | None = None) -> tuple[dict, dict[str, Tensor]]:
@@ -165,7 +168,7 @@ class GrowthEvent:
                         "timings": clock.seconds, "seconds": clock.total()}, {}
         clock.lap("plan")
         loss_of = self.loss_of if decisions is None else _knowing_current(self.loss_of, current)
-        choice = self.choose_step_size(plan, names, loss_of, self.search, self.settings.method)
+        choice = self.choose_step_size(plan, names, loss_of, self.search, self.settings.method, self.terms)
         clock.lap("rating")
         # Rank 0's tensors for every rank, so replicas are bit-identical whatever the SVD did; through the CPU,
         # since a pickled CUDA tensor would land on rank 0's device.

@@ -10,6 +10,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import DDPStrategy
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lit_growattn.growing.window import NamedForms
@@ -42,6 +43,18 @@ def kept_batch_losses(
     count = torch.tensor([float(len(batches))], device=pl_module.device)
     totals = trainer.strategy.reduce(torch.cat([torch.stack(losses), count]), reduce_op="sum")
     return totals[:-1] / totals[-1]
+
+
+def loss_terms(batches: list[Any]) -> int:
+    """The values that the mean loss over `batches` averages, which set its round-off (`growth.loss_rounding`):
+    one per token, counted as the elements of each batch's largest integer tensor (its (b, s) token ids or labels;
+    1 for a batch without one)."""
+    def tokens(batch: Any) -> int:
+        counts: list[int] = []
+        apply_to_collection(batch, Tensor, lambda t: counts.append(0 if t.is_floating_point() else t.numel()))
+        return max(counts, default=0) or 1
+
+    return sum(tokens(batch) for batch in batches)
 
 
 def install_growth(

@@ -67,15 +67,20 @@ class StatsWindow:
         self.half: list[growth.FormStats] | None = None
         self.kept: list[Any] = []  # batches kept for the step-size evaluations, as the dataloader yields them
         self.reduced = False  # the sums are already summed over ranks (the window has closed)
+        # The settings that decide what the sums and kept batches hold (statistics.batches,
+        # accumulate_grad_batches, …), as the window began: a run resumed inside it must have the same.
+        self.gathered_with: dict[str, Any] | None = None
 
     def clear(self) -> None:
-        self.event, self.stats, self.half, self.kept, self.reduced = None, None, None, [], False
+        self.event, self.stats, self.half, self.kept, self.reduced, self.gathered_with = None, None, None, [], False, None
 
-    def begin_step(self, event: str, forms: NamedForms, active: set[int], mode: CaptureMode, keep=None) -> None:
-        """Turns capture on for the forms of the `active` layers; `keep`: a batch to keep (a clone of its tensors)."""
+    def begin_step(self, event: str, forms: NamedForms, active: set[int], mode: CaptureMode, gathered_with: dict,
+                   keep=None) -> None:
+        """Turns capture on for the forms of the `active` layers; `gathered_with`: the settings the window is
+        gathered with (see `check_resumed`); `keep`: a batch to keep (a clone of its tensors)."""
         if self.event != event:
             self.clear()  # statistics of another event (an older checkpoint's) never leak into this one
-            self.event = event
+            self.event, self.gathered_with = event, gathered_with
         if self.stats is None:
             # float64 sums when the model itself runs in float64 (precision="64-true").
             dtype = torch.float64 if forms[0][2].w_q.dtype == torch.float64 else torch.float32
@@ -133,6 +138,7 @@ class StatsWindow:
                 "like": [s.state_dict() for s in self._sums()],
             },
             "kept": [apply_to_collection(b, Tensor, Tensor.cpu) for b in kept],
+            "gathered_with": self.gathered_with,
         }
 
     def load_state_dict(self, state: dict, rank: int, world: int) -> None:
@@ -156,6 +162,22 @@ class StatsWindow:
             like = [growth.FormStats.from_state_dict(s) for s in stats["like"]]
             self._split(growth.unflatten_stats(stats["flat"], like))
         self.kept = kept
+        self.gathered_with = state.get("gathered_with")  # absent from checkpoints of earlier versions
+
+    def check_resumed(self, settings: dict[str, Any]) -> None:
+        """Refuses to go on with an open window (resumed from a checkpoint taken inside it) under other `settings`
+        than it began with: its sums would mix two windows, and the step size differ from the uninterrupted run's."""
+        if self.stats is None or self.reduced or self.gathered_with is None:
+            return
+        if changed := {k: (v, settings.get(k)) for k, v in self.gathered_with.items() if settings.get(k) != v}:
+            listed = ", ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in changed.items())
+            again = " and ".join(f"{k}={old}" for k, (old, _) in changed.items())
+            raise ValueError(
+                f"this checkpoint was taken inside the statistics window of growth {self.event!r}, which began with "
+                f"other settings: {listed}. Going on would mix two windows' statistics and choose another step size "
+                f"than the uninterrupted run: resume with {again}, or from a checkpoint taken outside the window "
+                "(before it began, or after the growth)"
+            )
 
 
 def _gather_batches(strategy, batches: list[Any], world: int) -> list[Any]:
