@@ -43,7 +43,8 @@ class GrowAttentionCallback(Callback):
         schedule: when to grow: `AtEpochs(epochs)`, `AtSteps(steps)` or `AutoSchedule(...)` (in a config:
             `class_path: lit_growattn.AtEpochs` with `init_args: {epochs: [2, 4]}`).
         growth: how each event grows (`GrowthSettings`: columns, method, mode, …).
-        statistics: the statistics window before each event (`StatisticsSettings`: batches, layers_per_step, capture).
+        statistics: the statistics window before each event (`StatisticsSettings`: batches, layers_per_step, capture,
+            layers_per_event, max_memory_gb).
         step_search: how each event chooses its step size (`StepSearch`: alphas, batches, line_search, rule).
     """
 
