@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -37,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.lowrank_dint import uniform_parameter
+from lit_growattn.hf.surgery import generated_class, native_subclass
 
 _CLASSES: dict[str, type[nn.Module]] = {}
 
@@ -211,21 +211,8 @@ class DintAttention(nn.Module):
 
 def dint_class(native: type[nn.Module]) -> type[DintAttention]:
     """The DINT subclass of a native attention class (created once, importable from this module by name)."""
-    name = f"Dint{native.__name__}"
-    if name not in _CLASSES:
-        module = sys.modules[native.__module__]
-        _CLASSES[name] = type(name, (DintAttention, native), {
-            "eager_attention": staticmethod(module.eager_attention_forward),
-            "apply_rotary": staticmethod(module.apply_rotary_pos_emb), "__module__": __name__})
-    return _CLASSES[name]
+    return native_subclass(_CLASSES, "Dint", DintAttention, native, __name__)
 
 
 def __getattr__(name: str):
-    # Pickling (ddp_spawn, deepcopy across processes) finds the generated classes by name.
-    from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
-
-    for model_type in NATIVE_ATTENTION:
-        native = native_attention_class(model_type)
-        if name == f"Dint{native.__name__}":
-            return dint_class(native)
-    raise AttributeError(name)
+    return generated_class(name, "Dint", dint_class)

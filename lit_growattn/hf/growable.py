@@ -17,14 +17,12 @@ its gradient (cheaper on CPU; the callback's capture=auto picks it there).
 
 from __future__ import annotations
 
-import sys
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import augment, causal_scores
-from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class, replace_attention
+from lit_growattn.hf.surgery import generated_class, native_subclass, replace_attention
 
 _CLASSES: dict[str, type[nn.Module]] = {}
 
@@ -226,22 +224,9 @@ def make_growable(model: nn.Module) -> list[str]:
 
 def growable_class(native: type[nn.Module]) -> type[GrowableAttention]:
     """The growable subclass of a native attention class (created once, importable from this module by name)."""
-    name = f"Growable{native.__name__}"
-    if name not in _CLASSES:
-        base = GrowableGPT2Attention if native.__name__ == "GPT2Attention" else GrowableRopeAttention
-        module = sys.modules[native.__module__]
-        extras: dict[str, Callable] = {"eager_attention": staticmethod(module.eager_attention_forward),
-                                       "__module__": __name__}
-        if base is GrowableRopeAttention:
-            extras["apply_rotary"] = staticmethod(module.apply_rotary_pos_emb)
-        _CLASSES[name] = type(name, (base, native), extras)
-    return _CLASSES[name]
+    base = GrowableGPT2Attention if native.__name__ == "GPT2Attention" else GrowableRopeAttention
+    return native_subclass(_CLASSES, "Growable", base, native, __name__)
 
 
 def __getattr__(name: str):
-    # Pickling (ddp_spawn, deepcopy across processes) finds the generated classes by name.
-    for model_type in NATIVE_ATTENTION:
-        native = native_attention_class(model_type)
-        if name == f"Growable{native.__name__}":
-            return growable_class(native)
-    raise AttributeError(name)
+    return generated_class(name, "Growable", growable_class)

@@ -9,6 +9,7 @@ result to m's device and dtype; growable attention (`growable.py`) and other con
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Callable
 
 from torch import nn
@@ -59,3 +60,25 @@ def replace_attention(model: nn.Module, build: Callable[[nn.Module], nn.Module])
         setattr(model.get_submodule(parent_name), child, replacement)
         names.append(name)
     return names
+
+
+def native_subclass(cache: dict[str, type], prefix: str, base: type, native: type[nn.Module], owner: str) -> type:
+    """`prefix + native's name`: `base` over the native attention class, with the native module's eager attention
+    (and RoPE, where it has one); created once, and found by name in module `owner` (see `generated_class`)."""
+    name = f"{prefix}{native.__name__}"
+    if name not in cache:
+        module = sys.modules[native.__module__]
+        extras = {"eager_attention": staticmethod(module.eager_attention_forward), "__module__": owner}
+        if hasattr(module, "apply_rotary_pos_emb"):
+            extras["apply_rotary"] = staticmethod(module.apply_rotary_pos_emb)
+        cache[name] = type(name, (base, native), extras)
+    return cache[name]
+
+
+def generated_class(name: str, prefix: str, make: Callable[[type[nn.Module]], type]) -> type:
+    """For a module's `__getattr__`: pickling (ddp_spawn, deepcopy across processes) finds generated classes by name."""
+    for model_type in NATIVE_ATTENTION:
+        native = native_attention_class(model_type)
+        if name == f"{prefix}{native.__name__}":
+            return make(native)
+    raise AttributeError(name)
