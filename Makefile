@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(PY) -m lit_growattn fit --config configs/recall_grow.yaml
 
+# Two test processes (pytest-xdist): most tests are small single-threaded runs, so two cores halve the wall time.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # `make bench BENCH_ARGS=` runs the full preset; `make experiments ARGS="--text ../shared/data/tinyshakespeare.txt"`.
 BENCH_ARGS ?= --quick

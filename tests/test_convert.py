@@ -30,6 +30,8 @@ def mha_ckpt(tmp_path_factory):
     return path, module.eval()
 
 
+# The converted model is fitted for its outputs alone, with no validation data.
+@pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`:UserWarning")
 @pytest.mark.parametrize("to, args", [("lowrank_dint", {"rank": 2}), ("dint", {})])
 def test_converted_model_starts_with_identical_outputs(mha_ckpt, tmp_path, to, args):
     src, mha = mha_ckpt

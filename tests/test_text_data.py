@@ -178,6 +178,8 @@ class WindowRecorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+# The probe module checks the data split across ranks; it has no validation step of its own.
+@pytest.mark.filterwarnings("ignore:You passed in a `val_dataloader` but have no `validation_step`:UserWarning")
 def test_under_real_ddp_the_first_process_tokenizes_and_the_ranks_share_out_the_windows(tmp_path):
     path = tmp_path / "corpus.txt"
     write_corpus(path, lines=2000)
