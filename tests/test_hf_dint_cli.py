@@ -1,6 +1,7 @@
 """The user's path for seed 001 on a Hugging Face model, as subprocesses: convert a tiny pretrained Llama folder to
 low-rank DINT, fine-tune it on instruction data with the tiny twin of configs/hf_llama_dint_sft.yaml, export,
-reload and generate; the entropy reference and the cross-domain validation set reach TensorBoard."""
+reload and generate; the entropy reference and the cross-domain validation sets (a text file, and a dataset folder
+passed where a hub name goes) reach TensorBoard."""
 
 from __future__ import annotations
 
@@ -57,12 +58,15 @@ def test_convert_fit_export_generate(tmp_path):
 
     rows = write_jsonl(tmp_path / "rows.jsonl", make_rows(40, seed=0))
     (tmp_path / "other.txt").write_text("Problem user assistant Solution. " * 200)
+    (tmp_path / "hub").mkdir()  # a folder `datasets.load_dataset` reads, where a hub name would go
+    write_jsonl(tmp_path / "hub" / "test.jsonl", [{"body": "user Solution Problem. " * 20} for _ in range(10)])
     run(tmp_path, "fit", "--config", str(TINY), f"--model.init_args.pretrained={tmp_path / 'dint'}",
         f"--data.init_args.tokenizer={tmp_path / 'dint'}", f"--data.init_args.path={rows}",
-        f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--data.init_args.val_texts={other: other.txt}",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--data.init_args.val_texts={other: other.txt, "
+        "hub: {hf_dataset: hub, hf_split: test, hf_text_field: body}}",
         f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}")
     tags = scalar_tags(tmp_path / "logs")
-    assert {"val/loss", "val/other/loss", "train/loss"} <= tags
+    assert {"val/loss", "val/other/loss", "val/hub/loss", "train/loss"} <= tags
     assert {f"attention/{kind}/layer_{i}" for kind in ("entropy", "entropy_original") for i in (0, 1)} <= tags
 
     (ckpt,) = (tmp_path / "logs").rglob("last.ckpt")

@@ -98,3 +98,44 @@ def test_cross_domain_text_windows(tmp_path, tokenizer_dir):
     loaders = dm.val_dataloader()
     inputs, labels = next(iter(loaders[1]))
     assert inputs.shape[1] == 64 and torch.equal(labels[:, :-1], inputs[:, 1:])
+
+
+def hub_folder(path, rows, split="train"):
+    """A local folder `datasets.load_dataset` reads as it reads a hub dataset: passed where a hub name goes."""
+    path.mkdir()
+    write_jsonl(path / f"{split}.jsonl", rows)
+    return str(path)
+
+
+def test_cross_domain_hub_datasets_by_name_and_by_dict(tmp_path, tokenizer_dir):
+    docs = [{"body": f"Document {i}: the fox jumps {i % 5} times.", "id": i} for i in range(60)]
+    by_dict = {"hf_dataset": hub_folder(tmp_path / "hub", docs, split="test"), "hf_split": "test",
+               "hf_text_field": "body"}
+    by_name = hub_folder(tmp_path / "plain", [{"text": d["body"]} for d in docs])
+    (tmp_path / "other.txt").write_text("The quick brown fox. " * 100)
+    dm = module(tmp_path, tokenizer_dir, val_text_windows=3,
+                val_texts={"file": str(tmp_path / "other.txt"), "math": by_dict, "prose": by_name})
+    assert dm.val_names == ["", "file", "math", "prose"]
+    tokens = dm.tokenizer("".join(d["body"] + "\n\n" for d in docs), add_special_tokens=False)["input_ids"]
+    windows = [tokens[i * 65:(i + 1) * 65] for i in range(3)]  # max_length 64 inputs + their shifted targets
+    for val_set in dm.val_sets[2:]:
+        assert [e["input_ids"] for e in val_set] == [e["labels"] for e in val_set] == windows
+    for loader in dm.val_dataloader()[1:]:
+        inputs, labels = next(iter(loader))
+        assert inputs.shape == (3, 64) and torch.equal(labels[:, :-1], inputs[:, 1:])
+
+
+@pytest.mark.parametrize("value, error", [
+    ("missing.txt", r"val_texts\['x'\] = '.*missing.txt' is not an existing text file, and as a hub dataset: "),
+    ("hub", r"val_texts\['x'\] = '.*hub' is not an existing text file.*hf_text_field='text' is not a column "
+            r".*\['body'\]"),
+    ({"hf_dataset": "hub", "hf_feld": "body"},
+     r"a dict with hf_dataset and optionally .* \(unknown keys \['hf_feld'\]\)"),
+    ({"hf_dataset": "hub", "hf_text_field": "body", "hf_split": "dev"},
+     r"val_texts\['x'\] = \{.*\}: ValueError: Unknown split \"dev\""),
+])
+def test_cross_domain_bad_value_fails_before_training_naming_both_readings(tmp_path, tokenizer_dir, value, error, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hub_folder(tmp_path / "hub", [{"body": "some text"}])
+    with pytest.raises(ValueError, match=error):
+        module(tmp_path, tokenizer_dir, val_texts={"x": value})

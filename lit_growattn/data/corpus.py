@@ -6,6 +6,7 @@ text back; the rows of a hub dataset are documents, each followed by a blank lin
 
 from __future__ import annotations
 
+import codecs
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,13 +64,14 @@ class LocalFiles:
         """Up to `num_bytes` of text, split evenly over the files, from the training part of each (its start)."""
         for path in self.paths:
             budget = min(int(os.path.getsize(path) * train_fraction), num_bytes // len(self.paths))
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character cut by a block stays whole
             with open(path, "rb") as f:
                 while budget > 0:
                     block = f.read(min(budget, 1 << 20))
                     if not block:
                         break
                     budget -= len(block)
-                    yield block.decode("utf-8", errors="replace").splitlines(keepends=True)
+                    yield decoder.decode(block).splitlines(keepends=True)
 
 
 @dataclass
@@ -109,6 +111,25 @@ class HubDataset:
     def sample(self, num_bytes: int, train_fraction: float) -> Iterator[list[str]]:
         rows = self._load()
         yield from texts_up_to(rows.select(range(int(len(rows) * train_fraction))), self.field, num_bytes)
+
+
+HUB_KEYS = ("hf_dataset", "hf_config", "hf_split", "hf_text_field")
+
+
+def text_source(value: str | dict, flag: str) -> LocalFiles | HubDataset:
+    """An existing text file, else a hub dataset: its name (split `train`, field `text`) or a dict of HUB_KEYS
+    spelled as TextDataModule's arguments, e.g. `{hf_dataset: openai/gsm8k, hf_config: main, hf_split: test,
+    hf_text_field: question}`."""
+    if isinstance(value, str) and os.path.isfile(value):
+        check_file(value, flag)
+        return LocalFiles([value])
+    settings = {"hf_dataset": value} if isinstance(value, str) else dict(value)
+    unknown = sorted(set(settings) - set(HUB_KEYS))
+    if unknown or not settings.get("hf_dataset"):
+        raise ValueError(f"{flag} = {value!r}: give a text file, a hub dataset name, or a dict with hf_dataset and "
+                         f"optionally {', '.join(HUB_KEYS[1:])}" + (f" (unknown keys {unknown})" if unknown else ""))
+    return HubDataset(settings["hf_dataset"], settings.get("hf_config"), settings.get("hf_split", "train"),
+                      settings.get("hf_text_field", "text"))
 
 
 def texts_up_to(rows, field: str, num_bytes: int) -> Iterator[list[str]]:

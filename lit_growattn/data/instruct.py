@@ -34,10 +34,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_growattn.data.base import BaseDataModule
+from lit_growattn.data.corpus import HubDataset, text_source
 from lit_growattn.data.token_file import fingerprint_files
 
 PLAIN_TEMPLATE = "Problem:\n{prompt}\n\nSolution:\n"
 DEFAULT_CACHE = os.environ.get("LIT_GROWATTN_CACHE", "~/.cache/lit_growattn")
+CHARS_PER_TOKEN_CAP = 16  # text read per wanted validation token, at most: far above any tokenizer's mean (≈ 4)
 
 
 def load_hf_tokenizer(spec: str):
@@ -86,7 +88,7 @@ def pad_batch(examples: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 class InstructDataModule(BaseDataModule):
-    """Prompt/response pairs from a hub dataset or local JSONL/Parquet files; extra plain-text validation sets.
+    """Prompt/response pairs from a hub dataset or local JSONL/Parquet files; extra cross-domain validation sets.
 
     Args:
         tokenizer: A tokenizer folder (e.g. the model's) or hub name, loaded with `AutoTokenizer.from_pretrained`.
@@ -96,9 +98,12 @@ class InstructDataModule(BaseDataModule):
         max_examples: Use only the first this many rows (None: all; OpenMathInstruct-2 has 14 M).
         val_size: The last this many examples are held out for validation (`val/…`).
         max_length: Tokens per example at most (longer ones are truncated and counted).
-        val_texts: Cross-domain validation sets, name -> local text file, read as language-modelling windows
-            of `max_length` inputs (loss on every token); logged as `val/<name>/…`.
-        val_text_windows: At most this many windows per `val_texts` file.
+        val_texts: Cross-domain validation sets, name -> an existing text file, else a hub dataset: its name (split
+            `train`, field `text`) or a dict `{hf_dataset, hf_config, hf_split, hf_text_field}` (TextDataModule's
+            spelling; all but hf_dataset optional). Read from the start as consecutive language-modelling windows
+            of `max_length` inputs (loss on every token; a dataset's rows are documents, each followed by a
+            blank line; a hub split is downloaded whole, in `prepare_data`); logged as `val/<name>/…`.
+        val_text_windows: At most this many windows per `val_texts` set.
         cache_dir: Where tokenized examples are kept ($LIT_GROWATTN_CACHE or ~/.cache/lit_growattn).
         batch_size: Examples per batch, per device.
         seed: Seeds the training order, which depends on (seed, epoch) only.
@@ -117,7 +122,7 @@ class InstructDataModule(BaseDataModule):
         max_examples: int | None = None,
         val_size: int = 200,
         max_length: int = 512,
-        val_texts: dict[str, str] | None = None,
+        val_texts: dict[str, str | dict[str, str | None]] | None = None,
         val_text_windows: int = 64,
         cache_dir: str | None = None,
         batch_size: int = 8,
@@ -137,14 +142,15 @@ class InstructDataModule(BaseDataModule):
                 raise FileNotFoundError(f"instruction file not found: {p!r} (--data.path)")
             if _file_format(p) is None:
                 raise ValueError(f"{p!r}: instruction files must be .jsonl, .json or .parquet")
-        for name, p in (val_texts or {}).items():
-            if not name or not os.path.isfile(p):
-                raise ValueError(f"val_texts[{name!r}] = {p!r} must be a non-empty name and an existing text file")
+        if "" in (val_texts or {}):
+            raise ValueError(f"val_texts has an empty name (for {val_texts['']!r}): each set is logged as "
+                             "val/<name>/…")
+        self.val_sources = {name: text_source(v, f"val_texts[{name!r}]") for name, v in (val_texts or {}).items()}
         self.tokenizer_spec, self.tokenizer = tokenizer, load_hf_tokenizer(tokenizer)
         self.hf_dataset, self.hf_config, self.hf_split = hf_dataset, hf_config, hf_split
         self.prompt_field, self.response_field = prompt_field, response_field
         self.max_examples, self.val_size, self.max_length = max_examples, val_size, max_length
-        self.val_texts, self.val_text_windows = dict(val_texts or {}), val_text_windows
+        self.val_texts, self.val_text_windows = dict(val_texts or {}), val_text_windows  # as given, for messages
         self.cache_dir = Path(cache_dir or DEFAULT_CACHE).expanduser()
         self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self.num_truncated = self.num_dropped = 0
@@ -159,7 +165,7 @@ class InstructDataModule(BaseDataModule):
 
     @property
     def val_names(self) -> list[str]:
-        return ["", *self.val_texts]
+        return ["", *self.val_sources]
 
     @property
     def pad_id(self) -> int:
@@ -189,6 +195,8 @@ class InstructDataModule(BaseDataModule):
         return self.cache_dir / f"instruct-{digest}"
 
     def prepare_data(self) -> None:
+        for name in self.val_sources:
+            self._download_val_set(name)  # a hub set: here once per node; every rank's setup reads the copy
         path = self._cache_path()
         if path.is_dir():
             return
@@ -235,18 +243,32 @@ class InstructDataModule(BaseDataModule):
             raise ValueError(f"{len(kept)} usable examples cannot hold out val_size={self.val_size}: lower val_size")
         self.train_set = kept.select(range(len(kept) - self.val_size))
         self.val_sets = [kept.select(range(len(kept) - self.val_size, len(kept)))]
-        self.val_sets += [self._text_windows(p) for p in self.val_texts.values()]
+        self.val_sets += [self._text_windows(name) for name in self.val_sources]
 
-    def _text_windows(self, path: str) -> list[dict]:
-        """Consecutive windows of the file's tokens, every token a label (the language-modelling loss)."""
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        width = self.max_length + 1  # inputs and their shifted targets
+    def _download_val_set(self, name: str) -> None:
+        """Download a hub set (a file needs nothing), or name what the value could have been and why it failed."""
+        source, value = self.val_sources[name], self.val_texts[name]
+        if not isinstance(source, HubDataset):
+            return
+        try:
+            source.rows(str(self.cache_dir))
+        except Exception as err:
+            neither = " is not an existing text file, and as a hub dataset" if isinstance(value, str) else ""
+            raise ValueError(f"val_texts[{name!r}] = {value!r}{neither}: {type(err).__name__}: {err}") from err
+
+    def _text_windows(self, name: str) -> list[dict]:
+        """Consecutive windows of the set's first tokens, every token a label (the language-modelling loss)."""
+        source, width = self.val_sources[name], self.max_length + 1  # inputs and their shifted targets
+        wanted, ids = width * self.val_text_windows, []
+        for texts in source.sample(wanted * CHARS_PER_TOKEN_CAP, train_fraction=1.0):
+            ids += self.tokenizer("".join(t + source.suffix for t in texts), add_special_tokens=False)["input_ids"]
+            if len(ids) >= wanted:
+                break
+        if len(ids) < width:
+            raise ValueError(f"val_texts[{name!r}] has {len(ids)} tokens, fewer than one window of max_length + 1 = "
+                             f"{width}")
         n = min(len(ids) // width, self.val_text_windows)
-        if n == 0:
-            raise ValueError(f"{path} has {len(ids)} tokens, fewer than one window of max_length + 1 = {width}")
-        windows = [ids[i * width:(i + 1) * width] for i in range(n)]
-        return [{"input_ids": w, "labels": w} for w in windows]
+        return [{"input_ids": w, "labels": w} for w in (ids[i * width:(i + 1) * width] for i in range(n))]
 
     def collate(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         return pad_batch(examples, self.pad_id)
