@@ -48,7 +48,32 @@ def causal_scores(q: Tensor, k: Tensor) -> Tensor:
     return s.masked_fill_(_future(s.shape[-1], s.device), float("-inf"))
 
 
-class QKForm(nn.Module):
+class FormShape:
+    """Head counts, head size and temperature read off the form's tensors, so they follow every growth:
+    w_q (n_head, e′, d_head), w_k (n_kv_head, e′, d_head), log_tau (n_head,)."""
+
+    w_q: Tensor
+    w_k: Tensor
+    log_tau: Tensor
+
+    @property
+    def n_head(self) -> int:
+        return self.w_q.shape[0]
+
+    @property
+    def n_kv_head(self) -> int:
+        return self.w_k.shape[0]
+
+    @property
+    def d_head(self) -> int:
+        return self.w_q.shape[-1]
+
+    @property
+    def tau(self) -> Tensor:
+        return self.log_tau.exp()
+
+
+class QKForm(FormShape, nn.Module):
     """Satisfies `lit_growattn.contract.GrowableForm`, without grouping (n_kv_head = n_head)."""
 
     def __init__(
@@ -69,24 +94,8 @@ class QKForm(nn.Module):
         self.capture: CaptureMode | None = None
         self.captured: list[tuple[Tensor, Tensor]] = []
 
-    @property
-    def n_head(self) -> int:
-        return self.w_q.shape[0]
-
-    @property
-    def n_kv_head(self) -> int:
-        return self.w_k.shape[0]
-
-    @property
-    def d_head(self) -> int:
-        return self.w_q.shape[-1]
-
     def bias_row_parameters(self) -> list[nn.Parameter]:
         return [self.w_q, self.w_k] if self.bias else []
-
-    @property
-    def tau(self) -> Tensor:
-        return self.log_tau.exp()
 
     def augment(self, x: Tensor) -> Tensor:
         return augment(x, self.bias)

@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.attention.qk import FormShape, augment, causal_scores
 from lit_growattn.hf.surgery import generated_class, native_subclass, replace_attention
 
 _CLASSES: dict[str, type[nn.Module]] = {}
 
 
-class GrowableAttention(nn.Module):
+class GrowableAttention(FormShape, nn.Module):
     """Mixin placed before the native class; built with `from_native`, never with the native __init__."""
 
     rotary: int
@@ -44,23 +44,6 @@ class GrowableAttention(nn.Module):
             new.__dict__[key] = dict(native.__dict__[key])
         new._adopt()
         return new
-
-    # -- the form the growth maths sees (same names as `attention.qk.QKForm`) -----------------------
-    @property
-    def n_head(self) -> int:
-        return self.w_q.shape[0]
-
-    @property
-    def n_kv_head(self) -> int:
-        return self.w_k.shape[0]
-
-    @property
-    def d_head(self) -> int:
-        return self.w_q.shape[-1]
-
-    @property
-    def tau(self) -> Tensor:
-        return self.log_tau.exp()
 
     def _init_form(self, w_q: Tensor, w_k: Tensor, scaling: float, rotary: int, bias: bool, v_head_dim: int) -> None:
         self.rotary, self.qk_bias, self.v_head_dim = rotary, bias, v_head_dim
