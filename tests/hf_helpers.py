@@ -13,13 +13,13 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 VOCAB = 96
 
 
-def tiny_config(model_type: str, vocab: int = VOCAB):
+def tiny_config(model_type: str, vocab: int = VOCAB, **llama):
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     if model_type == "llama":
-        return LlamaConfig(**common)
+        return LlamaConfig(**common, **llama)
     if model_type == "mistral":
         return MistralConfig(**common, sliding_window=4)
     if model_type == "qwen2":
