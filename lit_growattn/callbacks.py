@@ -31,6 +31,7 @@ from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
+from lit_growattn.growth.capacity import pooled_with
 from lit_growattn.growth.grouped import check_modes
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.lightning_private import should_update_logs
@@ -213,7 +214,7 @@ class GrowAttentionCallback(Callback):
                           "captured them overflowed); they keep their size, the other layers grow")
         forms = [f for f, _, _ in kept]
         batches = window.kept[self._rank :: self._world]
-        capacity = self.schedule.capacity
+        capacity, sizes = self.schedule.capacity, pl_module.head_sizes()
         event = GrowthEvent(
             self.settings,
             self.search,
@@ -221,6 +222,8 @@ class GrowAttentionCallback(Callback):
             install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
             capacity=capacity,
+            earlier={} if capacity is None else {
+                layer: pooled_with(self.history, layer, sizes[layer], capacity.pool) for layer in self._layers},
             terms=loss_terms(window.kept),  # every rank's kept batches
         )
         try:

@@ -45,7 +45,8 @@ def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_
     decision = history[0]["decisions"][0]
     assert decision["columns"] == history[0]["d_head"][0] - 1 and decision["candidates"] == 63
     taken = zip(decision["ratios"][: decision["columns"]], decision["agreement"][: decision["columns"]])
-    assert all(ratio >= decision["bar"] and agreement >= 0.1 for ratio, agreement in taken)
+    assert decision["pooled"] == 1  # the first check has nothing to pool
+    assert all(ratio >= decision["bar"] and agreement >= decision["agreement_bar"] == 0.1 for ratio, agreement in taken)
     following = decision["ratios"][decision["columns"]], decision["agreement"][decision["columns"]]
     assert following[0] < decision["bar"] or following[1] < 0.1
     # Stopped by itself, well before the 40 steps of the run: the last two checks grew nothing.
@@ -55,10 +56,10 @@ def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_
     # Each decision is shown: console line per check, TensorBoard scalars per layer.
     printed = capsys.readouterr().out
     assert f"growth at step 5 (epoch 0): d_head 1→{history[0]['d_head'][0]} per layer" in printed
-    assert f"layer 0 +{decision['columns']} of 63 (ratios " in printed and "growth check at step" in printed
+    assert f"layer 0 +{decision['columns']} of 63 (1 check: ratios " in printed and "growth check at step" in printed
     assert {"growth/auto/columns/layer_0", "growth/auto/first_ratio/layer_0", "growth/auto/first_share/layer_0",
             "growth/auto/first_agreement/layer_0",
-            "growth/auto/bottleneck/layer_0", "growth/auto/bar"} <= scalar_tags(tmp_path)
+            "growth/auto/bottleneck/layer_0", "growth/auto/bar/layer_0", "growth/auto/pooled_checks/layer_0"} <= scalar_tags(tmp_path)
 
 
 def test_no_gain_no_growth_zero_gradient():

@@ -6,7 +6,7 @@ import torch
 
 from lit_growattn.growing.schedule import AutoSchedule
 from lit_growattn.growth import FormGrowth
-from lit_growattn.growth.capacity import CapacityRule, decide, layer_gains, layer_score, loss_fall
+from lit_growattn.growth.capacity import CapacityRule, decide, layer_gains, layer_score, loss_fall, pooled_with
 from lit_growattn.growth.stats import Moments
 
 from test_growth import Problem
@@ -87,6 +87,38 @@ def test_noise_that_does_not_hold_out_cannot_clear_the_bar_and_signal_does():
     assert mixed.columns >= 1 and mixed.agreement[0] > rule.agreement
 
 
+def test_evidence_that_misses_the_bar_once_is_taken_when_checks_in_a_row_agree():
+    p = Problem(e=12, h=3, d=2)
+    signal = p.stats("natural").means().n
+    g = torch.Generator().manual_seed(0)
+    noise = [torch.randn(signal.shape, dtype=F64, generator=g) for _ in range(2)]
+    layer = halves(p, *(signal + z * signal.norm() / (4 * z.norm()) for z in noise))
+    alone = decide(0, *layer, CapacityRule(ratio=1e-3), max_d_head=12)
+    assert 0 < alone.agreement[0] < 1 and alone.pooled == 1
+    # A bar 20 % above the leading column's agreement: one window misses it, three windows that agree clear it.
+    rule = CapacityRule(ratio=1e-3, agreement=min(1.0, 1.2 * alone.agreement[0]))
+    assert decide(0, *layer, rule, max_d_head=12).columns == 0
+    earlier = [alone.as_dict()] * 2
+    pooled = decide(0, *layer, rule, max_d_head=12, earlier=earlier)
+    assert pooled.pooled == 3 and pooled.agreement_bar == pytest.approx(rule.agreement / 3**0.5)
+    assert pooled.agreement == pytest.approx(alone.agreement, rel=1e-9) and pooled.columns >= 1
+    # Evidence about another set of candidates (another width or cap) is not pooled.
+    assert decide(0, *layer, rule, max_d_head=11, earlier=earlier).pooled == 1
+
+
+def test_only_an_unbroken_run_of_checks_at_the_current_width_is_pooled():
+    check = lambda d_head, columns=0, raw=True: {"decisions": [  # noqa: E731
+        {"layer": 0, "d_head": d_head, "columns": columns, **({"held_out": [0.1]} if raw else {})},
+        {"layer": 1, "d_head": 7, "columns": 0, "held_out": [0.1]}]}
+    history = [check(2), check(2, columns=1), check(3), {"skipped": True}, check(3), check(3), check(3)]
+    assert len(pooled_with(history, 0, 3, pool=3)) == 2  # at most pool − 1 earlier checks
+    assert len(pooled_with(history, 0, 3, pool=10)) == 3  # the skipped check ends the run
+    assert pooled_with(history, 0, 4, pool=3) == []  # no check saw width 4
+    assert pooled_with(history[:2], 0, 3, pool=3) == []  # the last check grew the layer
+    assert pooled_with([check(3, raw=False)], 0, 3, pool=3) == []  # an older checkpoint's record: no raw gains
+    assert len(pooled_with(history, 1, 7, pool=10)) == 3  # layers are pooled separately
+
+
 def test_zero_gradient_predicts_no_gain_and_nothing_grows():
     p = Problem(e=8, h=2, d=2)
     zero = torch.zeros_like(p.stats("natural").means().n)
@@ -118,6 +150,7 @@ def test_no_end_of_growth_while_the_loss_falls_faster_than_min_fall():
     (dict(ratio=0.0), "threshold is a positive ratio"),
     (dict(agreement=0.0), "agreement is a share"),
     (dict(min_fall=-0.1), "min_fall is a relative loss decrease"),
+    (dict(pool=0), "pool is a number of checks"),
 ])
 def test_bad_rules_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -53,9 +53,10 @@ def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSetti
 
 
 def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.FormStats],
-                 half: list[growth.FormStats], s: GrowthSettings, rule: CapacityRule) -> list[Decision]:
+                 half: list[growth.FormStats], s: GrowthSettings, rule: CapacityRule,
+                 earlier: dict[int, list[dict]]) -> list[Decision]:
     """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks and those of the
-    window's two halves (`half` and the rest of `stats`)."""
+    window's two halves (`half` and the rest of `stats`), pooled with the layer's `earlier` decisions."""
     def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth | growth.GroupedGrowth]:
         return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation)
                 for (_, name, form), st in zip(forms, sums)}
@@ -65,7 +66,8 @@ def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.
     for layer, name, _ in forms:
         by_layer.setdefault(layer, []).append(name)
     pick = lambda found, names: [found[n] for n in names]  # noqa: E731
-    return [decide(layer, pick(plan.forms, names), pick(a, names), pick(b, names), rule, s.max_d_head, s.cap(layer))
+    return [decide(layer, pick(plan.forms, names), pick(a, names), pick(b, names), rule, s.max_d_head, s.cap(layer),
+                   earlier.get(layer, ()))
             for layer, names in by_layer.items()]
 
 
@@ -141,6 +143,7 @@ class GrowthEvent:
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
     choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str, int], StepChoice] = choose_step_size
     capacity: CapacityRule | None = None  # the automatic schedule's rule (None: the settings size the growth)
+    earlier: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # per layer, decisions the rule pools
     terms: int = 1  # values (tokens) each rated loss averages: its round-off (trainer_ops.loss_terms)
 
     def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int,
@@ -158,7 +161,7 @@ class GrowthEvent:
             # Rank 0's decisions on every rank, as for the grown tensors below.
             if half is None:
                 raise ValueError("the automatic schedule decides from the two halves of the window: pass `half`")
-            sizes = decide_sizes(plan, forms, stats, half, self.settings, self.capacity)
+            sizes = decide_sizes(plan, forms, stats, half, self.settings, self.capacity, self.earlier)
             decisions = self.broadcast([d.as_dict() for d in sizes])
             columns = {d["layer"]: d["columns"] for d in decisions}
             plan = plan.resized({name: form.d_head + columns[layer] for layer, name, form in forms})

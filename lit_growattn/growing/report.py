@@ -39,14 +39,16 @@ def grew(event: dict) -> bool:
 
 
 def decision_text(decisions: list[dict]) -> str:
-    """e.g. `layer 0 +2 of 15 (ratios 3.1 0.9 0.2 vs 0.5, agreement 0.9 0.8 0.2, shares 0.31 0.09 0.02, bottleneck
-    0.62)`: per layer the columns taken, the candidates, the held-out gain of the first few to the existing columns'
-    gain, against the bar, their agreement, their share of the held-out score, and the bottleneck's energy share."""
+    """e.g. `layer 0 +2 of 15 (2 checks: ratios 3.1 0.9 0.2 vs 0.35, agreement 0.9 0.8 0.2 vs 0.35, shares 0.31 0.09
+    0.02, bottleneck 0.62)`: per layer the columns taken, the candidates, the checks pooled, the held-out gain of the
+    first few to the existing columns' gain and their agreement, each against its bar, their share of this window's
+    held-out score, and the bottleneck's energy share."""
     parts = []
     for d in decisions:
         shown = lambda xs: " ".join(f"{x:.2g}" for x in xs[: d["columns"] + 2]) or "–"  # noqa: E731
-        parts.append(f"layer {d['layer']} +{d['columns']} of {d['candidates']} (ratios {shown(d['ratios'])} vs "
-                     f"{d['bar']:.2g}, agreement {shown(d['agreement'])}, shares {shown(d['shares'])}, "
+        parts.append(f"layer {d['layer']} +{d['columns']} of {d['candidates']} ({d['pooled']} "
+                     f"check{'s' if d['pooled'] > 1 else ''}: ratios {shown(d['ratios'])} vs {d['bar']:.2g}, "
+                     f"agreement {shown(d['agreement'])} vs {d['agreement_bar']:.2g}, shares {shown(d['shares'])}, "
                      f"bottleneck {d['bottleneck']:.2f})")
     return "; ".join(parts)
 
@@ -89,7 +91,8 @@ def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
         metrics[f"growth/auto/first_share/layer_{layer}"] = d["shares"][0] if d["shares"] else 0.0
         metrics[f"growth/auto/first_agreement/layer_{layer}"] = d["agreement"][0] if d["agreement"] else 0.0
         metrics[f"growth/auto/bottleneck/layer_{layer}"] = d["bottleneck"]
-        metrics["growth/auto/bar"] = d["bar"]
+        metrics[f"growth/auto/pooled_checks/layer_{layer}"] = float(d["pooled"])
+        metrics[f"growth/auto/bar/layer_{layer}"] = d["bar"]
     if not grew(event):
         return metrics
     keys = ["sign_fallbacks", "predicted_decrease", "realised_decrease", "seconds"]
@@ -131,7 +134,8 @@ def add_layout(trainer: L.Trainer, n_layer: int) -> None:
             "sign fallbacks and skips": ["Multiline", ["growth/sign_fallbacks", "growth/skipped"]],
             "seconds": ["Multiline", ["growth/seconds"]],
             "automatic schedule: columns taken": ["Multiline", per_layer("auto/columns")],
-            "automatic schedule: first column's ratio to the existing columns vs bar": ["Multiline", [*per_layer("auto/first_ratio"), "growth/auto/bar"]],
+            "automatic schedule: first column's ratio to the existing columns vs bar": ["Multiline", [*per_layer("auto/first_ratio"), *per_layer("auto/bar")]],
+            "automatic schedule: checks pooled": ["Multiline", per_layer("auto/pooled_checks")],
             "automatic schedule: first column's share of the held-out score": ["Multiline", per_layer("auto/first_share")],
             "automatic schedule: first column's agreement": ["Multiline", per_layer("auto/first_agreement")],
             "automatic schedule: bottleneck share": ["Multiline", per_layer("auto/bottleneck")],

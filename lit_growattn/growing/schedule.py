@@ -187,19 +187,23 @@ class AutoSchedule(GrowthSchedule):
             existing query/key columns can still make (SENN's expansion score ratio; scale-free).
         agreement: at least this share of a column's in-sample gain must hold out on the other half of the
             window (½: more signal than fitted noise).
+        pool: a layer's evidence is the mean over its last `pool` checks at its current width, against both bars
+            divided by √(checks pooled): a small gain that holds out check after check is taken (1: each check
+            decides alone).
         min_fall: the schedule may end only once the loss falls by less than this share of itself per check.
     """
 
     unit, kind = "step", "auto"
 
     def __init__(self, check_every: int = 50, patience: int = 3, threshold: float = CapacityRule.ratio,
-                 agreement: float = CapacityRule.agreement, min_fall: float = CapacityRule.min_fall):
+                 agreement: float = CapacityRule.agreement, pool: int = CapacityRule.pool,
+                 min_fall: float = CapacityRule.min_fall):
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
         if patience <= 0:
             raise ValueError(f"patience must be a positive number of checks, got {patience}")
         self.check_every, self.patience = check_every, patience
-        self.capacity = CapacityRule(threshold, agreement, min_fall)
+        self.capacity = CapacityRule(threshold, agreement, pool, min_fall)
         # Learnt in `bind` and `check_run`: the growing layers, their limit, their sizes at the start, the last step.
         self.layers: list[int] = []
         self.max_d_head: int | None = None

@@ -14,9 +14,13 @@ Held out (X ≠ Y), noise fitted on X does not help on Y: in expectation only th
                                natural-gradient score of the current parameters; in sample, so noise only raises it);
     ratio_j     = g_j / existing   what column j adds, held out, against that (SENN's expansion score ratio);
     agreement_j = g_j / ĝ_j        the part of column j's in-sample gain that holds out (1: signal, ≤ 0: noise).
-Column j qualifies when ratio_j ≥ `ratio` and agreement_j ≥ `agreement`; a layer takes its leading qualifying
-columns (largest σ first), up to the room left below max_d_head. Logged beside them: shares_j = g_j / G (held-out
-score of the whole direction) and the bottleneck's share of the direction's energy ‖ΔM⊥‖²/‖ΔM‖².
+Evidence is pooled over the layer's last checks at its current width (up to `pool`, this one included): g_j, ĝ_j
+and `existing` are their means over the k pooled checks. One window's noise shrinks as 1/√k in a mean of k, so the
+bars are divided by √k: a column qualifies when ratio_j ≥ `ratio`/√k and agreement_j ≥ `agreement`/√k. One strong
+window decides at once (k = 1, the full bars); a small gain that holds out check after check is taken once k
+windows agree. A layer takes its leading qualifying columns (largest σ first), up to the room left below
+max_d_head. Logged beside them: shares_j = g_j / G (held-out score of the whole direction) and the bottleneck's
+share of the direction's energy ‖ΔM⊥‖²/‖ΔM‖².
 Forms whose query heads share keys (GQA) or carry rotary columns (`grouped.GroupedGrowth`) give the same quantities
 per group of heads: column j is the group's shared K column with one Q part per head, its gain summed over the
 group's heads; rotary columns count in `existing` as they act at relative position 0.
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
+
+import math
 
 import torch
 from torch import Tensor
@@ -40,11 +46,13 @@ Growths = Sequence[FormGrowth | GroupedGrowth]
 class CapacityRule:
     """ratio: a column's held-out gain must be at least this share of what the layer's existing columns can gain;
     agreement: at least this share of its in-sample gain must hold out on the other half of the window (½:
-    more signal than fitted noise); min_fall: the schedule may end only once the loss falls by less than this
-    share of itself per check (growth never ends while the loss still falls fast)."""
+    more signal than fitted noise); both for one window, divided by √k for the mean of k; pool: at most this many
+    checks at the layer's current width are pooled; min_fall: the schedule may end only once the loss falls by less
+    than this share of itself per check (growth never ends while the loss still falls fast)."""
 
     ratio: float = 0.5
     agreement: float = 0.5
+    pool: int = 3
     min_fall: float = 0.01
 
     def __post_init__(self):
@@ -52,24 +60,31 @@ class CapacityRule:
             raise ValueError(f"threshold is a positive ratio to the existing columns' gain (e.g. 0.5), got {self.ratio}")
         if not 0 < self.agreement <= 1:
             raise ValueError(f"agreement is a share of the in-sample gain in (0, 1], got {self.agreement}")
+        if not (isinstance(self.pool, int) and self.pool >= 1):
+            raise ValueError(f"pool is a number of checks (≥ 1; 1: each check decides alone), got {self.pool}")
         if not self.min_fall >= 0:
             raise ValueError(f"min_fall is a relative loss decrease per check (≥ 0, e.g. 0.01), got {self.min_fall}")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One layer at one check: per candidate column, in the order they would be appended, its `ratios` (to the
-    existing columns' gain `existing`) and `agreement`; `columns` of them qualify against `bar` (the rule's ratio) and
-    the rule's agreement. Logged only: `shares` of the held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
+    """One layer at one check: this window's evidence, per candidate column in the order they would be appended,
+    `held_out` and `in_sample` gains and the existing columns' gain `existing`; the `pooled` checks' means give the
+    `ratios` and `agreement`, of which `columns` qualify against `bar` and `agreement_bar` (the rule's, over
+    √pooled). Logged only: `shares` of this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
 
     layer: int
     d_head: int
     candidates: int
+    held_out: list[float]
+    in_sample: list[float]
+    existing: float
+    pooled: int
     ratios: list[float]
     agreement: list[float]
     bar: float
+    agreement_bar: float
     columns: int
-    existing: float
     shares: list[float]
     score: float
     bottleneck: float
@@ -100,28 +115,51 @@ def bottleneck_share(growths: Growths) -> float:
 
 
 def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule,
-           max_d_head: int, cap: int | None = None) -> Decision:
+           max_d_head: int, cap: int | None = None, earlier: Sequence[dict] = ()) -> Decision:
     """How many columns `layer` grows by: its forms' growths from the whole window (`full`, whose columns are
-    appended) and from the halves `a`, `b` of the window; at most `cap` (None: no cap) and max_d_head."""
+    appended) and from the halves `a`, `b` of the window, pooled with the `earlier` decisions of this layer at its
+    current width (`pooled_with` picks them); at most `cap` (None: no cap) and max_d_head."""
     d_head = full[0].d_head
     room = max(0, min(max_d_head, full[0].e_in) - d_head)
     if cap is not None:
         room = min(room, cap)
     n_a, n_b = [g.moments.n for g in a], [g.moments.n for g in b]
-    held_out = (layer_gains(a, n_b) + layer_gains(b, n_a)) / 2
-    in_sample = (layer_gains(a) + layer_gains(b)) / 2
-    existing = (layer_score(a) + layer_score(b)) / 2 - float(in_sample.sum())
+    held_out = ((layer_gains(a, n_b) + layer_gains(b, n_a)) / 2)[:room]
+    in_sample = ((layer_gains(a) + layer_gains(b)) / 2)[:room]
+    existing = (layer_score(a) + layer_score(b)) / 2 - float(((layer_gains(a) + layer_gains(b)) / 2).sum())
     score = (layer_score(a, n_b) + layer_score(b, n_a)) / 2
-    held_out, in_sample = held_out[:room], in_sample[:room]
+    checks = [d for d in earlier if len(d["held_out"]) == room] + [
+        {"held_out": held_out.tolist(), "in_sample": in_sample.tolist(), "existing": existing}]
+    mean = lambda key: torch.tensor([d[key] for d in checks], dtype=held_out.dtype).mean(0)  # noqa: E731
+    pooled_held_out, pooled_in_sample, pooled_existing = mean("held_out"), mean("in_sample"), float(mean("existing"))
     # Existing columns that can gain nothing: any column that holds out is worth having (ratio +inf).
-    ratios = held_out / existing if existing > 0 else torch.where(held_out > 0, torch.inf, 0.0).to(held_out)
+    ratios = (pooled_held_out / pooled_existing if pooled_existing > 0
+              else torch.where(pooled_held_out > 0, torch.inf, 0.0).to(pooled_held_out))
     # A column without positive in-sample gain is noise: agreement 0.
-    agreement = torch.where(in_sample > 0, held_out / in_sample.clamp_min(torch.finfo(in_sample.dtype).tiny), 0.0)
+    agreement = torch.where(pooled_in_sample > 0,
+                            pooled_held_out / pooled_in_sample.clamp_min(torch.finfo(held_out.dtype).tiny), 0.0)
     shares = held_out / score if score > 0 else torch.zeros_like(held_out)
-    qualifies = ((ratios >= rule.ratio) & (agreement >= rule.agreement)).tolist()
+    shrink = math.sqrt(len(checks))
+    bar, agreement_bar = rule.ratio / shrink, rule.agreement / shrink
+    qualifies = ((ratios >= bar) & (agreement >= agreement_bar)).tolist()
     columns = qualifies.index(False) if False in qualifies else len(qualifies)
-    return Decision(layer, d_head, room, ratios.tolist(), agreement.tolist(), rule.ratio, columns, existing,
-                    shares.tolist(), score, bottleneck_share(full))
+    return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, len(checks), ratios.tolist(),
+                    agreement.tolist(), bar, agreement_bar, columns, shares.tolist(), score, bottleneck_share(full))
+
+
+def pooled_with(history: Sequence[dict], layer: int, d_head: int, pool: int) -> list[dict]:
+    """The decisions of `layer` at the last checks of `history` (oldest first, at most pool − 1) that saw it at
+    `d_head` in an unbroken run: a skipped check, a check that grew it or a record without raw gains (an older
+    checkpoint) ends the run."""
+    found: list[dict] = []
+    for event in reversed(history):
+        if len(found) >= pool - 1:
+            break
+        decision = next((d for d in event.get("decisions", ()) if d["layer"] == layer), None)
+        if decision is None or decision["d_head"] != d_head or decision["columns"] or "held_out" not in decision:
+            break
+        found.append(decision)
+    return found[::-1]
 
 
 def loss_fall(history: list[dict], checks: int) -> float | None:
