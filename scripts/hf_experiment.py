@@ -47,7 +47,8 @@ def schedules(check_every: int) -> dict[str, dict]:
                               "growth": {"columns": columns, "method": "natural", "mode": "append"}}}
 
     return {"grow fixed": grow({"class_path": "lit_growattn.AtEpochs", "init_args": {"epochs": [1, 2]}}, 2),
-            "grow auto": grow({"class_path": "lit_growattn.AutoSchedule", "init_args": {"check_every": check_every}}, None)}
+            "grow auto": grow({"class_path": "lit_growattn.AutoSchedule",
+                               "init_args": {"check_every": check_every}}, None)}
 
 
 class SplitProbe(L.Callback):
@@ -120,7 +121,8 @@ def table(results: dict[str, list[dict]]) -> str:
         layers = range(len(probes[0]["entropy"]))
         per_layer = lambda key: " ".join(f"{mean(p[key][i] for p in probes):.2f}" for i in layers)  # noqa: E731
         lines.append("| " + " | ".join([
-            name, str(len(runs)), str(runs[0]["params"]), fmt([r["final"]["loss"] for r in runs]),
+            name, str(len(runs)), " ".join(sorted({str(r["params"]) for r in runs}, key=int)),
+            fmt([r["final"]["loss"] for r in runs]),
             " ".join(str(r["final"]["d_head"]) for r in runs),
             f"{fmt([p['loss'] for p in probes])} → {fmt([p['loss_without_extra'] for p in probes])}"
             if name != "static small" else fmt([p["loss"] for p in probes]),

@@ -101,7 +101,8 @@ def test_gqa_gains_add_up_to_the_prediction_of_growing_and_score_is_the_whole_di
     assert g.score() == pytest.approx(slope, rel=1e-6) and g.score() > 0
     # Against another gradient both are linear in it (what the held-out halves of the window use).
     n1, n2 = torch.randn(2, *g.moments.n.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
-    assert torch.allclose(g.column_gains(n1 + 2 * n2), g.column_gains(n1) + 2 * g.column_gains(n2), rtol=1e-12, atol=1e-14)
+    gains_of = g.column_gains
+    assert torch.allclose(gains_of(n1 + 2 * n2), gains_of(n1) + 2 * gains_of(n2), rtol=1e-12, atol=1e-14)
     assert g.score(n1 + 2 * n2) == pytest.approx(g.score(n1) + 2 * g.score(n2), rel=1e-12)
     # The bottleneck's energy is per group, as the stacked SVD is.
     u, s, v, energy = g.bottleneck("natural")

@@ -6,7 +6,8 @@ loads back after `import lit_growattn` (no remote code).
   that the native `scaling` gives back τ_j. Any transformers install loads it.
 - Otherwise (grown): model_type `growattn_<type>` (e.g. growattn_llama), a registered subclass of the original
   config with `qk_head_sizes` (and `qk_rotary`, the rotary columns) per layer, whose model class builds the original
-  model, makes its attention growable and sizes it. `register()` (run by `import lit_growattn` when transformers is installed) registers all five.
+  model, makes its attention growable and sizes it. `register()` (run by `import lit_growattn` when transformers is
+  installed) registers all five.
 """
 
 from __future__ import annotations

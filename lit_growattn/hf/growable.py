@@ -5,11 +5,11 @@ transformers' attention interface (DESIGN §11).
 Per layer, with H query heads, KV key/value heads (GQA: query head j uses key head j // (H/KV)), input size
 e′ (= hidden + 1 when q/k have a bias: the bias is the last row, as in `attention.qk`):
     w_q (H, e′, d), w_k (KV, e′, d), log_tau (H,),  d = rotary + nope,
-columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_dim, or fewer after `keep_rotary`; 0 for GPT-2) get RoPE with
-the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE columns, which are one bilinear
-form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave it exact.
-The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface gets
-scaling = 1. The value projection keeps its width: q/k width is independent of v width.
+columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_dim, or fewer after `keep_rotary`;
+0 for GPT-2) get RoPE with the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE columns,
+which are one bilinear form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave
+it exact. The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface
+gets scaling = 1. The value projection keeps its width: q/k width is independent of v width.
 Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (DESIGN §4):
 `extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
 its gradient (cheaper on CPU; the callback's capture=auto picks it there).
