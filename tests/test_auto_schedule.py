@@ -112,6 +112,7 @@ def test_auto_resumes_from_any_step_with_the_same_decisions(auto_run, tmp_path, 
 @pytest.mark.parametrize("build, message", [
     (lambda: AutoSchedule(check_every=0), "check_every must be a positive number of optimizer steps"),
     (lambda: AutoSchedule(patience=0), "patience must be a positive number of checks"),
+    (lambda: AutoSchedule(first_check=0), "first_check is the optimizer step of the first check"),
     (lambda: AutoSchedule(threshold=-1.0), "threshold is a positive ratio"),
     (lambda: AutoSchedule(agreement=1.5), "agreement is a share"),
     (lambda: AutoSchedule().bind(GrowthSettings(rank_threshold=0.5), [0], [1]), "leave growth.rank_threshold out"),
@@ -123,9 +124,10 @@ def test_bad_auto_settings_fail_with_message(build, message):
         build()
 
 
-def test_checks_closer_than_the_window_fail_before_training(tmp_path, tiny_cli_args):
-    with pytest.raises(ValueError, match="check_every=2 optimizer steps hold fewer than statistics.batches=3"):
-        fit("recall_auto.yaml", tmp_path, *tiny_cli_args, "--trainer.callbacks.init_args.schedule.init_args.check_every=2",
+@pytest.mark.parametrize("setting", ["check_every", "first_check"])
+def test_checks_closer_than_the_window_fail_before_training(tmp_path, tiny_cli_args, setting):
+    with pytest.raises(ValueError, match=f"{setting}=2 optimizer steps hold fewer than statistics.batches=3"):
+        fit("recall_auto.yaml", tmp_path, *tiny_cli_args, f"--trainer.callbacks.init_args.schedule.init_args.{setting}=2",
             "--trainer.callbacks.init_args.statistics.batches=3")
 
 

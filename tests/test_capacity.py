@@ -87,7 +87,7 @@ def test_noise_that_does_not_hold_out_cannot_clear_the_bar_and_signal_does():
     assert mixed.columns >= 1 and mixed.agreement[0] > rule.agreement
 
 
-def test_evidence_that_misses_the_bar_once_is_taken_when_checks_in_a_row_agree():
+def test_a_layer_decides_on_the_means_of_its_pooled_checks():
     p = Problem(e=12, h=3, d=2)
     signal = p.stats("natural").means().n
     g = torch.Generator().manual_seed(0)
@@ -95,15 +95,19 @@ def test_evidence_that_misses_the_bar_once_is_taken_when_checks_in_a_row_agree()
     layer = halves(p, *(signal + z * signal.norm() / (4 * z.norm()) for z in noise))
     alone = decide(0, *layer, CapacityRule(ratio=1e-3), max_d_head=12)
     assert 0 < alone.agreement[0] < 1 and alone.pooled == 1
-    # A bar 20 % above the leading column's agreement: one window misses it, three windows that agree clear it.
-    rule = CapacityRule(ratio=1e-3, agreement=min(1.0, 1.2 * alone.agreement[0]))
+    # Two earlier checks whose gains all held out (agreement 1), with twice the existing columns' gain.
+    clear = {**alone.as_dict(), "held_out": alone.in_sample, "existing": 2 * alone.existing}
+    pooled = decide(0, *layer, CapacityRule(ratio=1e-3), max_d_head=12, earlier=[clear, clear])
+    mean = lambda key: (2 * torch.tensor(clear[key], dtype=F64) + torch.tensor(getattr(alone, key), dtype=F64)) / 3  # noqa: E731
+    assert pooled.pooled == 3
+    assert pooled.agreement == pytest.approx((mean("held_out") / mean("in_sample")).tolist(), rel=1e-9)
+    assert pooled.ratios == pytest.approx((mean("held_out") / (5 * alone.existing / 3)).tolist(), rel=1e-9)
+    # A bar between this window's agreement and the pooled one: the window alone misses it, the pool clears it.
+    rule = CapacityRule(ratio=1e-3, agreement=(alone.agreement[0] + pooled.agreement[0]) / 2)
     assert decide(0, *layer, rule, max_d_head=12).columns == 0
-    earlier = [alone.as_dict()] * 2
-    pooled = decide(0, *layer, rule, max_d_head=12, earlier=earlier)
-    assert pooled.pooled == 3 and pooled.agreement_bar == pytest.approx(rule.agreement / 3**0.5)
-    assert pooled.agreement == pytest.approx(alone.agreement, rel=1e-9) and pooled.columns >= 1
+    assert decide(0, *layer, rule, max_d_head=12, earlier=[clear, clear]).columns >= 1
     # Evidence about another set of candidates (another width or cap) is not pooled.
-    assert decide(0, *layer, rule, max_d_head=11, earlier=earlier).pooled == 1
+    assert decide(0, *layer, rule, max_d_head=11, earlier=[clear, clear]).pooled == 1
 
 
 def test_only_an_unbroken_run_of_checks_at_the_current_width_is_pooled():
@@ -144,6 +148,16 @@ def test_no_end_of_growth_while_the_loss_falls_faster_than_min_fall():
     assert schedule.finished(flat) and schedule.pending(flat) is None
     grew = [idle(2.0), {"d_head_before": [2], "d_head": [3], "loss_before": 2.0}, idle(2.0)]
     assert not schedule.finished(grew)  # the last growth is within the patience
+
+
+def test_checks_come_at_first_check_then_every_check_every_steps():
+    idle = {"d_head_before": [1], "d_head": [1], "loss_before": 2.0}
+    positions = {}
+    for first_check in (16, None):
+        schedule = AutoSchedule(check_every=50, first_check=first_check)
+        schedule.layers, schedule.max_d_head, schedule.start_sizes = [0], 16, [1]
+        positions[first_check] = [schedule.pending([idle] * n).at for n in range(3)]
+    assert positions == {16: [16, 66, 116], None: [50, 100, 150]}
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -182,27 +182,32 @@ class AutoSchedule(GrowthSchedule):
 
     Args:
         check_every: optimizer steps between checks.
+        first_check: optimizer step of the first check (None: check_every). Early is cheaper: every step a layer
+            spends too narrow is paid at the end of the run.
         patience: checks in a row without growth after which the schedule may end.
         threshold: a column's held-out first-order gain must be at least this ratio to the gain the layer's
             existing query/key columns can still make (SENN's expansion score ratio; scale-free).
         agreement: at least this share of a column's in-sample gain must hold out on the other half of the
             window (½: more signal than fitted noise).
-        pool: a layer's evidence is the mean over its last `pool` checks at its current width, against both bars
-            divided by √(checks pooled): a small gain that holds out check after check is taken (1: each check
-            decides alone).
+        pool: a layer's gains are averaged over its last `pool` checks at its current width before they meet the
+            bars, so one noisy window neither grows nor stops it (1: each check decides alone).
         min_fall: the schedule may end only once the loss falls by less than this share of itself per check.
     """
 
     unit, kind = "step", "auto"
 
-    def __init__(self, check_every: int = 50, patience: int = 3, threshold: float = CapacityRule.ratio,
+    def __init__(self, check_every: int = 50, first_check: int | None = None, patience: int = 3,
+                 threshold: float = CapacityRule.ratio,
                  agreement: float = CapacityRule.agreement, pool: int = CapacityRule.pool,
                  min_fall: float = CapacityRule.min_fall):
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
+        if first_check is not None and first_check <= 0:
+            raise ValueError(f"first_check is the optimizer step of the first check (≥ 1), got {first_check}")
         if patience <= 0:
             raise ValueError(f"patience must be a positive number of checks, got {patience}")
         self.check_every, self.patience = check_every, patience
+        self.first_check = check_every if first_check is None else first_check
         self.capacity = CapacityRule(threshold, agreement, pool, min_fall)
         # Learnt in `bind` and `check_run`: the growing layers, their limit, their sizes at the start, the last step.
         self.layers: list[int] = []
@@ -222,12 +227,13 @@ class AutoSchedule(GrowthSchedule):
 
     def check_run(self, trainer, stats_batches: int) -> None:
         self.end = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        if self.check_every * trainer.accumulate_grad_batches < stats_batches:
-            raise ValueError(
-                f"check_every={self.check_every} optimizer steps hold fewer than statistics.batches={stats_batches} "
-                f"micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): raise check_every or "
-                "lower statistics.batches"
-            )
+        for name in ("check_every", "first_check"):
+            if getattr(self, name) * trainer.accumulate_grad_batches < stats_batches:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} optimizer steps hold fewer than statistics.batches={stats_batches} "
+                    f"micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): raise {name} or "
+                    "lower statistics.batches"
+                )
 
     def finished(self, history: list[dict]) -> bool:
         recent = history[-self.patience:]
@@ -241,7 +247,7 @@ class AutoSchedule(GrowthSchedule):
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         if self.finished(history):
             return None
-        point = GrowthPoint("step", self.check_every * (len(history) + 1))
+        point = GrowthPoint("step", self.first_check + self.check_every * len(history))
         return None if self.end is not None and point.at >= self.end else point
 
 

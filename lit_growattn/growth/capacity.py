@@ -15,12 +15,11 @@ Held out (X ≠ Y), noise fitted on X does not help on Y: in expectation only th
     ratio_j     = g_j / existing   what column j adds, held out, against that (SENN's expansion score ratio);
     agreement_j = g_j / ĝ_j        the part of column j's in-sample gain that holds out (1: signal, ≤ 0: noise).
 Evidence is pooled over the layer's last checks at its current width (up to `pool`, this one included): g_j, ĝ_j
-and `existing` are their means over the k pooled checks. One window's noise shrinks as 1/√k in a mean of k, so the
-bars are divided by √k: a column qualifies when ratio_j ≥ `ratio`/√k and agreement_j ≥ `agreement`/√k. One strong
-window decides at once (k = 1, the full bars); a small gain that holds out check after check is taken once k
-windows agree. A layer takes its leading qualifying columns (largest σ first), up to the room left below
-max_d_head. Logged beside them: shares_j = g_j / G (held-out score of the whole direction) and the bottleneck's
-share of the direction's energy ‖ΔM⊥‖²/‖ΔM‖².
+and `existing` are their means over the k pooled checks, so ratio_j and agreement_j estimate the same quantities
+with the noise of one window divided by about √k. Column j qualifies when ratio_j ≥ `ratio` and agreement_j ≥
+`agreement`; a layer takes its leading qualifying columns (largest σ first), up to the room left below max_d_head.
+Logged beside them: shares_j = g_j / G (held-out score of the whole direction) and the bottleneck's share of the
+direction's energy ‖ΔM⊥‖²/‖ΔM‖².
 Forms whose query heads share keys (GQA) or carry rotary columns (`grouped.GroupedGrowth`) give the same quantities
 per group of heads: column j is the group's shared K column with one Q part per head, its gain summed over the
 group's heads; rotary columns count in `existing` as they act at relative position 0.
@@ -30,8 +29,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
-
-import math
 
 import torch
 from torch import Tensor
@@ -46,8 +43,8 @@ Growths = Sequence[FormGrowth | GroupedGrowth]
 class CapacityRule:
     """ratio: a column's held-out gain must be at least this share of what the layer's existing columns can gain;
     agreement: at least this share of its in-sample gain must hold out on the other half of the window (½:
-    more signal than fitted noise); both for one window, divided by √k for the mean of k; pool: at most this many
-    checks at the layer's current width are pooled; min_fall: the schedule may end only once the loss falls by less
+    more signal than fitted noise); pool: the gains are averaged over at most this many checks at the layer's current
+    width; min_fall: the schedule may end only once the loss falls by less
     than this share of itself per check (growth never ends while the loss still falls fast)."""
 
     ratio: float = 0.5
@@ -70,8 +67,7 @@ class CapacityRule:
 class Decision:
     """One layer at one check: this window's evidence, per candidate column in the order they would be appended,
     `held_out` and `in_sample` gains and the existing columns' gain `existing`; the `pooled` checks' means give the
-    `ratios` and `agreement`, of which `columns` qualify against `bar` and `agreement_bar` (the rule's, over
-    √pooled). Logged only: `shares` of this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
+    `ratios` and `agreement`, of which `columns` qualify against `bar` and `agreement_bar` (the rule's). Logged only: `shares` of this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
 
     layer: int
     d_head: int
@@ -139,12 +135,11 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     agreement = torch.where(pooled_in_sample > 0,
                             pooled_held_out / pooled_in_sample.clamp_min(torch.finfo(held_out.dtype).tiny), 0.0)
     shares = held_out / score if score > 0 else torch.zeros_like(held_out)
-    shrink = math.sqrt(len(checks))
-    bar, agreement_bar = rule.ratio / shrink, rule.agreement / shrink
-    qualifies = ((ratios >= bar) & (agreement >= agreement_bar)).tolist()
+    qualifies = ((ratios >= rule.ratio) & (agreement >= rule.agreement)).tolist()
     columns = qualifies.index(False) if False in qualifies else len(qualifies)
     return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, len(checks), ratios.tolist(),
-                    agreement.tolist(), bar, agreement_bar, columns, shares.tolist(), score, bottleneck_share(full))
+                    agreement.tolist(), rule.ratio, rule.agreement, columns, shares.tolist(), score,
+                    bottleneck_share(full))
 
 
 def pooled_with(history: Sequence[dict], layer: int, d_head: int, pool: int) -> list[dict]:
