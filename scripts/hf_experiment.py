@@ -14,7 +14,8 @@ After each run, on `--probe-batches` validation batches, with "extra columns" th
 lacks (static full: the 4 rotary columns of the frequency pairs rotary_dim=4 drops; grown: the NoPE columns): the
 validation loss with the extra columns zeroed in the keys, the RMS of the scores' parts from the small model's
 columns and from the extra ones (causal entries), and the attention entropy per layer. Writes
-<out>/hf_experiment.md (the tables, also printed) and <out>/hf_experiment.json (every run).
+<out>/hf_experiment.md (the tables, also printed) and <out>/hf_experiment.json (every run; each AutoSchedule
+decision keeps its first 8 candidates).
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ def _attention_inputs(pl_module, forms, inputs) -> list[tuple[torch.Tensor, tupl
     return seen
 
 
+def _compact(event: dict, kept: int = 8) -> dict:
+    """A growth record with each decision's per-candidate lists cut to the first `kept` candidates (of up to e′)."""
+    cut = lambda d: {k: v[:kept] if isinstance(v, list) else v for k, v in d.items()}  # noqa: E731
+    return {**event, "decisions": [cut(d) for d in event["decisions"]]} if "decisions" in event else event
+
+
 def table(results: dict[str, list[dict]]) -> str:
     mean, sd = statistics.mean, lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
     fmt = lambda xs, p=3: f"{mean(xs):.{p}f} ± {sd(xs):.{p}f}"  # noqa: E731
@@ -171,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                 probe = SplitProbe(args.probe_batches)
                 seeded = [f"--seed_everything={seed}", f"--data.init_args.seed={seed}"]
                 result = run(CONFIG, [*extra, *common, *overrides, *seeded], logs, grows, callbacks=[probe])
+                result["events"] = [_compact(e) for e in result["events"]]
                 results.setdefault(name, []).append({"seed": seed, **result, "probe": probe.result})
                 print(json.dumps({"run": name, "seed": seed, "seconds": result["seconds"], "final": result["final"],
                                   "probe": probe.result}), flush=True)
