@@ -32,7 +32,7 @@ from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, ch
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.capacity import pooled_with
-from lit_growattn.growth.grouped import check_modes, is_grouped
+from lit_growattn.growth.grouped import check_modes
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.lightning_private import should_update_logs
 
@@ -112,19 +112,14 @@ class GrowAttentionCallback(Callback):
         self._layers = layers
         check_modes(named, self.settings.mode, self.search.line_search)
         if self.schedule.capacity is not None:
-            self._check_auto_applies(named)
+            self._check_auto_applies()
         report.say(trainer, check_statistics_memory(named, layers, self.statistics.layers_per_event, self.settings.method,
                                                     self.statistics.max_memory_gb))
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
         self.schedule.bind(self.settings, layers, sizes)
 
-    def _check_auto_applies(self, named: NamedForms) -> None:
-        # The capacity rule rates the columns of plain forms only, and its patience counts checks of every layer.
-        if grouped := [name for _, name, form in named if is_grouped(form)]:
-            raise ValueError(
-                f"AutoSchedule cannot size forms whose query heads share keys (GQA) or that carry rotary columns "
-                f"({grouped[0]}, {len(grouped)} in all): use AtEpochs or AtSteps with growth.columns for this model"
-            )
+    def _check_auto_applies(self) -> None:
+        # The capacity rule's patience counts checks of every growing layer.
         if self.statistics.layers_per_event is not None and self.statistics.layers_per_event < len(self._layers):
             raise ValueError(
                 f"AutoSchedule checks every growing layer at each check, but statistics.layers_per_event="

@@ -34,20 +34,26 @@ class Curve(L.Callback):
                 sets.setdefault(parts[1], {})[parts[2]] = value
         self.points.append({
             "step": trainer.global_step,
-            "flops": float(pl_module.flops_seen),
+            "flops": _flops(pl_module),
             "loss": metrics["val/loss"],
             "bpb": metrics.get("val/bpb"),
-            "acc": metrics["val/acc"],
+            "acc": metrics.get("val/acc"),  # None for a model that logs no accuracy (lit_growattn.hf.HFCausalLM)
             "sets": sets,
             "entropy": {k.removeprefix("attention/entropy/"): v for k, v in metrics.items()
                         if k.startswith("attention/entropy/")},
-            "d_head": pl_module.model.head_sizes(),
+            "d_head": pl_module.head_sizes(),
         })
 
 
-def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path | None = None) -> dict:
+def _flops(pl_module) -> float | None:
+    """Training FLOPs seen so far, where the module counts them (GrowAttentionLM; not HFCausalLM)."""
+    return float(pl_module.flops_seen) if hasattr(pl_module, "flops_seen") else None
+
+
+def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path | None = None,
+        callbacks: list[L.Callback] = ()) -> dict:
     """One training run; without `grow` the config's growth callback is left out and every other callback kept;
-    with `save`, the trained model's checkpoint is written there."""
+    with `save`, the trained model's checkpoint is written there; `callbacks` are added (the caller reads them)."""
     cli = cli_main(
         ["--config", str(REPO / config), "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
          f"--trainer.logger.init_args.save_dir={log_dir}", *overrides],
@@ -56,7 +62,7 @@ def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path 
     if not grow:
         cli.trainer.callbacks = [c for c in cli.trainer.callbacks if not isinstance(c, GrowAttentionCallback)]
     curve = Curve()
-    cli.trainer.callbacks.append(curve)
+    cli.trainer.callbacks.extend([curve, *callbacks])
     start = time.perf_counter()
     cli.trainer.fit(cli.model, cli.datamodule)
     if curve.points[-1]["step"] != cli.trainer.global_step:  # max_steps stopped it mid-epoch: validate the end
@@ -66,9 +72,9 @@ def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path 
     grow = next((c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)), None)
     return {
         "params": sum(p.numel() for p in cli.model.parameters()),
-        "n_head": cli.model.hparams["n_head"],
+        "n_head": cli.model.hparams.get("n_head"),
         "seconds": time.perf_counter() - start,
-        "flops": float(cli.model.flops_seen),
+        "flops": _flops(cli.model),
         "final": curve.points[-1],
         "curve": curve.points,
         "events": grow.history if grow else [],

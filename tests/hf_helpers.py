@@ -13,13 +13,13 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 VOCAB = 96
 
 
-def tiny_config(model_type: str, vocab: int = VOCAB):
+def tiny_config(model_type: str, vocab: int = VOCAB, **llama):
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     if model_type == "llama":
-        return LlamaConfig(**common)
+        return LlamaConfig(**common, **llama)
     if model_type == "mistral":
         return MistralConfig(**common, sliding_window=4)
     if model_type == "qwen2":
@@ -109,3 +109,28 @@ def instruct_tokenizer(folder, chat_template: bool, vocab_size: int = 300):
         fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(folder))
+
+
+class RotaryWatch(Callback):
+    """Listed after GrowAttentionCallback: at each batch start where a layer's query/key width changed since the last
+    batch end (a growth in between), records whether its rotary columns came through bit-identical (test only)."""
+
+    def __init__(self, out: str):
+        self.out, self.before, self.growths = out, None, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.before = [(f.w_q.detach().clone(), f.w_k.detach().clone()) for f in self._forms(pl_module)]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        forms = self._forms(pl_module)
+        if self.before is not None and any(f.d_head != q.shape[-1] for f, (q, _) in zip(forms, self.before)):
+            self.growths.append([(q.shape[-1], f.d_head, torch.equal(f.w_q[..., :f.rotary], q[..., :f.rotary])
+                                  and torch.equal(f.w_k[..., :f.rotary], k[..., :f.rotary]))
+                                 for f, (q, k) in zip(forms, self.before)])
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.growths, f"{self.out}/rotary_watch.pt")
+
+    @staticmethod
+    def _forms(pl_module):
+        return [named.form for named in pl_module.growable_forms()]

@@ -78,3 +78,43 @@ def test_exported_grown_folder_continues_training_from_its_sizes(tmp_path):
     module = HFCausalLM(pretrained=str(tmp_path / "out"))
     assert module.head_sizes() == [10, 10]
     _same_model(model.eval(), module.model.eval())
+
+
+def test_fewer_rotary_columns_are_the_rope_of_a_smaller_head_dim_and_round_trip(tmp_path):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from hf_helpers import tiny_config
+    from lit_growattn.hf import HFCausalLM
+
+    config = tiny_config("llama").to_dict()  # head_dim 8
+    module = HFCausalLM(config=config, rotary_dim=4)
+    attn = module.model.model.layers[0].self_attn
+    assert (attn.rotary, attn.d_head, attn.v_head_dim) == (4, 4, 8) and module.head_sizes() == [4, 4]
+    # The rotary part is exactly RoPE at head_dim 4 (frequencies 1 and 0.01 of head_dim 8's 1, 0.1, 0.01, 0.001).
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12)[None].expand(2, -1)
+    wide = LlamaRotaryEmbedding(module.model.config)(x, positions)
+    q, k = attn.queries_keys(x, wide)
+    small = LlamaRotaryEmbedding(tiny_config("llama", head_dim=4))(x, positions)
+    ref_q, ref_k = apply_rotary_pos_emb(attn.project(x, attn.w_q), attn.project(x, attn.w_k), *small)
+    torch.testing.assert_close(q, ref_q * attn.tau[:, None, None], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, ref_k, rtol=1e-6, atol=1e-6)
+    # Grown by NoPE columns up to head_dim, it still needs the grown form (fewer rotary columns) and round-trips.
+    _perturb(module.model, grow_by=4)
+    assert module.head_sizes() == [8, 8]
+    assert export(module.model, tmp_path / "out") == "growattn_llama"
+    loaded = load(tmp_path / "out")
+    assert [layer.self_attn.rotary for layer in loaded.model.layers] == [4, 4]
+    _same_model(module.model.eval(), loaded)
+
+
+def test_fewer_rotary_columns_are_refused_where_they_cannot_apply(tmp_path):
+    from lit_growattn.hf import HFCausalLM
+
+    with pytest.raises(ValueError, match="rotary_dim=3 must be even and divide the 8 rotary columns"):
+        HFCausalLM(config={"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1,
+                           "intermediate_size": 64, "vocab_size": 64}, rotary_dim=3)
+    with pytest.raises(ValueError, match="for growable models trained from scratch"):
+        HFCausalLM(pretrained=saved_tiny_model("llama", tmp_path / "src"), rotary_dim=4)
+    with pytest.raises(ValueError, match="without q/k norms"):
+        _growable(tmp_path, "qwen3").model.layers[0].self_attn.keep_rotary(4)

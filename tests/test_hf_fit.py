@@ -121,14 +121,20 @@ def test_bad_models_fail_before_training(tmp_path):
         HFCausalLM(config={"model_type": "bert"})
 
 
-def test_auto_schedule_on_rotary_gqa_model_is_refused_before_training(tmp_path):
+def test_auto_schedule_grows_rotary_gqa_model(tmp_path):
     path = tmp_path / "auto.yaml"
+    # A low bar: this checks the path (rotary GQA forms sized by the capacity rule), not the rule's calibration.
     grow = {"class_path": "lit_growattn.GrowAttentionCallback",
-            "init_args": {"schedule": {"class_path": "lit_growattn.AutoSchedule", "init_args": {"check_every": 4}},
+            "init_args": {"schedule": {"class_path": "lit_growattn.AutoSchedule",
+                                       "init_args": {"check_every": 4, "threshold": 0.05}},
                           "growth": {"columns": None}, "statistics": {"batches": 4}}}
-    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [grow]}}))
-    done = _fit(tmp_path, f"--config={path}", expect_ok=False)
-    assert done.returncode != 0
-    assert "AutoSchedule cannot size forms whose query heads share keys (GQA) or that carry rotary columns" in done.stderr
-    assert "use AtEpochs or AtSteps" in done.stderr
-    assert not list(tmp_path.rglob("*.ckpt"))
+    watch = {"class_path": "hf_helpers.RotaryWatch", "init_args": {"out": str(tmp_path)}}
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [grow, watch]}}))
+    done = _fit(tmp_path, f"--config={path}")
+    out = done.stdout + done.stderr
+    assert "at step 4 (epoch 0)" in out and "layer 0 +" in out and "layer 1 +" in out  # decisions per layer
+    sizes = _last_head_sizes(tmp_path)
+    assert min(sizes) >= 8 and sum(sizes) > 16
+    growths = torch.load(tmp_path / "rotary_watch.pt")
+    assert growths and all(same for event in growths for _, _, same in event)  # rotary columns bit-identical
+    assert [d for _, d, _ in growths[-1]] == sizes

@@ -57,8 +57,8 @@ def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.
                  earlier: dict[int, list[dict]]) -> list[Decision]:
     """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks and those of the
     window's two halves (`half` and the rest of `stats`), pooled with the layer's `earlier` decisions."""
-    def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth]:
-        return {name: growth.FormGrowth.from_form(form, st.means(), s.method, truncation=s.truncation)
+    def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth | growth.GroupedGrowth]:
+        return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation)
                 for (_, name, form), st in zip(forms, sums)}
 
     a, b = growths(half), growths([st - h for st, h in zip(stats, half)])

@@ -3,6 +3,7 @@
 stats      FormStats: mergeable sums C, N (and C⁺NC⁺ for pinv) of one form; one flat buffer for all forms.
 solvers    directions ΔM by method name (gradient, natural, pinv; @register_direction adds one) and their normalisation.
 factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | append), sign check, Adam carry-over.
+grouped    GroupedGrowth: the same for forms with shared keys (GQA) or rotary columns; growth_for picks the class.
 choices    the allowed values of every setting (one Literal each; the methods come from the registry).
 step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
@@ -16,6 +17,7 @@ from lit_growattn.growth.choices import (
     LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
+from lit_growattn.growth.grouped import GroupedGrowth, growth_for
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
@@ -37,6 +39,7 @@ __all__ = [
     "DIRECTIONS",
     "FormGrowth",
     "FormStats",
+    "GroupedGrowth",
     "Growth",
     "GrowthPlan",
     "LINE_SEARCHES",
@@ -53,6 +56,7 @@ __all__ = [
     "loss_rounding",
     "direction",
     "flatten_stats",
+    "growth_for",
     "installed",
     "quadratic_step",
     "register_direction",

@@ -20,6 +20,9 @@ with the noise of one window divided by about √k. Column j qualifies when rati
 `agreement`; a layer takes its leading qualifying columns (largest σ first), up to the room left below max_d_head.
 Logged beside them: shares_j = g_j / G (held-out score of the whole direction) and the bottleneck's share of the
 direction's energy ‖ΔM⊥‖²/‖ΔM‖².
+Forms whose query heads share keys (GQA) or carry rotary columns (`grouped.GroupedGrowth`) give the same quantities
+per group of heads: column j is the group's shared K column with one Q part per head, its gain summed over the
+group's heads; rotary columns count in `existing` as they act at relative position 0.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ import torch
 from torch import Tensor
 
 from lit_growattn.growth.factorize import FormGrowth
+from lit_growattn.growth.grouped import GroupedGrowth
+
+Growths = Sequence[FormGrowth | GroupedGrowth]
 
 
 @dataclass(frozen=True)
@@ -83,28 +89,28 @@ class Decision:
         return dict(self.__dict__)
 
 
-def layer_gains(growths: Sequence[FormGrowth], n: Sequence[Tensor] | None = None) -> Tensor:
-    """(e′,) first-order decrease at α = 1 of appending column j to every head of every form of one layer, against
-    each form's own N̄ or the given ones (held out)."""
+def layer_gains(growths: Growths, n: Sequence[Tensor] | None = None) -> Tensor:
+    """(e′,) first-order decrease at α = 1 of appending column j to every head (every group of heads sharing keys)
+    of every form of one layer, against each form's own N̄ or the given ones (held out)."""
     held = n if n is not None else [None] * len(growths)
     return torch.stack([g.column_gains(h).sum(0) for g, h in zip(growths, held)]).sum(0)
 
 
-def layer_score(growths: Sequence[FormGrowth], n: Sequence[Tensor] | None = None) -> float:
+def layer_score(growths: Growths, n: Sequence[Tensor] | None = None) -> float:
     """First-order decrease at α = 1 of the whole direction ΔM of every form of one layer, against their own N̄ or
     the given ones."""
     held = n if n is not None else [None] * len(growths)
     return sum(g.score(h) for g, h in zip(growths, held))
 
 
-def bottleneck_share(growths: Sequence[FormGrowth]) -> float:
+def bottleneck_share(growths: Growths) -> float:
     """‖ΔM⊥‖²/‖ΔM‖² over the heads and forms of one layer: how much of the direction the current width cannot express."""
     parts = [g.bottleneck(g.sizing_method) for g in growths]
     total = sum(float(energy.sum()) for _, _, _, energy in parts)
     return sum(float(s.square().sum()) for _, s, _, _ in parts) / total if total > 0 else 0.0
 
 
-def decide(layer: int, full: Sequence[FormGrowth], a: Sequence[FormGrowth], b: Sequence[FormGrowth], rule: CapacityRule,
+def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule,
            max_d_head: int, cap: int | None = None, earlier: Sequence[dict] = ()) -> Decision:
     """How many columns `layer` grows by: its forms' growths from the whole window (`full`, whose columns are
     appended) and from the halves `a`, `b` of the window, pooled with the `earlier` decisions of this layer at its

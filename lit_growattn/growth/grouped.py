@@ -12,6 +12,10 @@ bottleneck's projections use M, and new columns are NoPE, for which N̄_j = Σ X
 - replace is refused: it would refactor the rotary columns (not one bilinear form of X), and one K factor cannot
   hold the SVDs of several heads' forms.
 The same `Growth` records as `factorize.FormGrowth`; `growth_for` picks the class for a form.
+The automatic schedule's quantities (`capacity`) per group: column j of group g is its shared K column v_j with
+per-head Q parts u_{j,h}, so its first-order decrease at α = 1 is −σ_j Σ_{h in g} u_{j,h}ᵀ N̄_h v_j (`column_gains`),
+the whole direction's −Σ_h ⟨N̄_h, ΔM_h⟩ (`score`). Both are exact for the appended (NoPE) columns; the existing
+columns' share (`capacity`'s `existing` = score − Σ gains) counts the rotary columns at relative position 0, as M does.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class GroupedGrowth:
         self.w_q, self.w_k, self.log_tau = (t.detach().double() for t in (w_q, w_k, log_tau))
         self.group = w_q.shape[0] // w_k.shape[0]
         self._roots = psd_sqrt(moments.c, rcond) if truncation == "whitened" else None
+        self._directions: dict[str, Tensor] = {}
         self._bottlenecks: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
     n_head = property(lambda self: self.w_q.shape[0])
@@ -88,10 +93,18 @@ class GroupedGrowth:
     def keys_per_head(self, w: Tensor) -> Tensor:
         return w.repeat_interleave(self.group, 0)
 
+    @property
+    def sizing_method(self) -> str:
+        """The direction whose bottleneck sizes a growth: the form's own, the gradient's for the baselines."""
+        return self.method if self.method in DIRECTIONS else "gradient"
+
     def direction(self, method: str) -> Tensor:
-        tau_q = self.log_tau.exp()[:, None, None] * self.w_q
-        energy = factored_score_energy(tau_q, self.keys_per_head(self.w_k), self.moments.c)
-        return direction(method, self.moments, energy, self.rcond)
+        """Normalised ΔM (H, e′, e′) per query head, M counting rotary columns at relative position 0."""
+        if method not in self._directions:
+            tau_q = self.log_tau.exp()[:, None, None] * self.w_q
+            energy = factored_score_energy(tau_q, self.keys_per_head(self.w_k), self.moments.c)
+            self._directions[method] = direction(method, self.moments, energy, self.rcond)
+        return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per group, in the truncation's coordinates: u (KV, g·e′, e′), σ (KV, e′), v (KV, e′, e′), ‖ΔM‖² (KV,)."""
@@ -106,22 +119,29 @@ class GroupedGrowth:
             self._bottlenecks[method] = u, s, vh.mT, energy
         return self._bottlenecks[method]
 
-    def _pairs(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return self.bottleneck(self.method if self.method in DIRECTIONS else "gradient")
-
     def rank(self, threshold: float, max_d_head: int) -> int:
-        s = self._pairs()[1]
+        s = self.bottleneck(self.sizing_method)[1]
         count = int((s > threshold * s.max()).sum(-1).max())
         return max(0, min(max(count, 1), min(max_d_head, self.e_in) - self.d_head))
 
-    def column_gains(self) -> Tensor:
-        """−σ_j Σ_{i in group} u_ijᵀ N̄_i v_j per group and pair (KV, e′), in original coordinates."""
-        u, s, v, _ = self._pairs()
+    def column_gains(self, n: Tensor | None = None) -> Tensor:
+        """First-order loss decrease −σ_j Σ_{h in group} u_{j,h}ᵀ N̄_h v_j of appending the group's bottleneck pair j
+        at α = 1, per group (KV, e′), in the order `append` takes the pairs; against this form's N̄ or a given one
+        (H, e′, e′). Summed over groups it is the layer's gain of column j (`capacity.layer_gains`)."""
+        u, s, v, _ = self.bottleneck(self.sizing_method)
         kv, e = self.w_k.shape[0], self.e_in
-        u_heads = self._cols(u.reshape(kv, self.group, e, -1).reshape(self.n_head, e, -1), 1)
+        n = self.moments.n if n is None else n
+        u_heads = self._cols(u.reshape(self.n_head, e, -1), 1)  # rows of a group's U: its heads in order
         v_heads = self.keys_per_head(self._cols(v, 1))
-        per_head = torch.einsum("hej,hef,hfj->hj", u_heads, self.moments.n.to(u.dtype), v_heads)
+        per_head = torch.einsum("hej,hef,hfj->hj", u_heads, n.to(u.dtype), v_heads)
         return -s * per_head.reshape(kv, self.group, -1).sum(1)
+
+    def score(self, n: Tensor | None = None) -> float:
+        """First-order loss decrease −Σ_h ⟨N̄_h, ΔM_h⟩ of the whole direction at α = 1; against this form's N̄ or a
+        given one."""
+        n = self.moments.n if n is None else n
+        delta = self.direction(self.sizing_method)
+        return -float((n.to(delta.dtype) * delta).sum())
 
     def grow(self, alpha: float, d_new: int, *, mode: str = "append", temperature: str = "keep",
              generator: torch.Generator | None = None) -> Growth:

@@ -5,8 +5,9 @@ loads back after `import lit_growattn` (no remote code).
   its q_norm is scale-invariant): the original architecture, with τ_j/scaling folded into head j's query rows, so
   that the native `scaling` gives back τ_j. Any transformers install loads it.
 - Otherwise (grown): model_type `growattn_<type>` (e.g. growattn_llama), a registered subclass of the original
-  config with `qk_head_sizes` per layer, whose model class builds the original model, makes its attention growable
-  and sizes it. `register()` (run by `import lit_growattn` when transformers is installed) registers all five.
+  config with `qk_head_sizes` (and `qk_rotary`, the rotary columns) per layer, whose model class builds the original
+  model, makes its attention growable and sizes it. `register()` (run by `import lit_growattn` when transformers is
+  installed) registers all five.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def _growables(model: nn.Module) -> list[tuple[str, GrowableAttention]]:
 
 def natively_expressible(model: nn.Module) -> bool:
     for _, m in _growables(model):
-        if m.d_head != m.head_dim:  # grown past the original q/k width
+        if m.d_head != m.head_dim or m.rotary not in (0, m.head_dim):  # grown, or fewer rotary columns (keep_rotary)
             return False
         if hasattr(m, "q_norm") and not torch.allclose(m.log_tau, m.log_tau[:1].expand_as(m.log_tau), rtol=0, atol=0):
             return False
@@ -73,7 +74,8 @@ def export(model: nn.Module, out: str | os.PathLike) -> str:
     else:
         base_type = model.config.model_type.removeprefix(PREFIX)
         config_cls, model_cls = grown_classes(base_type)
-        settings = model.config.to_dict() | {"qk_head_sizes": [m.d_head for _, m in _growables(model)]}
+        settings = model.config.to_dict() | {"qk_head_sizes": [m.d_head for _, m in _growables(model)],
+                                             "qk_rotary": [m.rotary for _, m in _growables(model)]}
         settings.pop("model_type", None)
         model.config = config_cls(**{k: v for k, v in settings.items() if k not in ("architectures", "transformers_version")})
         model.__class__ = model_cls
@@ -93,13 +95,16 @@ def grown_classes(base_type: str) -> tuple[type, type]:
         base_model = AutoModelForCausalLM._model_mapping[base_config]
         stem = base_config.__name__.removesuffix("Config")
 
-        def config_init(self, qk_head_sizes: list[int] | None = None, **kwargs):
+        def config_init(self, qk_head_sizes: list[int] | None = None, qk_rotary: list[int] | None = None, **kwargs):
             base_config.__init__(self, **kwargs)
-            self.qk_head_sizes = qk_head_sizes
+            self.qk_head_sizes, self.qk_rotary = qk_head_sizes, qk_rotary
 
         def model_init(self, config):
             base_model.__init__(self, config)
             make_growable(self)
+            for (_, attn), r in zip(_growables(self), config.qk_rotary or []):
+                if r != attn.rotary:
+                    attn.keep_rotary(r)
             for (_, attn), d in zip(_growables(self), config.qk_head_sizes or []):
                 attn.resize(d)
 

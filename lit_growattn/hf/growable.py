@@ -5,11 +5,11 @@ transformers' attention interface (DESIGN §11).
 Per layer, with H query heads, KV key/value heads (GQA: query head j uses key head j // (H/KV)), input size
 e′ (= hidden + 1 when q/k have a bias: the bias is the last row, as in `attention.qk`):
     w_q (H, e′, d), w_k (KV, e′, d), log_tau (H,),  d = rotary + nope,
-columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_dim; 0 for GPT-2) get RoPE with
-the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE columns, which are one bilinear
-form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave it exact.
-The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface gets
-scaling = 1. The value projection keeps its width: q/k width is independent of v width.
+columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_dim, or fewer after `keep_rotary`;
+0 for GPT-2) get RoPE with the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE columns,
+which are one bilinear form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave
+it exact. The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface
+gets scaling = 1. The value projection keeps its width: q/k width is independent of v width.
 Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (DESIGN §4):
 `extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
 its gradient (cheaper on CPU; the callback's capture=auto picks it there).
@@ -17,6 +17,7 @@ its gradient (cheaper on CPU; the callback's capture=auto picks it there).
 
 from __future__ import annotations
 
+import functools
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,14 @@ from lit_growattn.attention.qk import FormShape, augment, causal_scores
 from lit_growattn.hf.surgery import generated_class, native_subclass, replace_attention
 
 _CLASSES: dict[str, type[nn.Module]] = {}
+
+
+@functools.lru_cache(maxsize=8)
+def rotary_columns(width: int, rotary: int) -> Tensor:
+    """Indices of the cos/sin (and q/k) columns of every (width/rotary)-th frequency pair of a rotary width `width`,
+    laid out as `rotate_half` pairs them (column i with i + half): the RoPE of head_dim = rotary."""
+    pairs = torch.arange(0, width // 2, width // rotary)
+    return torch.cat([pairs, pairs + width // 2])
 
 
 class GrowableAttention(FormShape, nn.Module):
@@ -76,6 +85,19 @@ class GrowableAttention(FormShape, nn.Module):
             fit = lambda w: torch.cat([w[..., :d_head], w.new_zeros(*w.shape[:-1], max(0, d_head - w.shape[-1]))], -1)  # noqa: E731
             self.set_weights(fit(self.w_q), fit(self.w_k), self.log_tau)
 
+    @torch.no_grad()
+    def keep_rotary(self, rotary: int) -> None:
+        """Keeps `rotary` of the rotary columns (even, dividing the current count): every (current/rotary)-th frequency
+        pair, i.e. the RoPE a model of head_dim = rotary has; the NoPE columns after them stay. For training from a
+        small query/key width while the value width stays head_dim (not exact: the other rotary columns are dropped)."""
+        if hasattr(self, "q_norm") or not self.rotary or rotary <= 0 or rotary % 2 or self.rotary % rotary:
+            raise ValueError(f"rotary_dim={rotary} must be even and divide the {self.rotary} rotary columns of a "
+                             "model without q/k norms (llama, mistral, qwen2)")
+        keep = rotary_columns(self.rotary, rotary).to(self.w_q.device)
+        w_q, w_k = (torch.cat([w[..., keep], w[..., self.rotary:]], -1) for w in (self.w_q, self.w_k))
+        self.rotary = rotary
+        self.set_weights(w_q, w_k, self.log_tau)
+
     def bias_row_parameters(self) -> list[nn.Parameter]:
         return [self.w_q, self.w_k] if self.qk_bias else []
 
@@ -99,7 +121,11 @@ class GrowableAttention(FormShape, nn.Module):
             q_rot, k_rot = (q, k) if self.d_head == r else (q[..., :r], k[..., :r])
             if hasattr(self, "q_norm"):
                 q_rot, k_rot = self.q_norm(q_rot), self.k_norm(k_rot)
-            q_rot, k_rot = self.apply_rotary(q_rot, k_rot, *position_embeddings)
+            cos, sin = position_embeddings
+            if cos.shape[-1] != r:  # fewer rotary columns than the model's head_dim (keep_rotary)
+                keep = rotary_columns(cos.shape[-1], r).to(cos.device)
+                cos, sin = cos[..., keep], sin[..., keep]
+            q_rot, k_rot = self.apply_rotary(q_rot, k_rot, cos, sin)
             q, k = (q_rot, k_rot) if self.d_head == r else (torch.cat([q_rot, q[..., r:]], -1), torch.cat([k_rot, k[..., r:]], -1))
         return q * self.tau.to(q.dtype)[:, None, None], k
 

@@ -61,6 +61,9 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         config: or a config mapping with `model_type` (llama, mistral, qwen2, qwen3, gpt2), for training from scratch.
         vocab_size, block_size: linked from the data module by the CLI; a tokenizer with more tokens than the model's
             vocabulary, or blocks longer than its positions, are refused before training.
+        rotary_dim: with `config` only, the rotary query/key columns per head: the RoPE of a model of head_dim =
+            rotary_dim (every head_dim/rotary_dim-th frequency pair) while v keeps head_dim; to start growth from a
+            query/key width below head_dim. None: head_dim rotary columns, as the model has.
         head_sizes: query/key head size per layer (recorded after growth, so that a grown checkpoint rebuilds).
         attn_implementation: transformers' attention interface (sdpa | eager | …).
         growable: convert the attention into growable attention (for GrowAttentionCallback); false keeps the
@@ -75,6 +78,7 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         config: dict[str, Any] | None = None,
         vocab_size: int | None = None,
         block_size: int | None = None,
+        rotary_dim: int | None = None,
         head_sizes: list[int] | None = None,
         attn_implementation: str = "sdpa",
         growable: bool = True,
@@ -95,6 +99,12 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
                              "--model.init_args.growable=false to fine-tune it")
         if growable and not self.growable_forms():  # an exported grown model (growattn_<type>) comes growable
             make_growable(self.model)
+        if rotary_dim is not None:
+            if pretrained is not None or not growable:
+                raise ValueError("rotary_dim drops rotary columns, so it is for growable models trained from scratch "
+                                 "(`config`), not a pretrained folder")
+            for named in self.growable_forms():
+                named.form.keep_rotary(rotary_dim)
         if head_sizes is not None:
             if len(head_sizes) != len(self.growable_forms()):
                 raise ValueError(f"head_sizes has {len(head_sizes)} entries for {len(self.growable_forms())} layers")
