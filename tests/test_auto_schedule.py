@@ -24,6 +24,8 @@ AUTO = [
     # Its loss still falls fast when growth stops: any fall ends it after `patience` idle checks (the loss-fall
     # condition has its own test, tests/test_capacity.py).
     "--trainer.callbacks.init_args.schedule.init_args.min_fall=1.0",
+    # The rule itself, not the shipped config's cap: room for every column.
+    "--trainer.callbacks.init_args.growth.max_columns=63",
 ]
 
 
