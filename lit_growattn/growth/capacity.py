@@ -121,8 +121,9 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
         room = min(room, cap)
     n_a, n_b = [g.moments.n for g in a], [g.moments.n for g in b]
     held_out = ((layer_gains(a, n_b) + layer_gains(b, n_a)) / 2)[:room]
-    in_sample = ((layer_gains(a) + layer_gains(b)) / 2)[:room]
-    existing = (layer_score(a) + layer_score(b)) / 2 - float(((layer_gains(a) + layer_gains(b)) / 2).sum())
+    every_in_sample = (layer_gains(a) + layer_gains(b)) / 2  # all bottleneck columns: the existing gain needs them
+    in_sample = every_in_sample[:room]
+    existing = (layer_score(a) + layer_score(b)) / 2 - float(every_in_sample.sum())
     score = (layer_score(a, n_b) + layer_score(b, n_a)) / 2
     checks = [d for d in earlier if len(d["held_out"]) == room] + [
         {"held_out": held_out.tolist(), "in_sample": in_sample.tolist(), "existing": existing}]
