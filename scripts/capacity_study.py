@@ -124,13 +124,26 @@ def table(results: dict[str, list[dict]]) -> str:
 
 
 def paired(results: dict[str, list[dict]]) -> str:
-    """Per seed: the auto run against the two peers at the sizes it found (the comparison that matters, since
-    the sizes differ from seed to seed)."""
-    rows = {name: {r["seed"]: r for r in results.get(name, [])} for name in ROWS[2:5]}
-    lines = ["| seed | auto sizes | auto | static at the auto sizes | static 16, shrunk, fine-tuned |", "|---|---|---|---|---|"]
+    """Per seed: the auto run against static d_head 16 and the two peers at the sizes it found (the comparison that
+    matters, since the sizes differ from seed to seed), its K cache as a share of static 16's, and what the run
+    started at d_head 16 ended at; then how much each layer's found width varies over the seeds."""
+    rows = {name: {r["seed"]: r for r in results.get(name, [])} for name in ROWS}
+    lines = ["| seed | auto sizes | static d_head 16 | auto (vs static 16) | K cache (share of static 16's) | "
+             "static at the auto sizes | static 16, shrunk, fine-tuned | started at d_head 16 |", "|" + "---|" * 8]
+    loss = lambda name, seed: rows[name][seed]["final"]["loss"] if seed in rows[name] else None  # noqa: E731
+    shown = lambda value: "–" if value is None else f"{value:.3f}"  # noqa: E731
     for seed, auto in sorted(rows[AUTO].items()):
-        loss = lambda name: f"{rows[name][seed]['final']['loss']:.3f}" if seed in rows[name] else "–"  # noqa: E731
-        lines.append(f"| {seed} | {auto['final']['d_head']} | {loss(AUTO)} | {loss(ROWS[3])} | {loss(ROWS[4])} |")
+        static, found = loss(ROWS[0], seed), auto["final"]["d_head"]
+        versus = f" ({auto['final']['loss'] / static - 1:+.1%})" if static else ""
+        share = f"{sum(found) / (16 * len(found)):.0%}"
+        ample = rows[AMPLE].get(seed)
+        started = "–" if ample is None else f"{ample['final']['d_head']}, {ample['final']['loss']:.3f}"
+        lines.append(f"| {seed} | {found} | {shown(static)} | {auto['final']['loss']:.3f}{versus} | {share} | "
+                     f"{shown(loss(ROWS[3], seed))} | {shown(loss(ROWS[4], seed))} | {started} |")
+    widths = list(zip(*(r["final"]["d_head"] for r in rows[AUTO].values())))
+    if len(rows[AUTO]) > 1:
+        lines.append("\nFound width per layer, largest/smallest over the seeds: "
+                     + " ".join(f"{max(w) / min(w):.1f}" for w in widths))
     return "\n".join(lines)
 
 

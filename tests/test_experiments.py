@@ -107,6 +107,8 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
     assert shrunk["kcache_bytes"] == auto["kcache_bytes"] == 4 * sum(found) * 4
     table = (out / "experiments_capacity.md").read_text()
     assert f"| auto from d_head 1 | 1 | {found} |" in table
+    share = f"{sum(found) / 32:.0%}"  # of static 16's two layers
+    assert f"| 0 | {found} | – | {auto['final']['loss']:.3f} | {share} | – | {shrunk['final']['loss']:.3f} | – |" in table
     assert (out / "experiments_capacity_d_head.png").exists() and (out / "experiments_capacity_loss_vs_kcache.png").exists()
 
     with pytest.raises(SystemExit):
