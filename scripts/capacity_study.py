@@ -135,13 +135,13 @@ def paired(results: dict[str, list[dict]]) -> str:
     for seed, auto in sorted(rows[AUTO].items()):
         static, found = loss(ROWS[0], seed), auto["final"]["d_head"]
         versus = f" ({auto['final']['loss'] / static - 1:+.1%})" if static else ""
-        share = f"{sum(found) / (16 * len(found)):.0%}"
+        share = f"{auto['kcache_bytes'] / k_cache_bytes(auto['n_head'], [16] * len(found)):.0%}"
         ample = rows[AMPLE].get(seed)
         started = "–" if ample is None else f"{ample['final']['d_head']}, {ample['final']['loss']:.3f}"
         lines.append(f"| {seed} | {found} | {shown(static)} | {auto['final']['loss']:.3f}{versus} | {share} | "
                      f"{shown(loss(ROWS[3], seed))} | {shown(loss(ROWS[4], seed))} | {started} |")
-    widths = list(zip(*(r["final"]["d_head"] for r in rows[AUTO].values())))
     if len(rows[AUTO]) > 1:
+        widths = zip(*(r["final"]["d_head"] for r in rows[AUTO].values()))
         lines.append("\nFound width per layer, largest/smallest over the seeds: "
                      + " ".join(f"{max(w) / min(w):.1f}" for w in widths))
     return "\n".join(lines)
