@@ -100,8 +100,13 @@ def test_a_layer_decides_on_the_means_of_its_pooled_checks():
     pooled = decide(0, *layer, CapacityRule(ratio=1e-3), max_d_head=12, earlier=[clear, clear])
     mean = lambda key: (2 * torch.tensor(clear[key], dtype=F64) + torch.tensor(getattr(alone, key), dtype=F64)) / 3  # noqa: E731
     assert pooled.pooled == 3
-    assert pooled.agreement == pytest.approx((mean("held_out") / mean("in_sample")).tolist(), rel=1e-9)
-    assert pooled.ratios == pytest.approx((mean("held_out") / (5 * alone.existing / 3)).tolist(), rel=1e-9)
+    # Three windows fit a third of one window's noise: in-sample gains lose two thirds of their excess over held-out.
+    held = mean("held_out")
+    in_sample = held + (mean("in_sample") - held) / 3
+    existing_held_out = max(alone.existing_held_out, 0.0)  # signal's energy: a negative estimate is noise
+    existing = existing_held_out + (5 * alone.existing / 3 - existing_held_out) / 3
+    assert pooled.agreement == pytest.approx((held / in_sample).tolist(), rel=1e-9)
+    assert pooled.ratios == pytest.approx((held / existing).tolist(), rel=1e-9)
     # A bar between this window's agreement and the pooled one: the window alone misses it, the pool clears it.
     rule = CapacityRule(ratio=1e-3, agreement=(alone.agreement[0] + pooled.agreement[0]) / 2)
     assert decide(0, *layer, rule, max_d_head=12).columns == 0
@@ -110,10 +115,22 @@ def test_a_layer_decides_on_the_means_of_its_pooled_checks():
     assert decide(0, *layer, rule, max_d_head=11, earlier=[clear, clear]).pooled == 1
 
 
+def test_a_negative_held_out_existing_gain_does_not_let_every_column_qualify():
+    p = Problem(e=12, h=3, d=2)
+    n = p.stats("natural").means().n
+    layer = halves(p, n, n)
+    alone = decide(0, *layer, CapacityRule(), max_d_head=12)
+    # Earlier windows whose held-out existing gain came out far below zero (noise): taken at face value the pooled
+    # existing gain would be negative and every column's ratio infinite; as zero, a third of the in-sample one stays.
+    noisy = {**alone.as_dict(), "existing_held_out": -1e6 * alone.existing}
+    pooled = decide(0, *layer, CapacityRule(), max_d_head=12, earlier=[noisy, noisy])
+    assert pooled.ratios == pytest.approx([h / (alone.existing / 3) for h in alone.held_out], rel=1e-9)
+
+
 def test_only_an_unbroken_run_of_checks_at_the_current_width_is_pooled():
     check = lambda d_head, columns=0, raw=True: {"decisions": [  # noqa: E731
-        {"layer": 0, "d_head": d_head, "columns": columns, **({"held_out": [0.1]} if raw else {})},
-        {"layer": 1, "d_head": 7, "columns": 0, "held_out": [0.1]}]}
+        {"layer": 0, "d_head": d_head, "columns": columns, **({"existing_held_out": 0.1} if raw else {})},
+        {"layer": 1, "d_head": 7, "columns": 0, "existing_held_out": 0.1}]}
     history = [check(2), check(2, columns=1), check(3), {"skipped": True}, check(3), check(3), check(3)]
     assert len(pooled_with(history, 0, 3, pool=3)) == 2  # at most pool − 1 earlier checks
     assert len(pooled_with(history, 0, 3, pool=10)) == 3  # the skipped check ends the run

@@ -189,8 +189,8 @@ class AutoSchedule(GrowthSchedule):
             existing query/key columns can still make (SENN's expansion score ratio; scale-free).
         agreement: at least this share of a column's in-sample gain must hold out on the other half of the
             window (½: more signal than fitted noise).
-        pool: a layer's gains are averaged over its last `pool` checks at its current width before they meet the
-            bars, so one noisy window neither grows nor stops it (1: each check decides alone).
+        pool: a layer's last `pool` checks at its current width are pooled as one window that many times larger
+            before they meet the bars, so one noisy window neither grows nor stops it (1: each check decides alone).
         min_fall: the schedule may end only once the loss falls by less than this share of itself per check.
     """
 

@@ -9,15 +9,18 @@ express to first order, TINY's expressivity bottleneck) give, against the score 
     g_j^{XY} = −σ_j u_jᵀ N̄^Y v_j   first-order decrease of appending bottleneck pair j of X at α = 1,
     G^{XY}   = −⟨N̄^Y, ΔM^X⟩        the same for the whole direction.
 Held out (X ≠ Y), noise fitted on X does not help on Y: in expectation only the signal survives. Per layer
-(heads and forms summed), with g_j = ½(g_j^{AB} + g_j^{BA}) and in-sample ĝ_j = ½(g_j^{AA} + g_j^{BB}), Ĝ likewise:
+(heads and forms summed), with g_j = ½(g_j^{AB} + g_j^{BA}) and in-sample ĝ_j = ½(g_j^{AA} + g_j^{BB}), Ĝ and G likewise:
     existing    = Ĝ − Σ_j ĝ_j  what the layer's existing query/key columns can still gain along ΔM − ΔM⊥ (SENN's
-                               natural-gradient score of the current parameters; in sample, so noise only raises it);
+                               natural-gradient score of the current parameters), in sample; G − Σ_j g_j held out;
     ratio_j     = g_j / existing   what column j adds, held out, against that (SENN's expansion score ratio);
     agreement_j = g_j / ĝ_j        the part of column j's in-sample gain that holds out (1: signal, ≤ 0: noise).
-Evidence is pooled over the layer's last checks at its current width (up to `pool`, this one included): g_j, ĝ_j
-and `existing` are their means over the k pooled checks, so ratio_j and agreement_j estimate the same quantities
-with the noise of one window divided by about √k. Column j qualifies when ratio_j ≥ `ratio` and agreement_j ≥
-`agreement`; a layer takes its leading qualifying columns (largest σ first), up to the room left below max_d_head.
+An in-sample gain is signal plus the noise fitted on one window; a held-out gain is signal alone, in expectation.
+Evidence is pooled over the layer's last checks at its current width (up to `pool`, this one included), as if they
+were one window k times larger: held-out gains are their means over the k checks, and in-sample gains (ĝ_j and the
+in-sample `existing`) keep their held-out mean plus 1/k of their mean excess over it, the noise a k-fold window
+fits. At k = 1 this is the single window's rule; as k grows both ratios approach the signal's own. Column
+j qualifies when ratio_j ≥ `ratio` and agreement_j ≥ `agreement`; a layer takes its leading qualifying columns
+(largest σ first), up to the room left below max_d_head.
 Logged beside them: shares_j = g_j / G (held-out score of the whole direction) and the bottleneck's share of the
 direction's energy ‖ΔM⊥‖²/‖ΔM‖².
 Forms whose query heads share keys (GQA) or carry rotary columns (`grouped.GroupedGrowth`) give the same quantities
@@ -43,8 +46,8 @@ Growths = Sequence[FormGrowth | GroupedGrowth]
 class CapacityRule:
     """ratio: a column's held-out gain must be at least this share of what the layer's existing columns can gain;
     agreement: at least this share of its in-sample gain must hold out on the other half of the window (½:
-    more signal than fitted noise); pool: the gains are averaged over at most this many checks at the layer's current
-    width; min_fall: the schedule may end only once the loss falls by less
+    more signal than fitted noise); pool: the evidence of at most this many checks at the layer's current width is
+    pooled as one window that many times larger; min_fall: the schedule may end only once the loss falls by less
     than this share of itself per check (growth never ends while the loss still falls fast)."""
 
     ratio: float = 0.5
@@ -66,8 +69,8 @@ class CapacityRule:
 @dataclass(frozen=True)
 class Decision:
     """One layer at one check: this window's evidence, per candidate column in the order they would be appended,
-    `held_out` and `in_sample` gains and the existing columns' gain `existing`; the `pooled` checks' means give the
-    `ratios` and `agreement`, of which `columns` qualify against `bar` and `agreement_bar` (the rule's). Logged only: `shares` of this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
+    `held_out` and `in_sample` gains and the existing columns' gain `existing` (in sample) and `existing_held_out`;
+    the `pooled` checks give the `ratios` and `agreement`, of which `columns` qualify against `bar` and `agreement_bar` (the rule's). Logged only: `shares` of this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
 
     layer: int
     d_head: int
@@ -75,6 +78,7 @@ class Decision:
     held_out: list[float]
     in_sample: list[float]
     existing: float
+    existing_held_out: float
     pooled: int
     ratios: list[float]
     agreement: list[float]
@@ -120,15 +124,24 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     if cap is not None:
         room = min(room, cap)
     n_a, n_b = [g.moments.n for g in a], [g.moments.n for g in b]
-    held_out = ((layer_gains(a, n_b) + layer_gains(b, n_a)) / 2)[:room]
-    every_in_sample = (layer_gains(a) + layer_gains(b)) / 2  # all bottleneck columns: the existing gain needs them
-    in_sample = every_in_sample[:room]
-    existing = (layer_score(a) + layer_score(b)) / 2 - float(every_in_sample.sum())
+    # All bottleneck columns: the existing columns' gains are the whole direction's less all of them.
+    every_held_out = (layer_gains(a, n_b) + layer_gains(b, n_a)) / 2
+    every_in_sample = (layer_gains(a) + layer_gains(b)) / 2
+    held_out, in_sample = every_held_out[:room], every_in_sample[:room]
     score = (layer_score(a, n_b) + layer_score(b, n_a)) / 2
+    existing = (layer_score(a) + layer_score(b)) / 2 - float(every_in_sample.sum())
+    existing_held_out = score - float(every_held_out.sum())
     checks = [d for d in earlier if len(d["held_out"]) == room] + [
-        {"held_out": held_out.tolist(), "in_sample": in_sample.tolist(), "existing": existing}]
+        {"held_out": held_out.tolist(), "in_sample": in_sample.tolist(), "existing": existing,
+         "existing_held_out": existing_held_out}]
+    k = len(checks)
     mean = lambda key: torch.tensor([d[key] for d in checks], dtype=held_out.dtype).mean(0)  # noqa: E731
-    pooled_held_out, pooled_in_sample, pooled_existing = mean("held_out"), mean("in_sample"), float(mean("existing"))
+    # In-sample gains are signal plus the noise fitted on one window; k pooled windows fit a k-th of that noise.
+    as_one_window = lambda held, seen: held + (seen - held) / k  # noqa: E731
+    pooled_held_out = mean("held_out")
+    pooled_in_sample = as_one_window(pooled_held_out, mean("in_sample"))
+    # The held-out existing gain is a difference of two noisy sums: below zero it says only that the signal is small.
+    pooled_existing = as_one_window(max(float(mean("existing_held_out")), 0.0), float(mean("existing")))
     # Existing columns that can gain nothing: any column that holds out is worth having (ratio +inf).
     ratios = (pooled_held_out / pooled_existing if pooled_existing > 0
               else torch.where(pooled_held_out > 0, torch.inf, 0.0).to(pooled_held_out))
@@ -138,8 +151,8 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     shares = held_out / score if score > 0 else torch.zeros_like(held_out)
     qualifies = ((ratios >= rule.ratio) & (agreement >= rule.agreement)).tolist()
     columns = qualifies.index(False) if False in qualifies else len(qualifies)
-    return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, len(checks), ratios.tolist(),
-                    agreement.tolist(), rule.ratio, rule.agreement, columns, shares.tolist(), score,
+    return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, existing_held_out, k,
+                    ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, shares.tolist(), score,
                     bottleneck_share(full))
 
 
@@ -152,7 +165,7 @@ def pooled_with(history: Sequence[dict], layer: int, d_head: int, pool: int) -> 
         if len(found) >= pool - 1:
             break
         decision = next((d for d in event.get("decisions", ()) if d["layer"] == layer), None)
-        if decision is None or decision["d_head"] != d_head or decision["columns"] or "held_out" not in decision:
+        if decision is None or decision["d_head"] != d_head or decision["columns"] or "existing_held_out" not in decision:
             break
         found.append(decision)
     return found[::-1]
