@@ -87,7 +87,7 @@ def test_noise_that_does_not_hold_out_cannot_clear_the_bar_and_signal_does():
     assert mixed.columns >= 1 and mixed.agreement[0] > rule.agreement
 
 
-def test_a_layer_decides_on_the_means_of_its_pooled_checks():
+def test_a_layer_decides_on_its_pooled_checks_as_one_larger_window():
     p = Problem(e=12, h=3, d=2)
     signal = p.stats("natural").means().n
     g = torch.Generator().manual_seed(0)

@@ -70,7 +70,9 @@ class CapacityRule:
 class Decision:
     """One layer at one check: this window's evidence, per candidate column in the order they would be appended,
     `held_out` and `in_sample` gains and the existing columns' gain `existing` (in sample) and `existing_held_out`;
-    the `pooled` checks give the `ratios` and `agreement`, of which `columns` qualify against `bar` and `agreement_bar` (the rule's). Logged only: `shares` of this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
+    the `pooled` checks give the `ratios` and `agreement`, of which `columns` qualify against `bar` and
+    `agreement_bar` (the rule's). Logged only: `shares` of this window's held-out score `score`, and `bottleneck`
+    ‖ΔM⊥‖²/‖ΔM‖²."""
 
     layer: int
     d_head: int
