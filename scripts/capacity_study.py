@@ -6,6 +6,8 @@ matches full attention? Six rows on the text task, equal total steps (the growth
     sizes (`convert --to mha --d_head …`) and fine-tuned for the rest | auto from d_head 16 (ample: should not grow).
 
 The fourth and fifth rows take the sizes of the auto run of the same seed, so they run after it in one invocation.
+`--only "static d_head N"` runs a static model at any other width too (e.g. 15 and 17: how far a one-column change
+moves the loss on a seed, the noise the per-seed comparison with static 16 stands in).
 Corpora other than Tiny Shakespeare: `python scripts/corpora.py DIR` (Python stdlib sources, /usr/share/doc).
 Writes docs/experiments_capacity.{md,json} and its plots: d_head per layer against steps, loss against K-cache size.
 """
@@ -13,6 +15,7 @@ Writes docs/experiments_capacity.{md,json} and its plots: d_head per layer again
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -31,6 +34,7 @@ FINE_TUNE_WARMUP = 25  # the fine-tune is a new run: a short warmup of its own i
 BYTES_PER_VALUE = 4  # float32 K cache
 AUTO, AMPLE = "auto from d_head 1", "auto from d_head 16"
 ROWS = ["static d_head 16", "static d_head 2", AUTO, "static at the auto sizes", "static 16, shrunk, fine-tuned", AMPLE]
+STATIC = re.compile(r"static d_head [1-9][0-9]*")  # any other static width, run after the rows above
 
 
 def k_cache_bytes(n_head: int, d_head: list[int]) -> int:
@@ -69,8 +73,8 @@ def shrink_then_fine_tune(common: list[str], d_head: list[int], steps: int, work
 
 def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[str], work: Path, logs: str):
     rows = only or ROWS
-    if unknown := set(rows) - set(ROWS):
-        raise ValueError(f"unknown capacity rows {sorted(unknown)}; known: {ROWS}")
+    if unknown := {r for r in rows if r not in ROWS and not STATIC.fullmatch(r)}:
+        raise ValueError(f"unknown capacity rows {sorted(unknown)}; known: {ROWS}, or 'static d_head N' for any N")
     if AUTO not in rows and set(rows) & set(ROWS[3:5]):
         raise ValueError(f"rows {ROWS[3:5]} take the sizes the auto run found: run {AUTO!r} in the same invocation")
     common = [f"--data.init_args.path={text}", *SETTING, *extra]
@@ -78,7 +82,7 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
     for seed in seeds:
         seeded = [*common, f"--seed_everything={seed}", f"--data.init_args.seed={seed}"]
         found = None
-        for name in [r for r in ROWS if r in rows]:
+        for name in [r for r in ROWS if r in rows] + [r for r in rows if r not in ROWS]:
             if name == AUTO:
                 result = run(AUTO_CONFIG, seeded, logs, grow=True)
                 found, steps = result["final"]["d_head"], result["final"]["step"]

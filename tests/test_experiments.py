@@ -97,9 +97,10 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
             "--override=--trainer.callbacks.init_args.schedule.init_args.agreement=0.01",
             "--override=--trainer.callbacks.init_args.growth.max_columns=1"]
     experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
-                      "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned"])
+                      "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned", "static d_head 3"])
     results = json.loads((out / "experiments_capacity.json").read_text())
     (auto,), (shrunk,) = results["auto from d_head 1"], results["static 16, shrunk, fine-tuned"]
+    assert results["static d_head 3"][0]["final"]["d_head"] == [3, 3] and not results["static d_head 3"][0]["events"]
     found = auto["final"]["d_head"]
     assert auto["events"][0]["d_head_before"] == [1, 1] and max(found) > 1
     assert shrunk["final"]["d_head"] == found and shrunk["events"][0]["d_head_before"] == [16, 16]
@@ -114,3 +115,6 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
     with pytest.raises(SystemExit):
         experiments.main(["--capacity", "--text", str(corpus), "--only", "static at the auto sizes", "--out", str(out)])
     assert "run 'auto from d_head 1' in the same invocation" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        experiments.main(["--capacity", "--text", str(corpus), "--only", "static d_head sixteen", "--out", str(out)])
+    assert "unknown capacity rows ['static d_head sixteen']" in capsys.readouterr().err
