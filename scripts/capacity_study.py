@@ -82,7 +82,7 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
     for seed in seeds:
         seeded = [*common, f"--seed_everything={seed}", f"--data.init_args.seed={seed}"]
         found = None
-        for name in [r for r in ROWS if r in rows] + [r for r in rows if r not in ROWS]:
+        for name in [r for r in ROWS if r in rows] + [r for r in dict.fromkeys(rows) if r not in ROWS]:
             if name == AUTO:
                 result = run(AUTO_CONFIG, seeded, logs, grow=True)
                 found, steps = result["final"]["d_head"], result["final"]["step"]
