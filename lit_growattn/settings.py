@@ -37,7 +37,10 @@ class GrowthSettings:
             per layer (null: no cap).
         max_d_head: largest head size a layer may reach (null: the form's input size, its largest possible rank).
         layers: the layers (0-based) that grow (null: every layer with a growable form).
-        method: the growth direction: natural | gradient | pinv, or a baseline without statistics: random | zero.
+        method: the growth direction: natural | gradient | pinv, or new columns not taken from the statistics:
+            random (Q and K drawn at the old columns' scale) | zero (random Q, zero K).
+        size_by: for random and zero, the direction whose bottleneck sizes the growth (`rank_threshold`, the
+            automatic schedule): natural | gradient | pinv (null: gradient). The others are sized by their own.
         mode: append new columns to W_Q/W_K (the function is kept at step 0) | replace them by a refactorisation.
         temperature: keep the learnable temperature τ | rescale it by √(d/d′) at each growth.
         truncation: the metric of the truncated SVD of the growth: euclidean | whitened (by the input covariance).
@@ -52,6 +55,7 @@ class GrowthSettings:
     max_d_head: int | None = None
     layers: list[int] | None = None
     method: growth.Method = "natural"
+    size_by: growth.Direction | None = None
     mode: growth.Mode = "append"
     temperature: growth.Temperature = "keep"
     truncation: growth.Truncation = "euclidean"
@@ -79,6 +83,7 @@ class GrowthSettings:
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
             raise ValueError(f"growth.layers must list each layer to grow once (0-based), got {self.layers}; leave it "
                              "out to grow all")
+        growth.sizing_method(self.method, self.size_by, name="growth.size_by")  # a direction, only with a baseline
         if self.method in growth.BASELINES and self.mode != "append":
             raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
 

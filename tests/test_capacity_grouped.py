@@ -47,12 +47,13 @@ class GroupedProblem:
     def m(self):
         return self.log_tau.exp()[:, None, None] * self.w_q @ self.w_k.repeat_interleave(self.group, 0).mT
 
-    def growth(self, method="natural", truncation="euclidean") -> GroupedGrowth:
+    def growth(self, method="natural", truncation="euclidean", size_by=None) -> GroupedGrowth:
         scores = torch.einsum("bse,hef,btf->bhst", self.x, self.m(), self.x).requires_grad_()
         self.loss_of_scores(scores).backward()
         n = torch.einsum("bse,bhst,btf->hef", self.x, scores.grad, self.x)  # ∂L/∂M_h, exactly
         c = torch.einsum("bse,bsf->ef", self.x, self.x) / self.x.shape[0]
-        return GroupedGrowth(self.w_q, self.w_k, self.log_tau, Moments(c, n, None), method, truncation=truncation)
+        return GroupedGrowth(self.w_q, self.w_k, self.log_tau, Moments(c, n, None), method, truncation=truncation,
+                             size_by=size_by)
 
 
 def appended(g: GroupedGrowth, w_q, w_k, group: int, j: int, step: float):
@@ -134,3 +135,8 @@ def test_rotary_gqa_column_gains_are_the_first_order_change_of_appending_nope_co
             assert slope == pytest.approx(float(gains[group, j]), rel=1e-2, abs=0)
     forms[0].set_weights(w_q, w_k, log_tau)
     assert torch.equal(forms[0].w_q[..., :8], w_q[..., :8])  # the rotary columns were never touched
+
+
+def test_a_gqa_baseline_is_sized_by_the_direction_it_names():
+    p = GroupedProblem()
+    assert torch.equal(p.growth("random", size_by="natural").column_gains(), p.growth("natural").column_gains())

@@ -72,10 +72,10 @@ class Problem:
             stats.update(xa, gx, 1.0)
         return stats
 
-    def growth(self, method, truncation="euclidean"):
+    def growth(self, method, truncation="euclidean", size_by=None):
         if not hasattr(self, "moments"):
             self.moments = self.stats("pinv").means()
-        return FormGrowth.from_form(self.form, self.moments, method, truncation=truncation)
+        return FormGrowth.from_form(self.form, self.moments, method, truncation=truncation, size_by=size_by)
 
     def installed(self, grown):
         form = QKForm(self.form.n_embd, self.form.n_head, 1, bias=self.form.bias).double()
@@ -224,6 +224,17 @@ def test_baselines_match_the_old_column_scale():
         assert torch.allclose(new.square().mean((1, 2)).sqrt(), old.square().mean((1, 2)).sqrt(), rtol=0.1)
     with pytest.raises(ValueError):
         fg.grow(0.0, 10, mode="replace")
+
+
+def test_a_baseline_is_sized_by_the_direction_it_names_and_keeps_its_random_columns():
+    p = Problem(e=12, h=3)
+    natural, sized = p.growth("natural"), p.growth("random", size_by="natural")
+    for share in (0.9, 0.5, 0.1):
+        assert sized.rank(share, 12) == natural.rank(share, 12)
+    assert torch.equal(sized.column_gains(), natural.column_gains())
+    assert torch.equal(p.growth("random").column_gains(), p.growth("gradient").column_gains())  # the default
+    grown = sized.grow(0.0, 6, generator=torch.Generator().manual_seed(0))
+    assert grown.w_q[..., 2:].abs().min() > 0 and grown.w_k[..., 2:].abs().min() > 0  # random pairs, not zero fan-in
 
 
 # -- descent and step size ------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSetti
     return growth.GrowthPlan.build(
         {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
         dynamic_rank=s.rank_threshold, max_d_head=s.max_d_head, group_of=layer_of.__getitem__, mode=s.mode,
-        temperature=s.temperature, truncation=s.truncation, line_search=line_search,
+        temperature=s.temperature, truncation=s.truncation, line_search=line_search, size_by=s.size_by,
         # Random columns of the baselines: the same draw on every rank, and on a resumed run.
         generator=torch.Generator().manual_seed(seed),
     )
@@ -58,7 +58,7 @@ def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.
     """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks and those of the
     window's two halves (`half` and the rest of `stats`), pooled with the layer's `earlier` decisions."""
     def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth | growth.GroupedGrowth]:
-        return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation)
+        return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation, size_by=s.size_by)
                 for (_, name, form), st in zip(forms, sums)}
 
     a, b = growths(half), growths([st - h for st, h in zip(stats, half)])

@@ -16,7 +16,7 @@ from lit_growattn.growth.choices import (
     BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
     LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
-from lit_growattn.growth.factorize import Carry, FormGrowth, Growth
+from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, sizing_method
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
@@ -60,5 +60,6 @@ __all__ = [
     "installed",
     "quadratic_step",
     "register_direction",
+    "sizing_method",
     "unflatten_stats",
 ]

@@ -71,11 +71,24 @@ class Growth:
     fell_back: bool = False
 
 
+def sizing_method(method: str, size_by: str | None, name: str = "size_by") -> str:
+    """The direction whose bottleneck sizes a growth and rates its columns: a direction method's own; for a baseline
+    `size_by`, or the gradient's, so that it grows as much as the gradient method would. name: for the errors."""
+    if size_by is None:
+        return method if method in DIRECTIONS else "gradient"
+    check_choice(name, size_by, DIRECTIONS)
+    if method in DIRECTIONS and size_by != method:
+        raise ValueError(f"{name}={size_by!r} only applies to the baselines {BASELINES}: method {method!r} is sized "
+                         "by its own direction; leave size_by out")
+    return size_by
+
+
 class FormGrowth:
     """The α-independent part of growing one form, computed once and reused for every step-size candidate.
 
     w_q, w_k (h, e′, d), log_tau (h,): the form's current parameters; moments: `FormStats.means()`;
-    method: one of METHODS; truncation: euclidean | whitened; rcond: relative eigenvalue cut-off of C̄⁺, C̄^{±½}.
+    method: one of METHODS; truncation: euclidean | whitened; rcond: relative eigenvalue cut-off of C̄⁺, C̄^{±½};
+    size_by: the direction whose bottleneck sizes a baseline's growth (see `sizing_method`).
     """
 
     def __init__(
@@ -88,10 +101,12 @@ class FormGrowth:
         *,
         truncation: str = "euclidean",
         rcond: float = 1e-6,
+        size_by: str | None = None,
     ):
         check_choice("method", method, METHODS)
         check_choice("truncation", truncation, TRUNCATIONS)
         self.method, self.truncation, self.rcond, self.moments = method, truncation, rcond, moments
+        self.sizing_method = sizing_method(method, size_by)
         self.dtype = w_q.dtype
         self.w_q, self.w_k, self.log_tau = (t.detach().double() for t in (w_q, w_k, log_tau))
         self.m = self.log_tau.exp()[:, None, None] * self.w_q @ self.w_k.mT
@@ -141,11 +156,6 @@ class FormGrowth:
         s = self.bottleneck(self.sizing_method)[1]
         count = int((s > threshold * s.max()).sum(-1).max())
         return max(0, min(max(count, 1), min(max_d_head, self.e_in) - self.d_head))
-
-    @property
-    def sizing_method(self) -> str:
-        """The direction whose bottleneck sizes a growth: the form's own, the gradient's for the baselines."""
-        return self.method if self.method in DIRECTIONS else "gradient"
 
     def column_gains(self, n: Tensor | None = None) -> Tensor:
         """First-order loss decrease −⟨N̄, σ_j u_j v_jᵀ⟩ of appending bottleneck pair j at α = 1, per head (h, e′),

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, METHODS, MODES, TEMPERATURES, TRUNCATIONS, check_choice
-from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, FormGrowth, Growth
+from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, FormGrowth, Growth, sizing_method
 from lit_growattn.growth.linalg import column_basis, factored_score_energy, project_out, psd_sqrt
 from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import Moments
@@ -74,12 +74,13 @@ class GroupedGrowth:
     """
 
     def __init__(self, w_q: Tensor, w_k: Tensor, log_tau: Tensor, moments: Moments, method: str = "natural", *,
-                 rotary: int = 0, truncation: str = "euclidean", rcond: float = 1e-6):
+                 rotary: int = 0, truncation: str = "euclidean", rcond: float = 1e-6, size_by: str | None = None):
         check_choice("method", method, METHODS)
         check_choice("truncation", truncation, TRUNCATIONS)
         if w_q.shape[0] % w_k.shape[0]:
             raise ValueError(f"{w_q.shape[0]} query heads cannot share {w_k.shape[0]} key heads evenly")
         self.method, self.rotary, self.rcond, self.moments, self.dtype = method, rotary, rcond, moments, w_q.dtype
+        self.sizing_method = sizing_method(method, size_by)
         self.w_q, self.w_k, self.log_tau = (t.detach().double() for t in (w_q, w_k, log_tau))
         self.group = w_q.shape[0] // w_k.shape[0]
         self._roots = psd_sqrt(moments.c, rcond) if truncation == "whitened" else None
@@ -92,11 +93,6 @@ class GroupedGrowth:
 
     def keys_per_head(self, w: Tensor) -> Tensor:
         return w.repeat_interleave(self.group, 0)
-
-    @property
-    def sizing_method(self) -> str:
-        """The direction whose bottleneck sizes a growth: the form's own, the gradient's for the baselines."""
-        return self.method if self.method in DIRECTIONS else "gradient"
 
     def direction(self, method: str) -> Tensor:
         """Normalised ΔM (H, e′, e′) per query head, M counting rotary columns at relative position 0."""

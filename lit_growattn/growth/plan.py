@@ -63,6 +63,7 @@ class GrowthPlan:
         line_search: str = "low_rank",
         rcond: float = 1e-6,
         generator: torch.Generator | None = None,
+        size_by: str | None = None,
     ) -> GrowthPlan:
         """Plans the growth of QKForm-like `forms` (name → form, in the order of `stats`, reduced sums); forms with
         shared keys (GQA) or rotary columns grow by `grouped.GroupedGrowth`.
@@ -70,6 +71,7 @@ class GrowthPlan:
         New columns p per form: `grow_by` (one int or per name); with `dynamic_rank` set, `FormGrowth.rank`
         with that threshold, `grow_by` then only caps it (None: no cap). Always d + p ≤ max_d_head ≤ e′.
         Forms with equal `group_of(name)` (e.g. the layer) get the same p, the largest, since they share d_head.
+        size_by: the direction that sizes the baselines' growth (`factorize.sizing_method`).
         Raises NonFiniteStatistics (from the means) when the statistics hold NaN/inf.
         """
         if len(stats) != len(forms):
@@ -77,7 +79,7 @@ class GrowthPlan:
         if dynamic_rank is None and grow_by is None:
             raise ValueError("give grow_by, or dynamic_rank to choose it from the spectrum")
         growths = {
-            name: growth_for(form, s.means(), method, truncation=truncation, rcond=rcond)
+            name: growth_for(form, s.means(), method, truncation=truncation, rcond=rcond, size_by=size_by)
             for (name, form), s in zip(forms.items(), stats)
         }
         d_new = {}
