@@ -182,8 +182,7 @@ class AutoSchedule(GrowthSchedule):
 
     Args:
         check_every: optimizer steps between checks.
-        first_check: optimizer step of the first check (None: check_every). Early is cheaper: every step a layer
-            spends too narrow is paid at the end of the run.
+        first_check: optimizer step of the first check (None: check_every); at least one statistics window in.
         patience: checks in a row without growth after which the schedule may end.
         threshold: a column's held-out first-order gain must be at least this ratio to the gain the layer's
             existing query/key columns can still make (SENN's expansion score ratio; scale-free).
