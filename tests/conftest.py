@@ -4,11 +4,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+# Tests never need the hub (DESIGN §11). Set before anything imports huggingface_hub or datasets, which read it at
+# import: without it a name that is neither a file nor a local dataset is looked up online, about 23 s of retries
+# on a machine without network, and a different error wherever the hub answers.
+os.environ["HF_HUB_OFFLINE"] = "1"
 
-from lit_growattn.attention import ATTENTIONS
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from lit_growattn.attention import ATTENTIONS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"

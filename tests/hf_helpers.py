@@ -3,12 +3,8 @@ a byte-level BPE tokenizer trained in memory, with or without a chat template.""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
+import torch
+from lightning.pytorch.callbacks import Callback
 
 VOCAB = 96
 

@@ -16,8 +16,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import hf_experiment  # noqa: E402
 
 
-def test_smoke_run_writes_table_and_results(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_smoke_run_writes_table_and_results(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.\n" * 150)
     tiny = ["--data.init_args.batch_size=8", "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=64",
