@@ -82,6 +82,6 @@ def token_cache(tmp_path_factory):
 def run_command(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m lit_growattn ARGS` as a user runs it: the exit code and what it printed (stdout, stderr)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "HF_HUB_OFFLINE": "1", "LIT_GROWATTN_DEBUG": "", "OMP_NUM_THREADS": "1"}
+           "LIT_GROWATTN_DEBUG": "", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "lit_growattn", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=300)

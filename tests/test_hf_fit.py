@@ -24,7 +24,7 @@ TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mi
 def _fit(tmp_path, *args: str, config=CONFIG, expect_ok: bool = True) -> subprocess.CompletedProcess:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 150)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     cmd = [sys.executable, "-m", "lit_growattn", "fit", "--config", str(config),
            f"--data.init_args.path={corpus}", f"--data.init_args.cache_dir={tmp_path / 'cache'}",

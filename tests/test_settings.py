@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO
+from conftest import REPO, run_command
 from lit_growattn import (AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowAttentionLM, GrowthSettings,
                           StatisticsSettings, StepSearch)
 from lit_growattn.cli import main
@@ -38,10 +38,10 @@ def test_print_config_describes_every_growth_setting():
 
 def test_a_growth_field_is_unset_from_the_command_line_by_a_mapping_that_keeps_the_others():
     # docs/configuration.md: the dotted form with null is refused by jsonargparse, the mapping form merges.
-    out = subprocess.run([sys.executable, "-m", "lit_growattn", "fit", "--config", "configs/text_auto.yaml",
-                          "--trainer.callbacks.init_args.growth={max_columns: null}", "--print_config"],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout
-    callbacks = yaml.safe_load(out)["trainer"]["callbacks"]
+    done = run_command("fit", "--config", "configs/text_auto.yaml",
+                       "--trainer.callbacks.init_args.growth={max_columns: null}", "--print_config")
+    assert done.returncode == 0, done.stderr
+    callbacks = yaml.safe_load(done.stdout)["trainer"]["callbacks"]
     growth = next(cb for cb in callbacks if cb["class_path"].endswith("GrowAttentionCallback"))["init_args"]["growth"]
     assert growth["max_columns"] is None
     assert (growth["method"], growth["size_by"], growth["mode"]) == ("random", "natural", "append")
