@@ -19,10 +19,11 @@ from torch import Tensor
 
 from lit_growattn import growth
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth.capacity import CapacityRule, Decision, decide
+from lit_growattn.growth.capacity import (CapacityRule, Decision, decide, gated, key_components, needs_costs,
+                                          without_key_direction)
 from lit_growattn.settings import GrowthSettings, StepSearch
 
-LossOf = Callable[[Sequence[dict[str, growth.Growth] | None]], Tensor]
+LossOf = Callable[[Sequence[dict[str, growth.Growth | growth.Weights] | None]], Tensor]
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,10 @@ class GrowthEvent:
                 raise ValueError("the automatic schedule decides from the two halves of the window: pass `half`")
             sizes = decide_sizes(plan, forms, stats, half, self.settings, self.capacity, self.earlier)
             decisions = self.broadcast([d.as_dict() for d in sizes])
+            if any(map(needs_costs, decisions)):
+                # Every rank measures (the losses are reduced across ranks); rank 0's verdicts are kept.
+                decisions = self.broadcast([gated(d, component_costs(forms, d["layer"], self.loss_of, current))
+                                            if needs_costs(d) else d for d in decisions])
             columns = {d["layer"]: d["columns"] for d in decisions}
             plan = plan.resized({name: form.d_head + columns[layer] for layer, name, form in forms})
             if not any(columns.values()):
@@ -192,6 +197,19 @@ class GrowthEvent:
         if decisions is not None:
             record["decisions"] = decisions
         return record, {name: g.spectrum for name, g in grown.items()}
+
+
+def component_costs(forms: NamedForms, layer: int, loss_of: LossOf, current: Tensor) -> list[float]:
+    """Loss increase on the kept batches (`current`: their loss as they are) without each query/key component
+    i < d_head of `layer`: the i-th of `capacity.key_components` projected out of the keys of every form of the
+    layer at once."""
+    named = {name: form for at, name, form in forms if at == layer}
+    keys = {name: key_components(form.w_q.detach(), form.w_k.detach(), form.log_tau.detach())
+            for name, form in named.items()}
+    d_head = next(iter(named.values())).w_q.shape[-1]
+    without = [{name: growth.Weights(form.w_q.detach(), without_key_direction(form.w_k.detach(), keys[name][:, i]),
+                                     form.log_tau.detach()) for name, form in named.items()} for i in range(d_head)]
+    return (loss_of(without) - current[0]).tolist()
 
 
 def _knowing_current(loss_of: LossOf, current: Tensor) -> LossOf:

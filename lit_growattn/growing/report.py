@@ -45,11 +45,15 @@ def decision_text(decisions: list[dict]) -> str:
     held-out score, and the bottleneck's energy share."""
     parts = []
     for d in decisions:
-        shown = lambda xs: " ".join(f"{x:.2g}" for x in xs[: d["columns"] + 2]) or "–"  # noqa: E731
+        wanted = d.get("wanted", d["columns"])
+        shown = lambda xs: " ".join(f"{x:.2g}" for x in xs[: wanted + 2]) or "–"  # noqa: E731
+        spare = "" if d.get("least_used") is None else (
+            f", least-used component {d['least_used']:.2g} vs {d['spare_bar']:.2g}"
+            + (f": {wanted} wanted, width to spare" if d["columns"] < wanted else ""))
         parts.append(f"layer {d['layer']} +{d['columns']} of {d['candidates']} ({d['pooled']} "
                      f"check{'s' if d['pooled'] > 1 else ''}: ratios {shown(d['ratios'])} vs {d['bar']:.2g}, "
                      f"agreement {shown(d['agreement'])} vs {d['agreement_bar']:.2g}, shares {shown(d['shares'])}, "
-                     f"bottleneck {d['bottleneck']:.2f})")
+                     f"bottleneck {d['bottleneck']:.2f}{spare})")
     return "; ".join(parts)
 
 
@@ -93,6 +97,8 @@ def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
         metrics[f"growth/auto/bottleneck/layer_{layer}"] = d["bottleneck"]
         metrics[f"growth/auto/pooled_checks/layer_{layer}"] = float(d["pooled"])
         metrics[f"growth/auto/bar/layer_{layer}"] = d["bar"]
+        if d.get("least_used") is not None:
+            metrics[f"growth/auto/least_used/layer_{layer}"] = d["least_used"]
     if not grew(event):
         return metrics
     keys = ["sign_fallbacks", "predicted_decrease", "realised_decrease", "seconds"]

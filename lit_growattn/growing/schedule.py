@@ -191,6 +191,9 @@ class AutoSchedule(GrowthSchedule):
         pool: a layer's last `pool` checks at its current width are pooled as one window that many times larger
             before they meet the bars, so one noisy window neither grows nor stops it (1: each check decides alone).
         min_fall: the schedule may end only once the loss falls by less than this share of itself per check.
+        spare_below: a layer that the bars would grow takes no column while removing its least-used query/key
+            component raises the loss on the kept batches by less than this share of what an average component's
+            removal does: it has width to spare (0: not measured; then the bars alone decide).
     """
 
     unit, kind = "step", "auto"
@@ -198,7 +201,7 @@ class AutoSchedule(GrowthSchedule):
     def __init__(self, check_every: int = 50, first_check: int | None = None, patience: int = 3,
                  threshold: float = CapacityRule.ratio,
                  agreement: float = CapacityRule.agreement, pool: int = CapacityRule.pool,
-                 min_fall: float = CapacityRule.min_fall):
+                 min_fall: float = CapacityRule.min_fall, spare_below: float = CapacityRule.spare_below):
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
         if first_check is not None and first_check <= 0:
@@ -207,7 +210,7 @@ class AutoSchedule(GrowthSchedule):
             raise ValueError(f"patience must be a positive number of checks, got {patience}")
         self.check_every, self.patience = check_every, patience
         self.first_check = check_every if first_check is None else first_check
-        self.capacity = CapacityRule(threshold, agreement, pool, min_fall)
+        self.capacity = CapacityRule(threshold, agreement, pool, min_fall, spare_below)
         # Learnt in `bind` and `check_run`: the growing layers, their limit, their sizes at the start, the last step.
         self.layers: list[int] = []
         self.max_d_head: int | None = None

@@ -18,7 +18,7 @@ from lit_growattn.growth.choices import (
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, sizing_method
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for
-from lit_growattn.growth.plan import GrowthPlan, installed
+from lit_growattn.growth.plan import GrowthPlan, Weights, installed
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
 from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
@@ -42,6 +42,7 @@ __all__ = [
     "GroupedGrowth",
     "Growth",
     "GrowthPlan",
+    "Weights",
     "LINE_SEARCHES",
     "METHODS",
     "MODES",

@@ -26,10 +26,17 @@ direction's energy ‖ΔM⊥‖²/‖ΔM‖².
 Forms whose query heads share keys (GQA) or carry rotary columns (`grouped.GroupedGrowth`) give the same quantities
 per group of heads: column j is the group's shared K column with one Q part per head, its gain summed over the
 group's heads; rotary columns count in `existing` as they act at relative position 0.
+
+Those bars see what the direction wants, not whether the width suffices (docs/design.md §11). So a layer that the
+bars would grow (`wanted`) grows only when it has no width to spare: removing its least-used query/key component
+(`key_components`: the i-th rank-one part of M, projected out of the keys' inputs) must raise the loss on the kept
+batches by at least `spare_below` of what removing an average component does (`gated`). Measured, not first order,
+and again a ratio of two loss changes on the same batches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,12 +55,15 @@ class CapacityRule:
     agreement: at least this share of its in-sample gain must hold out on the other half of the window (½:
     more signal than fitted noise); pool: the evidence of at most this many checks at the layer's current width is
     pooled as one window that many times larger; min_fall: the schedule may end only once the loss falls by less
-    than this share of itself per check (growth never ends while the loss still falls fast)."""
+    than this share of itself per check (growth never ends while the loss still falls fast); spare_below: a layer
+    whose least-used query/key component costs less than this share of an average one has width to spare and
+    grows nothing (0: not measured)."""
 
     ratio: float = 0.5
     agreement: float = 0.5
     pool: int = 3
     min_fall: float = 0.01
+    spare_below: float = 0.03
 
     def __post_init__(self):
         if not self.ratio > 0:
@@ -64,15 +74,20 @@ class CapacityRule:
             raise ValueError(f"pool is a number of checks (≥ 1; 1: each check decides alone), got {self.pool}")
         if not self.min_fall >= 0:
             raise ValueError(f"min_fall is a relative loss decrease per check (≥ 0, e.g. 0.01), got {self.min_fall}")
+        if not 0 <= self.spare_below < 1:
+            raise ValueError(f"spare_below is a share of an average component's cost in [0, 1) (e.g. 0.03; 0: not "
+                             f"measured), got {self.spare_below}")
 
 
 @dataclass(frozen=True)
 class Decision:
     """One layer at one check: this window's evidence, per candidate column in the order they would be appended,
     `held_out` and `in_sample` gains and the existing columns' gain `existing` (in sample) and `existing_held_out`;
-    the `pooled` checks give the `ratios` and `agreement`, of which `columns` qualify against `bar` and
-    `agreement_bar` (the rule's). Logged only: `shares` of this window's held-out score `score`, and `bottleneck`
-    ‖ΔM⊥‖²/‖ΔM‖²."""
+    the `pooled` checks give the `ratios` and `agreement`, of which `wanted` qualify against `bar` and
+    `agreement_bar` (the rule's); `columns` are taken, none when the layer has width to spare: its `component_costs`
+    (loss increase without each query/key component, measured only when columns are wanted and d_head ≥ 2) give
+    `least_used` (the smallest over their mean; None: not measured) below `spare_bar`. Logged only: `shares` of
+    this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
 
     layer: int
     d_head: int
@@ -86,10 +101,14 @@ class Decision:
     agreement: list[float]
     bar: float
     agreement_bar: float
+    wanted: int
     columns: int
     shares: list[float]
     score: float
     bottleneck: float
+    spare_bar: float
+    component_costs: list[float] = dataclasses.field(default_factory=list)
+    least_used: float | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -154,8 +173,41 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     qualifies = ((ratios >= rule.ratio) & (agreement >= rule.agreement)).tolist()
     columns = qualifies.index(False) if False in qualifies else len(qualifies)
     return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, existing_held_out, k,
-                    ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, shares.tolist(), score,
-                    bottleneck_share(full))
+                    ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, columns, shares.tolist(),
+                    score, bottleneck_share(full), rule.spare_below)
+
+
+def needs_costs(decision: dict) -> bool:
+    """Whether the gate must measure the layer's components: columns wanted, a gate, and more than one component to
+    compare."""
+    return decision["wanted"] > 0 and decision["spare_bar"] > 0 and decision["d_head"] >= 2
+
+
+def gated(decision: dict, costs: Sequence[float]) -> dict:
+    """The decision once its layer's component costs are known: with the least-used component below `spare_bar` of
+    the mean cost (or no component that costs anything), the layer has width to spare and takes no column."""
+    mean = sum(costs) / len(costs)
+    least_used = min(costs) / mean if mean > 0 else 0.0
+    columns = decision["wanted"] if least_used >= decision["spare_bar"] else 0
+    return decision | {"component_costs": list(costs), "least_used": least_used, "columns": columns}
+
+
+def key_components(w_q: Tensor, w_k: Tensor, log_tau: Tensor) -> Tensor:
+    """(KV, d, e′) the right singular vectors v_i (σ descending) of each key head's M: its g query heads' forms
+    M_h = τ_h W_Qh W_Kᵀ stacked (g·e′ × e′; g = 1 without shared keys). w_q (H, e′, d), w_k (KV, e′, d), log_tau (H,).
+    Projecting v_i out of the key's inputs (`without_key_direction`) removes exactly σ_i u_i v_iᵀ from the stacked M;
+    rotary columns count as at relative position 0, and lose the same input direction."""
+    kv, e, d = w_k.shape
+    group = w_q.shape[0] // kv
+    w_q, w_k, log_tau = w_q.double(), w_k.double(), log_tau.double()
+    m = log_tau.exp()[:, None, None] * w_q @ w_k.repeat_interleave(group, 0).mT
+    return torch.linalg.svd(m.reshape(kv, group * e, e), full_matrices=False)[2][:, :d]
+
+
+def without_key_direction(w_k: Tensor, v: Tensor) -> Tensor:
+    """(I − v vᵀ) W_K per key head: w_k (KV, e′, d) blind to the input direction v (KV, e′), in w_k's dtype."""
+    v = v.to(w_k.dtype)
+    return w_k - v[:, :, None] * (v[:, None, :] @ w_k)
 
 
 def pooled_with(history: Sequence[dict], layer: int, d_head: int, pool: int) -> list[dict]:

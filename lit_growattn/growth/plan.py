@@ -10,9 +10,10 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
+from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, MODES, TEMPERATURES, check_choice
 from lit_growattn.growth.factorize import FormGrowth, Growth
@@ -132,8 +133,16 @@ class GrowthPlan:
         return self._memo[key]
 
 
+class Weights(NamedTuple):
+    """A form's query/key weights to rate (install, evaluate, restore), not a growth to keep."""
+
+    w_q: Tensor
+    w_k: Tensor
+    log_tau: Tensor
+
+
 @contextmanager
-def installed(forms: Mapping[str, object], grown: Mapping[str, Growth] | None) -> Iterator[None]:
+def installed(forms: Mapping[str, object], grown: Mapping[str, Growth | Weights] | None) -> Iterator[None]:
     """Inside the block, every form named in `grown` holds its candidate growth (None: the forms as they are); on
     exit every form of `forms` (name → form with w_q, w_k, log_tau and set_weights) gets its own parameters back,
     the same objects, also after an error: for rating candidates, not for installing the chosen one."""
