@@ -8,11 +8,12 @@ from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings, St
 from lit_growattn.cli import main
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.window import StatsWindow
-from lit_growattn.growth import FormStats
+from lit_growattn.growing.report import decision_text
+from lit_growattn.growth import FormStats, installed
 from lit_growattn.growth.capacity import CapacityRule
 
 from conftest import REPO, SHAKESPEARE, needs_shakespeare, scalar_tags
-from test_growth import Problem
+from test_growth import F64, Problem
 from test_growth_schedule import assert_same_run, cli_fit, growth_history
 
 # Fused recall, 5 batches an epoch when run by cli_fit: a check every 5 optimizer steps from 3 statistics batches.
@@ -77,6 +78,38 @@ def test_no_gain_no_growth_zero_gradient():
     record, spectra = event.run([(0, "form", p.form)], [still], seed=0, half=[half])
     assert [d["columns"] for d in record["decisions"]] == [0] and max(record["decisions"][0]["ratios"]) == 0
     assert installed == [] and spectra == {} and p.form.d_head == 2
+
+
+def test_a_layer_with_an_unused_component_does_not_grow_and_says_why():
+    """Its third query/key component is zero: removing it costs nothing, so the columns the bars want are refused
+    unless the gate is off (spare_below 0); the costs are measured on the loss the event rates candidates by."""
+    p = Problem(e=8, h=2, d=3)
+    with torch.no_grad():
+        p.form.w_q[:, :, 2] = 0
+    stats = p.stats("natural")
+    half = FormStats.from_state_dict({k: v / 2 for k, v in stats.state_dict().items()})
+
+    def loss_of(candidates):
+        losses = []
+        for candidate in candidates:
+            with installed({"form": p.form}, candidate), torch.no_grad():
+                losses.append(p.loss())
+        return torch.stack(losses)
+
+    def check(spare_below: float) -> dict:
+        event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=loss_of, install=lambda grown: None,
+                            broadcast=lambda obj: obj, capacity=CapacityRule(ratio=1e-9, agreement=1e-9,
+                                                                             spare_below=spare_below))
+        record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
+        return record["decisions"][0]
+
+    gated, open_gate = check(0.03), check(0.0)
+    assert open_gate["wanted"] == open_gate["columns"] > 0 and open_gate["least_used"] is None
+    assert gated["wanted"] == open_gate["wanted"] and gated["columns"] == 0
+    costs = gated["component_costs"]
+    assert len(costs) == 3 and abs(costs[2]) <= 1e3 * torch.finfo(F64).eps * float(p.loss().detach())
+    assert "width to spare" in decision_text([gated]) and "least-used component" in decision_text([gated])
+    assert p.form.d_head == 3 and torch.all(p.form.w_q[:, :, 2] == 0)  # rated, restored, nothing installed
 
 
 def test_no_gain_no_growth_at_ample_width_takes_no_statistics(tmp_path, tiny_cli_args, monkeypatch):

@@ -1,12 +1,13 @@
 """The automatic schedule's decision (growth/capacity.py): per-column gains against either half of the window, the
-cross-validated rule that noise cannot clear, and the end rule's loss fall."""
+cross-validated rule that noise cannot clear, the spare-width gate, and the end rule's loss fall."""
 
 import pytest
 import torch
 
 from lit_growattn.growing.schedule import AutoSchedule
 from lit_growattn.growth import FormGrowth
-from lit_growattn.growth.capacity import CapacityRule, decide, layer_gains, layer_score, loss_fall, pooled_with
+from lit_growattn.growth.capacity import (CapacityRule, decide, gated, key_components, layer_gains, layer_score,
+                                          loss_fall, pooled_with, without_key_direction)
 from lit_growattn.growth.stats import Moments
 
 from test_growth import Problem
@@ -182,7 +183,38 @@ def test_checks_come_at_first_check_then_every_check_every_steps():
     (dict(agreement=0.0), "agreement is a share"),
     (dict(min_fall=-0.1), "min_fall is a relative loss decrease"),
     (dict(pool=0), "pool is a number of checks"),
+    (dict(spare_below=1.0), "spare_below is a share of an average component's cost"),
 ])
 def test_bad_rules_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CapacityRule(**kwargs)
+
+
+@pytest.mark.parametrize("query_heads, key_heads", [(3, 3), (4, 2)])
+def test_removing_a_key_component_removes_exactly_its_rank_one_part_of_every_query_head(query_heads, key_heads):
+    g = torch.Generator().manual_seed(0)
+    e, d, group = 7, 4, query_heads // key_heads
+    w_q, w_k = torch.randn(query_heads, e, d, generator=g, dtype=F64), torch.randn(key_heads, e, d, generator=g, dtype=F64)
+    log_tau = torch.randn(query_heads, generator=g, dtype=F64) / 4
+    stacked = lambda w_k: (log_tau.exp()[:, None, None] * w_q @ w_k.repeat_interleave(group, 0).mT).reshape(  # noqa: E731
+        key_heads, group * e, e)
+    u, sigma, vh = torch.linalg.svd(stacked(w_k), full_matrices=False)
+    keys = key_components(w_q, w_k, log_tau)
+    assert keys.shape == (key_heads, d, e)
+    for i in range(d):
+        removed = stacked(w_k) - stacked(without_key_direction(w_k, keys[:, i]))
+        part = sigma[:, i, None, None] * u[:, :, i, None] * vh[:, i, None, :]
+        # Round-off of a few products of e-sized sums, relative to the largest singular value.
+        assert torch.allclose(removed, part, atol=100 * e * torch.finfo(F64).eps * float(sigma.max()))
+
+
+def test_a_layer_with_a_spare_component_takes_none_of_the_columns_it_wants():
+    wanted = {"wanted": 3, "columns": 3, "spare_bar": 0.05}
+    assert gated(wanted, [1.0, 0.5, 0.2])["columns"] == 3  # least used 0.2 / 0.57 of the mean
+    spare = gated(wanted, [1.0, 0.5, 0.01])
+    assert spare["columns"] == 0 and spare["wanted"] == 3 and spare["least_used"] == pytest.approx(0.01 / (1.51 / 3))
+    assert spare["component_costs"] == [1.0, 0.5, 0.01]
+    # A component whose removal lowers the loss, or a layer whose components cost nothing: width to spare.
+    assert gated(wanted, [1.0, 0.5, -0.1])["columns"] == 0
+    assert gated(wanted, [0.0, -0.0, 0.0]) | {"component_costs": None} == wanted | {
+        "columns": 0, "least_used": 0.0, "component_costs": None}
