@@ -121,12 +121,15 @@ def test_bad_models_fail_before_training(tmp_path):
         HFCausalLM(config={"model_type": "bert"})
 
 
-def test_auto_schedule_grows_rotary_gqa_model(tmp_path):
+@pytest.mark.parametrize("spare_below", [0.0, None])
+def test_auto_schedule_grows_rotary_gqa_model(tmp_path, spare_below):
+    """With the spare-width gate off the rule grows the rotary GQA forms; with it on (the default) it measures their
+    components first, and this tiny model, hardly trained, leaves some unused: it refuses growth as width to spare."""
     path = tmp_path / "auto.yaml"
     # A low bar: this checks the path (rotary GQA forms sized by the capacity rule), not the rule's calibration.
+    rule = {"check_every": 4, "threshold": 0.05} | ({} if spare_below is None else {"spare_below": spare_below})
     grow = {"class_path": "lit_growattn.GrowAttentionCallback",
-            "init_args": {"schedule": {"class_path": "lit_growattn.AutoSchedule",
-                                       "init_args": {"check_every": 4, "threshold": 0.05}},
+            "init_args": {"schedule": {"class_path": "lit_growattn.AutoSchedule", "init_args": rule},
                           "growth": {"columns": None}, "statistics": {"batches": 4}}}
     watch = {"class_path": "hf_helpers.RotaryWatch", "init_args": {"out": str(tmp_path)}}
     path.write_text(yaml.safe_dump({"trainer": {"callbacks": [grow, watch]}}))
@@ -134,6 +137,10 @@ def test_auto_schedule_grows_rotary_gqa_model(tmp_path):
     out = done.stdout + done.stderr
     assert "at step 4 (epoch 0)" in out and "layer 0 +" in out and "layer 1 +" in out  # decisions per layer
     sizes = _last_head_sizes(tmp_path)
+    if spare_below is None:
+        assert "least-used component" in out and "width to spare" in out
+        return
+    assert "least-used component" not in out
     assert min(sizes) >= 8 and sum(sizes) > 16
     growths = torch.load(tmp_path / "rotary_watch.pt")
     assert growths and all(same for event in growths for _, _, same in event)  # rotary columns bit-identical
