@@ -1,6 +1,9 @@
 """schedule='auto': grows where width pays and stops by itself, grows nothing without gain, resumes with the same
 decisions from checkpoints written by the CLI, refuses bad settings; the shipped auto configs grow."""
 
+import itertools
+import operator
+
 import pytest
 import torch
 
@@ -47,11 +50,12 @@ def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_
     assert history[0]["d_head_before"] == [1] and history[0]["d_head"][0] > 1  # d_head 1 cannot solve recall
     decision = history[0]["decisions"][0]
     assert decision["columns"] == history[0]["d_head"][0] - 1 and decision["candidates"] == 63
-    taken = zip(decision["ratios"][: decision["columns"]], decision["agreement"][: decision["columns"]])
     assert decision["pooled"] == 1  # the first check has nothing to pool
-    assert all(ratio >= decision["bar"] and agreement >= decision["agreement_bar"] == 0.1 for ratio, agreement in taken)
-    following = decision["ratios"][decision["columns"]], decision["agreement"][decision["columns"]]
-    assert following[0] < decision["bar"] or following[1] < 0.1
+    # Each column taken clears the ratio bar, together they clear the agreement bar; no larger block does.
+    leading = list(itertools.accumulate((ratio >= decision["bar"] for ratio in decision["ratios"]), operator.and_))
+    clears = [lead and agreement >= decision["agreement_bar"] == 0.1
+              for lead, agreement in zip(leading, decision["agreement"])]
+    assert clears[decision["columns"] - 1] and not any(clears[decision["columns"]:])
     # Stopped by itself, well before the 40 steps of the run: the last two checks grew nothing.
     assert cb.schedule.finished(history) and cb.schedule.pending(history) is None
     # Statistics were taken for the checks only (3 batches each), none after the schedule finished.

@@ -7,7 +7,7 @@ import torch
 from lit_growattn.growing.schedule import AutoSchedule
 from lit_growattn.growth import FormGrowth
 from lit_growattn.growth.capacity import (CapacityRule, decide, gated, key_components, layer_gains, layer_score,
-                                          loss_fall, pooled_with, without_key_direction)
+                                          leading_block, loss_fall, pooled_with, without_key_direction)
 from lit_growattn.growth.stats import Moments
 
 from test_growth import Problem
@@ -64,8 +64,8 @@ def test_with_equal_halves_a_layer_takes_the_leading_columns_whose_ratio_clears_
     assert (decision.layer, decision.d_head, decision.candidates, decision.columns) == (1, 2, 10, 3)
     assert decision.ratios == pytest.approx(ratios, rel=1e-9) and decision.bar == rule.ratio
     assert decision.existing == pytest.approx(existing, rel=1e-9)
-    assert decision.agreement[:3] == pytest.approx([1.0] * 3, rel=1e-9)  # nothing is lost out of sample
-    assert decision.shares == pytest.approx((gains / layer_score([a]))[:10].tolist(), rel=1e-9)
+    assert decision.agreement[:3] == pytest.approx([1.0] * 3, rel=1e-9)  # nothing is lost out of sample (per block)
+    assert decision.shares == pytest.approx((gains / layer_score([a]))[:10].tolist(), rel=1e-9)  # per column
     assert 0 < decision.bottleneck < 1
     assert decide(1, [full], [a], [b], rule, max_d_head=4).columns == 2  # room below max_d_head
     assert decide(1, [full], [a], [b], rule, max_d_head=12, cap=1).columns == 1
@@ -106,8 +106,8 @@ def test_a_layer_decides_on_its_pooled_checks_as_one_larger_window():
     in_sample = held + (mean("in_sample") - held) / 3
     existing_held_out = max(alone.existing_held_out, 0.0)  # signal's energy: a negative estimate is noise
     existing = existing_held_out + (5 * alone.existing / 3 - existing_held_out) / 3
-    assert pooled.agreement == pytest.approx((held / in_sample).tolist(), rel=1e-9)
-    assert pooled.ratios == pytest.approx((held / existing).tolist(), rel=1e-9)
+    assert pooled.agreement == pytest.approx((held.cumsum(0) / in_sample.cumsum(0)).tolist(), rel=1e-9)  # per block
+    assert pooled.ratios == pytest.approx((held / existing).tolist(), rel=1e-9)  # per column
     # A bar between this window's agreement and the pooled one: the window alone misses it, the pool clears it.
     rule = CapacityRule(ratio=1e-3, agreement=(alone.agreement[0] + pooled.agreement[0]) / 2)
     assert decide(0, *layer, rule, max_d_head=12).columns == 0
@@ -126,6 +126,29 @@ def test_a_negative_held_out_existing_gain_does_not_let_every_column_qualify():
     noisy = {**alone.as_dict(), "existing_held_out": -1e6 * alone.existing}
     pooled = decide(0, *layer, CapacityRule(), max_d_head=12, earlier=[noisy, noisy])
     assert pooled.ratios == pytest.approx([h / (alone.existing / 3) for h in alone.held_out], rel=1e-9)
+
+
+@pytest.mark.parametrize("held_out, in_sample, columns", [
+    ([1.0, 1.0, 1.0], [3.0, 1.0, 1.0], 3),  # the first column fitted noise (agreement ⅓); the three hold out 0.6
+    ([1.0, 1.0, 1.0], [3.0, 1.0, 5.0], 2),  # a third column of noise pulls the block's agreement under the bar
+    ([1.0, 0.4, 1.0], [1.0, 0.4, 1.0], 1),  # all signal, but the second column gains under half the existing ones
+    ([1.0, 1.0, 1.0], [3.0, 3.0, 3.0], 0),  # every block fits twice the noise it holds out
+])
+def test_a_layer_takes_its_leading_columns_that_each_clear_the_ratio_and_together_the_agreement(held_out, in_sample,
+                                                                                                columns):
+    held_out, in_sample = torch.tensor(held_out, dtype=F64), torch.tensor(in_sample, dtype=F64)
+    ratios, agreement, taken = leading_block(held_out, in_sample, 1.0, CapacityRule())
+    assert taken == columns
+    assert ratios.tolist() == pytest.approx(held_out.tolist(), rel=1e-12)  # existing gain 1
+    assert agreement.tolist() == pytest.approx((held_out.cumsum(0) / in_sample.cumsum(0)).tolist(), rel=1e-12)
+
+
+def test_where_the_existing_columns_gain_nothing_a_column_that_does_not_hold_out_ends_the_block():
+    # Ratios +∞ for every column that holds out: without a per-column bar a strong column would carry noise behind it.
+    held_out, in_sample = torch.tensor([5.0, 0.1, -0.1, 0.1], dtype=F64), torch.tensor([5.0, 0.3, 0.3, 0.3], dtype=F64)
+    ratios, agreement, taken = leading_block(held_out, in_sample, 0.0, CapacityRule())
+    assert ratios.tolist() == [torch.inf, torch.inf, 0.0, torch.inf] and min(agreement.tolist()) > 0.5
+    assert taken == 2
 
 
 def test_only_an_unbroken_run_of_checks_at_the_current_width_is_pooled():

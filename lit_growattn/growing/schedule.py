@@ -173,9 +173,9 @@ class AtSteps(_FixedSchedule):
 
 
 class AutoSchedule(GrowthSchedule):
-    """A check every `check_every` optimizer steps, where each layer grows by the columns whose held-out gain is
-    at least `threshold` of what the layer's existing columns can still gain and `agreement` of their own in-sample
-    gain (`lit_growattn.growth.capacity`). It ends after `patience` checks in a row grow nothing while the loss falls
+    """A check every `check_every` optimizer steps, where each layer grows by its leading columns whose held-out
+    gains are each at least `threshold` of what the layer's existing columns can still gain and together at least
+    `agreement` of their in-sample gain (`lit_growattn.growth.capacity`). It ends after `patience` checks in a row grow nothing while the loss falls
     by less than `min_fall` of itself per check (a near miss while training still moves fast is never final), once
     every growing layer is at max_d_head, or when the next check would come at or after the run's last step; no
     statistics are taken after that.
@@ -186,8 +186,8 @@ class AutoSchedule(GrowthSchedule):
         patience: checks in a row without growth after which the schedule may end.
         threshold: a column's held-out first-order gain must be at least this ratio to the gain the layer's
             existing query/key columns can still make (SENN's expansion score ratio; scale-free).
-        agreement: at least this share of a column's in-sample gain must hold out on the other half of the
-            window (½: more signal than fitted noise).
+        agreement: at least this share of the columns' in-sample gain, taken together, must hold out on the
+            other half of the window (½: more signal than fitted noise).
         pool: a layer's last `pool` checks at its current width are pooled as one window that many times larger
             before they meet the bars, so one noisy window neither grows nor stops it (1: each check decides alone).
         min_fall: the schedule may end only once the loss falls by less than this share of itself per check.

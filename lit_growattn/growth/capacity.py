@@ -12,15 +12,20 @@ Held out (X ≠ Y), noise fitted on X does not help on Y: in expectation only th
 (heads and forms summed), with g_j = ½(g_j^{AB} + g_j^{BA}) and in-sample ĝ_j = ½(g_j^{AA} + g_j^{BB}), Ĝ and G likewise:
     existing    = Ĝ − Σ_j ĝ_j  what the layer's existing query/key columns can still gain along ΔM − ΔM⊥ (SENN's
                                natural-gradient score of the current parameters), in sample; G − Σ_j g_j held out;
-    ratio_j     = g_j / existing   what column j adds, held out, against that (SENN's expansion score ratio);
-    agreement_j = g_j / ĝ_j        the part of column j's in-sample gain that holds out (1: signal, ≤ 0: noise).
+    ratio_j     = g_j / existing                what column j adds, held out, against that (SENN's expansion score
+                                                ratio);
+    agreement_n = Σ_{j≤n} g_j / Σ_{j≤n} ĝ_j      the part of the first n columns' in-sample gain that holds out
+                                                (1: signal, ≤ 0: noise).
 An in-sample gain is signal plus the noise fitted on one window; a held-out gain is signal alone, in expectation.
 Evidence is pooled over the layer's last checks at its current width (up to `pool`, this one included), as if they
 were one window k times larger: held-out gains are their means over the k checks, and in-sample gains (ĝ_j and the
 in-sample `existing`) keep their held-out mean plus 1/k of their mean excess over it, the noise a k-fold window
-fits. At k = 1 this is the single window's rule; as k grows both ratios approach the signal's own. Column
-j qualifies when ratio_j ≥ `ratio` and agreement_j ≥ `agreement`; a layer takes its leading qualifying columns
-(largest σ first), up to the room left below max_d_head.
+fits. At k = 1 this is the single window's rule; as k grows both ratios approach the signal's own. The first n
+columns (largest σ first) qualify when ratio_j ≥ `ratio` for each of them and agreement_n ≥ `agreement`; a layer
+takes the largest n that qualifies, up to the room left below max_d_head. Agreement is judged over the block the
+columns are appended as: the leading pair of a noisy SVD fits the most noise, so judged alone its agreement would
+veto the columns behind it. The ratio is judged per column, held out and so unbiased: noise columns padding a strong
+one would pass a block's ratio where the existing columns gain nothing (ratio +∞).
 Logged beside them: shares_j = g_j / G (held-out score of the whole direction) and the bottleneck's share of the
 direction's energy ‖ΔM⊥‖²/‖ΔM‖².
 Forms whose query heads share keys (GQA) or carry rotary columns (`grouped.GroupedGrowth`) give the same quantities
@@ -51,13 +56,13 @@ Growths = Sequence[FormGrowth | GroupedGrowth]
 
 @dataclass(frozen=True)
 class CapacityRule:
-    """ratio: a column's held-out gain must be at least this share of what the layer's existing columns can gain;
-    agreement: at least this share of its in-sample gain must hold out on the other half of the window (½:
-    more signal than fitted noise); pool: the evidence of at most this many checks at the layer's current width is
-    pooled as one window that many times larger; min_fall: the schedule may end only once the loss falls by less
-    than this share of itself per check (growth never ends while the loss still falls fast); spare_below: a layer
-    whose least-used query/key component costs less than this share of an average one has width to spare and
-    grows nothing (0: not measured)."""
+    """ratio: each column taken must gain, held out, at least this share of what the layer's existing columns can
+    gain; agreement: at least this share of the columns' in-sample gain, together, must hold out on the other half
+    of the window (½: more signal than fitted noise); pool: the evidence of at most this many checks at the layer's
+    current width is pooled as one window that many times larger; min_fall: the schedule may end only once the loss
+    falls by less than this share of itself per check (growth never ends while the loss still falls fast);
+    spare_below: a layer whose least-used query/key component costs less than this share of an average one has
+    width to spare and grows nothing (0: not measured)."""
 
     ratio: float = 0.5
     agreement: float = 0.5
@@ -83,8 +88,9 @@ class CapacityRule:
 class Decision:
     """One layer at one check: this window's evidence, per candidate column in the order they would be appended,
     `held_out` and `in_sample` gains and the existing columns' gain `existing` (in sample) and `existing_held_out`;
-    the `pooled` checks give the `ratios` and `agreement`, of which `wanted` qualify against `bar` and
-    `agreement_bar` (the rule's); `columns` are taken, none when the layer has width to spare: its `component_costs`
+    the `pooled` checks give per column the `ratios` and, for the first n = 1, 2, … columns together, the
+    `agreement`; the largest n whose ratios clear `bar` and whose agreement clears `agreement_bar` (the rule's) is
+    `wanted`; `columns` are taken, none when the layer has width to spare: its `component_costs`
     (loss increase without each query/key component, measured only when columns are wanted and d_head ≥ 2) give
     `least_used` (the smallest over their mean; None: not measured) below `spare_bar`. Logged only: `shares` of
     this window's held-out score `score`, and `bottleneck` ‖ΔM⊥‖²/‖ΔM‖²."""
@@ -163,18 +169,28 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     pooled_in_sample = as_one_window(pooled_held_out, mean("in_sample"))
     # The held-out existing gain is a difference of two noisy sums: below zero it says only that the signal is small.
     pooled_existing = as_one_window(max(float(mean("existing_held_out")), 0.0), float(mean("existing")))
-    # Existing columns that can gain nothing: any column that holds out is worth having (ratio +inf).
-    ratios = (pooled_held_out / pooled_existing if pooled_existing > 0
-              else torch.where(pooled_held_out > 0, torch.inf, 0.0).to(pooled_held_out))
-    # A column without positive in-sample gain is noise: agreement 0.
-    agreement = torch.where(pooled_in_sample > 0,
-                            pooled_held_out / pooled_in_sample.clamp_min(torch.finfo(held_out.dtype).tiny), 0.0)
+    ratios, agreement, columns = leading_block(pooled_held_out, pooled_in_sample, pooled_existing, rule)
     shares = held_out / score if score > 0 else torch.zeros_like(held_out)
-    qualifies = ((ratios >= rule.ratio) & (agreement >= rule.agreement)).tolist()
-    columns = qualifies.index(False) if False in qualifies else len(qualifies)
     return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, existing_held_out, k,
                     ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, columns, shares.tolist(),
                     score, bottleneck_share(full), rule.spare_below)
+
+
+def leading_block(held_out: Tensor, in_sample: Tensor, existing: float,
+                  rule: CapacityRule) -> tuple[Tensor, Tensor, int]:
+    """Per column, its held-out gain over the existing columns' gain (`ratios`); for the first n = 1, 2, … columns
+    together, the share of their in-sample gain that holds out (`agreement`); and the number of columns to take: the
+    largest n whose columns each clear the ratio bar and together clear the agreement bar (0: none)."""
+    # Existing columns that can gain nothing: any column that holds out is worth having (ratio +inf).
+    ratios = (held_out / existing if existing > 0
+              else torch.where(held_out > 0, torch.inf, 0.0).to(held_out))
+    block_held_out, block_in_sample = held_out.cumsum(0), in_sample.cumsum(0)
+    # A block without positive in-sample gain is noise: agreement 0.
+    agreement = torch.where(block_in_sample > 0,
+                            block_held_out / block_in_sample.clamp_min(torch.finfo(held_out.dtype).tiny), 0.0)
+    leading = (ratios >= rule.ratio).cumprod(0).bool()  # a column under the ratio bar ends the block
+    qualifies = (leading & (agreement >= rule.agreement)).nonzero()
+    return ratios, agreement, int(qualifies[-1]) + 1 if len(qualifies) else 0
 
 
 def needs_costs(decision: dict) -> bool:
