@@ -161,19 +161,24 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     checks = [d for d in earlier if len(d["held_out"]) == room] + [
         {"held_out": held_out.tolist(), "in_sample": in_sample.tolist(), "existing": existing,
          "existing_held_out": existing_held_out}]
-    k = len(checks)
-    mean = lambda key: torch.tensor([d[key] for d in checks], dtype=held_out.dtype).mean(0)  # noqa: E731
-    # In-sample gains are signal plus the noise fitted on one window; k pooled windows fit a k-th of that noise.
-    as_one_window = lambda held, seen: held + (seen - held) / k  # noqa: E731
-    pooled_held_out = mean("held_out")
-    pooled_in_sample = as_one_window(pooled_held_out, mean("in_sample"))
-    # The held-out existing gain is a difference of two noisy sums: below zero it says only that the signal is small.
-    pooled_existing = as_one_window(max(float(mean("existing_held_out")), 0.0), float(mean("existing")))
-    ratios, agreement, columns = leading_block(pooled_held_out, pooled_in_sample, pooled_existing, rule)
+    ratios, agreement, columns = leading_block(*as_one_window(checks, held_out.dtype), rule)
     shares = held_out / score if score > 0 else torch.zeros_like(held_out)
-    return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, existing_held_out, k,
-                    ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, columns, shares.tolist(),
+    return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, existing_held_out,
+                    len(checks), ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, columns, shares.tolist(),
                     score, bottleneck_share(full), rule.spare_below)
+
+
+def as_one_window(checks: Sequence[dict], dtype: torch.dtype) -> tuple[Tensor, Tensor, float]:
+    """The held-out and in-sample gains per column and the existing columns' gain of k checks (each with `held_out`,
+    `in_sample`, `existing`, `existing_held_out`) pooled as one window k times larger."""
+    k = len(checks)
+    mean = lambda key: torch.tensor([d[key] for d in checks], dtype=dtype).mean(0)  # noqa: E731
+    # In-sample gains are signal plus the noise fitted on one window; k pooled windows fit a k-th of that noise.
+    fitted_once = lambda held, seen: held + (seen - held) / k  # noqa: E731
+    held_out = mean("held_out")
+    # The held-out existing gain is a difference of two noisy sums: below zero it says only that the signal is small.
+    existing = fitted_once(max(float(mean("existing_held_out")), 0.0), float(mean("existing")))
+    return held_out, fitted_once(held_out, mean("in_sample")), existing
 
 
 def leading_block(held_out: Tensor, in_sample: Tensor, existing: float,
