@@ -24,7 +24,8 @@ def mha_ckpt(tmp_path_factory):
                              warmup_steps=1)
     trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(module, DataLoader(TensorDataset(*batch(0, 24)), batch_size=8))
+    trainer.fit(module, DataLoader(TensorDataset(*batch(0, 24)), batch_size=8),
+                DataLoader(TensorDataset(*batch(1, 8)), batch_size=8))
     path = tmp_path_factory.mktemp("ckpt") / "mha.ckpt"
     trainer.save_checkpoint(path)
     return path, module.eval()
