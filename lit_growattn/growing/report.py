@@ -41,9 +41,9 @@ def grew(event: dict) -> bool:
 def decision_text(decisions: list[dict]) -> str:
     """e.g. `layer 0 +2 of 15 (2 checks: ratios 3.1 0.9 0.2 vs 0.35, agreement 0.9 0.8 0.2 vs 0.35, shares 0.31 0.09
     0.02, bottleneck 0.62)`: per layer the columns taken, the candidates, the checks pooled, the held-out gain of the
-    first few to the existing columns' gain and the agreement of the first 1, 2, … together, each against its bar, their share of this window's
-    held-out score, and the bottleneck's energy share; where the components were measured, the least-used one's cost
-    against its bar (`, least-used component 0.004 vs 0.03: 2 wanted, width to spare`)."""
+    first few to the existing columns' gain and the agreement of the first 1, 2, … together, each against its bar,
+    their share of this window's held-out score, and the bottleneck's energy share; where the components were
+    measured, the least-used one's cost against its bar (`, least-used component 0.004 vs 0.03: 2 wanted, width to spare`)."""
     parts = []
     for d in decisions:
         wanted = d.get("wanted", d["columns"])

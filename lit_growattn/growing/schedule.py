@@ -175,10 +175,10 @@ class AtSteps(_FixedSchedule):
 class AutoSchedule(GrowthSchedule):
     """A check every `check_every` optimizer steps, where each layer grows by its leading columns whose held-out
     gains are each at least `threshold` of what the layer's existing columns can still gain and together at least
-    `agreement` of their in-sample gain (`lit_growattn.growth.capacity`). It ends after `patience` checks in a row grow nothing while the loss falls
-    by less than `min_fall` of itself per check (a near miss while training still moves fast is never final), once
-    every growing layer is at max_d_head, or when the next check would come at or after the run's last step; no
-    statistics are taken after that.
+    `agreement` of their in-sample gain (`lit_growattn.growth.capacity`). It ends after `patience` checks in a row
+    grow nothing while the loss falls by less than `min_fall` of itself per check (a near miss while training still
+    moves fast is never final), once every growing layer is at max_d_head, or when the next check would come at or
+    after the run's last step; no statistics are taken after that.
 
     Args:
         check_every: optimizer steps between checks.
