@@ -164,8 +164,8 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     ratios, agreement, columns = leading_block(*as_one_window(checks, held_out.dtype), rule)
     shares = held_out / score if score > 0 else torch.zeros_like(held_out)
     return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, existing_held_out,
-                    len(checks), ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, columns, shares.tolist(),
-                    score, bottleneck_share(full), rule.spare_below)
+                    len(checks), ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, columns,
+                    shares.tolist(), score, bottleneck_share(full), rule.spare_below)
 
 
 def as_one_window(checks: Sequence[dict], dtype: torch.dtype) -> tuple[Tensor, Tensor, float]:
