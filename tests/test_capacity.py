@@ -130,7 +130,7 @@ def test_a_negative_held_out_existing_gain_does_not_let_every_column_qualify():
 
 @pytest.mark.parametrize("held_out, in_sample, columns", [
     ([1.0, 1.0, 1.0], [3.0, 1.0, 1.0], 3),  # the first column fitted noise (agreement ⅓); the three hold out 0.6
-    ([1.0, 1.0, 1.0], [3.0, 1.0, 5.0], 2),  # a third column of noise pulls the block's agreement under the bar
+    ([1.0, 1.0, 1.0], [3.0, 0.9, 5.0], 2),  # a third column of noise pulls the block's agreement under the bar
     ([1.0, 0.4, 1.0], [1.0, 0.4, 1.0], 1),  # all signal, but the second column gains under half the existing ones
     ([1.0, 1.0, 1.0], [3.0, 3.0, 3.0], 0),  # every block fits twice the noise it holds out
 ])

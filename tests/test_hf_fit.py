@@ -142,7 +142,9 @@ def test_auto_schedule_grows_rotary_gqa_model(tmp_path, spare_below):
     if spare_below is None:
         measured = re.findall(r"least-used component (\S+) vs (\S+?)(: \d+ wanted, width to spare)?\)", out)
         assert measured
-        assert all((float(least) < float(bar)) == bool(spare) for least, bar, spare in measured)
+        # Shown to two significant digits: a share that prints as the bar itself may lie on either side of it.
+        assert all((float(least) < float(bar)) == bool(spare) for least, bar, spare in measured
+                   if float(least) != float(bar))
         return
     assert "least-used component" not in out
     assert min(sizes) >= 8 and sum(sizes) > 16
