@@ -13,6 +13,7 @@ for size, corpora in runs.items():
     print("| corpus | seed | static d_head 16 | auto: found d_head | val loss (vs static 16) | K cache share | "
           "static at the found widths | started at 16 |")
     print("|---|---|---|---|---|---|---|---|")
+    summaries = []  # after the table, which they would otherwise split
     for corpus, seeds in corpora.items():
         widths, relative, auto, static_at_found = [], [], [], []
         for seed, run in seeds.items():
@@ -29,8 +30,9 @@ for size, corpora in runs.items():
             print(f"| {corpus} | {seed} | {static16:.4f} | {grown['d_head']} | {grown['loss']:.4f} "
                   f"({relative[-1]:+.2f} %) | {k_cache:.0f} % | {found:.4f} | {started_at_16} |")
         spread = [max(layer) / min(layer) for layer in zip(*widths)]
-        print(f"\n{corpus}: within 1 % on {sum(r <= 1 for r in relative)} of {len(relative)}, mean "
+        summaries.append(f"{corpus}: within 1 % on {sum(r <= 1 for r in relative)} of {len(relative)}, mean "
               f"{statistics.mean(relative):+.2f} %; auto {statistics.mean(auto):.4f} against static at the found "
               f"widths {statistics.mean(static_at_found):.4f} on the mean, lower on "
               f"{sum(a < s for a, s in zip(auto, static_at_found))}; widest spread {max(spread):.2f}× "
-              f"(layer {spread.index(max(spread))})\n")
+              f"(layer {spread.index(max(spread))})")
+    print("", *summaries, sep="\n")
