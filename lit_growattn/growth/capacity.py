@@ -158,14 +158,19 @@ def decide(layer: int, full: Growths, a: Growths, b: Growths, rule: CapacityRule
     score = (layer_score(a, n_b) + layer_score(b, n_a)) / 2
     existing = (layer_score(a) + layer_score(b)) / 2 - float(every_in_sample.sum())
     existing_held_out = score - float(every_held_out.sum())
-    checks = [d for d in earlier if len(d["held_out"]) == room] + [
-        {"held_out": held_out.tolist(), "in_sample": in_sample.tolist(), "existing": existing,
-         "existing_held_out": existing_held_out}]
+    checks = poolable(earlier, {"held_out": held_out.tolist(), "in_sample": in_sample.tolist(), "existing": existing,
+                                "existing_held_out": existing_held_out})
     ratios, agreement, columns = leading_block(*as_one_window(checks, held_out.dtype), rule)
     shares = held_out / score if score > 0 else torch.zeros_like(held_out)
     return Decision(layer, d_head, room, held_out.tolist(), in_sample.tolist(), existing, existing_held_out,
                     len(checks), ratios.tolist(), agreement.tolist(), rule.ratio, rule.agreement, columns, columns,
                     shares.tolist(), score, bottleneck_share(full), rule.spare_below)
+
+
+def poolable(earlier: Sequence[dict], current: dict) -> list[dict]:
+    """The `earlier` checks that scored as many candidate columns as `current`, then `current`: a check with another
+    room (nearer max_d_head, or under another cap) scored other columns, which cannot be averaged with these."""
+    return [d for d in earlier if len(d["held_out"]) == len(current["held_out"])] + [current]
 
 
 def as_one_window(checks: Sequence[dict], dtype: torch.dtype) -> tuple[Tensor, Tensor, float]:

@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from lit_growattn.growth.capacity import CapacityRule, as_one_window, leading_block, pooled_with  # noqa: E402
+from lit_growattn.growth.capacity import (  # noqa: E402
+    CapacityRule, as_one_window, leading_block, poolable, pooled_with)
 
 RULE = CapacityRule()
 
 
 def wanted(decision: dict, earlier: list[dict]) -> int:
     """The current rule's count from the raw gains of this check and the earlier ones it pools, as `decide` takes it."""
-    checks = [e for e in earlier if len(e["held_out"]) == len(decision["held_out"])] + [decision]
-    return leading_block(*as_one_window(checks, torch.float64), RULE)[2]
+    return leading_block(*as_one_window(poolable(earlier, decision), torch.float64), RULE)[2]
 
 
 for path in sys.argv[1:]:
