@@ -1,0 +1,44 @@
+"""Replays the logged checks of docs/capacity/fresh_seeds (750 steps, seeds 3–5) under the per-column bar of
+per_column.patch (a candidate against what an average existing column can still gain) and prints, per run, the
+first check where each layer would want more columns than the logged rule did, and for how many checks it would
+want any column at all (started at d_head 16: all of them would go to the spare-width gate).
+
+    python docs/capacity/long_training/per_column_replay.py
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from lit_growattn.growth.capacity import (  # noqa: E402
+    CapacityRule, as_one_window, leading_block, poolable, pooled_with)
+
+RULE = CapacityRule()
+
+
+def wanted(decision: dict, earlier: list[dict], per_column: bool) -> int:
+    held_out, in_sample, existing = as_one_window(poolable(earlier, decision), torch.float64)
+    return leading_block(held_out, in_sample, existing / decision["d_head"] if per_column else existing, RULE)[2]
+
+
+runs = json.loads((Path(__file__).parents[1] / "fresh_seeds" / "runs.json").read_text())
+for size, corpora in runs.items():
+    for corpus, seeds in corpora.items():
+        for seed, rows in seeds.items():
+            for row in ("auto from d_head 1", "auto from d_head 16"):
+                if row not in rows:
+                    continue
+                events, first_more, wanting, checks = rows[row]["events"], {}, 0, 0
+                for i, event in enumerate(events):
+                    for d in event.get("decisions", []):
+                        earlier = pooled_with(events[:i], d["layer"], d["d_head"], RULE.pool)
+                        logged, per_column = wanted(d, earlier, False), wanted(d, earlier, True)
+                        assert logged == d["wanted"], "the replay must reproduce the logged rule"
+                        checks, wanting = checks + 1, wanting + (per_column > 0)
+                        if per_column > logged:
+                            first_more.setdefault(d["layer"], (event["step"], d["d_head"], logged, per_column))
+                print(f"{size} {corpus} seed {seed}, {row}: wants columns at {wanting} of {checks} layer checks; "
+                      f"first check wanting more, per layer (step, d_head, logged, per-column): {first_more}")
