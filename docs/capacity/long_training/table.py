@@ -13,9 +13,14 @@ long_runs = json.loads((here / "runs.json").read_text())
 short_runs = json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"]
 
 
-def relative(loss: float, reference: float) -> str:
-    """Per cent above `reference`, signed with a true minus as in the docs."""
-    return f"{100 * (loss / reference - 1):+.2f}".replace("-", "−")
+def above(loss: float, reference: float) -> float:
+    """Per cent above `reference`."""
+    return 100 * (loss / reference - 1)
+
+
+def signed(percent: float) -> str:
+    """With a true minus, as in the docs."""
+    return f"{percent:+.2f}".replace("-", "−")
 
 
 print("| corpus | seed | steps | static 16 | static 17 (vs 16) | auto: found d_head | auto (vs 16) | "
@@ -31,25 +36,25 @@ for corpus, seeds in long_runs.items():
             grown, found = rows["auto from d_head 1"], rows["static at the auto sizes"]["final"]["loss"]
             loss = grown["final"]["loss"]
             grew = [e["step"] for e in grown["events"] if e["d_head"] != e["d_head_before"]]
-            last_check = grown["events"][-1]["step"]  # the schedule's end, where before the last step
+            last_check = grown["events"][-1]["step"]  # before the run's last possible check: the schedule ended
             static17 = rows.get("static d_head 17")
             noise = "—" if static17 is None else (
-                f"{static17['final']['loss']:.4f} ({relative(static17['final']['loss'], static16)} %)")
+                f"{static17['final']['loss']:.4f} ({signed(above(static17['final']['loss'], static16))} %)")
             ample = rows.get("auto from d_head 16")
             started_at_16 = "—" if ample is None else (
                 "no growth" if set(ample["final"]["d_head"]) == {16} else f"grew to {ample['final']['d_head']}")
             print(f"| {corpus} | {seed} | {steps} | {static16:.4f} | {noise} | {grown['final']['d_head']} | "
-                  f"{loss:.4f} ({relative(loss, static16)} %) | {found:.4f} ({relative(found, static16)} %) | "
-                  f"{relative(loss, found)} % | {max(grew, default='—')} / {last_check} | {started_at_16} |")
+                  f"{loss:.4f} ({signed(above(loss, static16))} %) | {found:.4f} ({signed(above(found, static16))} %) | "
+                  f"{signed(above(loss, found))} % | {max(grew, default='—')} / {last_check} | {started_at_16} |")
             if steps == "3000":
-                gaps["auto"].append(100 * (loss / static16 - 1))
-                gaps["width"].append(100 * (found / static16 - 1))
-                gaps["path"].append(100 * (loss / found - 1))
+                gaps["auto"].append(above(loss, static16))
+                gaps["width"].append(above(found, static16))
+                gaps["path"].append(above(loss, found))
                 if static17 is not None:
-                    gaps["noise"].append(100 * (static17["final"]["loss"] / static16 - 1))
-    summaries.append(f"{corpus}, 3000 steps, mean over seeds: auto vs static 16 {statistics.mean(gaps['auto']):+.2f} % "
+                    gaps["noise"].append(above(static17["final"]["loss"], static16))
+    summaries.append(f"{corpus}, 3000 steps, mean over seeds: auto vs static 16 {signed(statistics.mean(gaps['auto']))} % "
                      f"(within 1 % on {sum(g <= 1 for g in gaps['auto'])} of {len(gaps['auto'])}); static at the "
-                     f"found widths vs 16 {statistics.mean(gaps['width']):+.2f} %; auto vs static at its widths "
-                     f"{statistics.mean(gaps['path']):+.2f} %; static 17 vs 16 "
-                     f"{', '.join(f'{g:+.2f}' for g in gaps['noise'])} %")
+                     f"found widths vs 16 {signed(statistics.mean(gaps['width']))} %; auto vs static at its widths "
+                     f"{signed(statistics.mean(gaps['path']))} %; static 17 vs 16 "
+                     f"{', '.join(map(signed, gaps['noise']))} %")
 print("", *summaries, sep="\n")
