@@ -52,9 +52,9 @@ def test_auto_grows_on_fused_recall_then_stops_and_takes_no_more_statistics(tmp_
     assert decision["columns"] == history[0]["d_head"][0] - 1 and decision["candidates"] == 63
     assert decision["pooled"] == 1  # the first check has nothing to pool
     # Each column taken clears the ratio bar, together they clear the agreement bar; no larger block does.
+    assert decision["agreement_bar"] == 0.1  # the bar this test sets on the command line
     leading = list(itertools.accumulate((ratio >= decision["bar"] for ratio in decision["ratios"]), operator.and_))
-    clears = [lead and agreement >= decision["agreement_bar"] == 0.1
-              for lead, agreement in zip(leading, decision["agreement"])]
+    clears = [lead and agreement >= decision["agreement_bar"] for lead, agreement in zip(leading, decision["agreement"])]
     assert clears[decision["columns"] - 1] and not any(clears[decision["columns"]:])
     # Stopped by itself, well before the 40 steps of the run: the last two checks grew nothing.
     assert cb.schedule.finished(history) and cb.schedule.pending(history) is None
