@@ -1,9 +1,10 @@
 """Replays the logged checks of docs/capacity/fresh_seeds (750 steps, seeds 3–5) under the per-column bar of
-per_column.patch (a candidate against what an average existing column can still gain) and prints, per run, the
-first check where each layer would want more columns than the logged rule did, and for how many checks it would
-want any column at all (started at d_head 16: all of them would go to the spare-width gate).
+per_column.patch (a candidate against what an average existing column can still gain: the existing columns' gain
+over d_head) and prints, per run, the first check where each layer would want more columns than the logged rule
+did, and for how many checks it would want any column at all (started at d_head 16: all of them would go to the
+spare-width gate). With a power p, the divisor is d_head ** p instead (0.5: ../sqrt_bar/sqrt_bar.patch).
 
-    python docs/capacity/long_training/per_column_replay.py
+    python docs/capacity/long_training/per_column_replay.py [p]
 """
 
 import json
@@ -17,11 +18,12 @@ from lit_growattn.growth.capacity import (  # noqa: E402
     CapacityRule, as_one_window, leading_block, poolable, pooled_with)
 
 RULE = CapacityRule()
+POWER = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
 
 
-def wanted(decision: dict, earlier: list[dict], per_column: bool) -> int:
+def wanted(decision: dict, earlier: list[dict], power: float) -> int:
     held_out, in_sample, existing = as_one_window(poolable(earlier, decision), torch.float64)
-    return leading_block(held_out, in_sample, existing / decision["d_head"] if per_column else existing, RULE)[2]
+    return leading_block(held_out, in_sample, existing / decision["d_head"] ** power, RULE)[2]
 
 
 runs = json.loads((Path(__file__).parents[1] / "fresh_seeds" / "runs.json").read_text())
@@ -35,10 +37,10 @@ for size, corpora in runs.items():
                 for i, event in enumerate(events):
                     for d in event.get("decisions", []):
                         earlier = pooled_with(events[:i], d["layer"], d["d_head"], RULE.pool)
-                        logged, per_column = wanted(d, earlier, False), wanted(d, earlier, True)
+                        logged, replayed = wanted(d, earlier, 0.0), wanted(d, earlier, POWER)
                         assert logged == d["wanted"], "the replay must reproduce the logged rule"
-                        checks, wanting = checks + 1, wanting + (per_column > 0)
-                        if per_column > logged:
-                            first_more.setdefault(d["layer"], (event["step"], d["d_head"], logged, per_column))
+                        checks, wanting = checks + 1, wanting + (replayed > 0)
+                        if replayed > logged:
+                            first_more.setdefault(d["layer"], (event["step"], d["d_head"], logged, replayed))
                 print(f"{size} {corpus} seed {seed}, {row}: wants columns at {wanting} of {checks} layer checks; "
-                      f"first check wanting more, per layer (step, d_head, logged, per-column): {first_more}")
+                      f"first check wanting more, per layer (step, d_head, logged, replayed): {first_more}")

@@ -1,0 +1,50 @@
+"""Prints the table of docs/experiments_capacity.md, "What half the K cache costs a static model": static d_head 8
+(runs.json) against static d_head 16 of the same seed and length, beside the automatic schedule under the current
+rule (750 steps: ../fresh_seeds/runs.json; 3000 steps: ../long_training/runs.json) and under the √d_head bar
+(../sqrt_bar/runs.json).
+
+    python docs/capacity/half_k_cache/table.py
+"""
+
+import json
+import statistics
+from pathlib import Path
+
+here = Path(__file__).parent
+static8 = json.loads((here / "runs.json").read_text())
+current_runs = {"750": json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"],
+                "3000": json.loads((here.parent / "long_training" / "runs.json").read_text())}
+sqrt_runs = json.loads((here.parent / "sqrt_bar" / "runs.json").read_text())
+
+
+def above(loss: float, reference: float) -> float:
+    """Per cent above `reference`."""
+    return 100 * (loss / reference - 1)
+
+
+def signed(percent: float) -> str:
+    """With a true minus, as in the docs."""
+    return f"{percent:+.2f}".replace("-", "−")
+
+
+def final(run: dict) -> float:
+    return run["final"]["loss"]
+
+
+print("| corpus | steps | seed | static 16 | static 8 (vs 16) | auto, current rule (vs 16) | auto, √d_head bar (vs 16) |")
+print("|---|---|---|---|---|---|---|")
+summaries = []
+for steps, corpora in static8.items():
+    for corpus, seeds in corpora.items():
+        gaps = []
+        for seed, run in seeds.items():
+            reference = final(current_runs[steps][corpus][seed]["static d_head 16"])
+            current = current_runs[steps][corpus][seed]["auto from d_head 1"]
+            sqrt = sqrt_runs[steps][corpus][seed]["auto from d_head 1"]
+            gaps.append(above(final(run), reference))
+            print(f"| {corpus} | {steps} | {seed} | {reference:.4f} | {final(run):.4f} ({signed(gaps[-1])} %) | "
+                  f"{current['final']['d_head']}, {signed(above(final(current), reference))} % | "
+                  f"{sqrt['final']['d_head']}, {signed(above(final(sqrt), reference))} % |")
+        summaries.append(f"{corpus}, {steps} steps: static 8 vs static 16 on the mean {signed(statistics.mean(gaps))} %, "
+                         f"within 1 % on {sum(g <= 1 for g in gaps)} of {len(gaps)}")
+print("", *summaries, sep="\n")
