@@ -7,7 +7,8 @@ matches full attention? Six rows on the text task, equal total steps (the growth
 
 The fourth and fifth rows take the sizes of the auto run of the same seed, so they run after it in one invocation.
 `--only "static d_head N"` runs a static model at any other width too (e.g. 15 and 17: how far a one-column change
-moves the loss on a seed, the noise the per-seed comparison with static 16 stands in).
+moves the loss on a seed, the noise the per-seed comparison with static 16 stands in), and `"static d_head [6, 10]"`
+one width per layer.
 Corpora other than Tiny Shakespeare: `python scripts/corpora.py DIR` (Python stdlib sources, /usr/share/doc).
 Writes docs/experiments_capacity.{md,json} and its plots: d_head per layer against steps, loss against K-cache size.
 """
@@ -34,7 +35,8 @@ FINE_TUNE_WARMUP = 25  # the fine-tune is a new run: a short warmup of its own i
 BYTES_PER_VALUE = 4  # float32 K cache
 AUTO, AMPLE = "auto from d_head 1", "auto from d_head 16"
 ROWS = ["static d_head 16", "static d_head 2", AUTO, "static at the auto sizes", "static 16, shrunk, fine-tuned", AMPLE]
-STATIC = re.compile(r"static d_head [1-9][0-9]*")  # any other static width, run after the rows above
+# Any other static width, one for every layer or one per layer ("static d_head [6, 10]"), run after the rows above.
+STATIC = re.compile(r"static d_head ([1-9][0-9]*|\[[1-9][0-9]*(, [1-9][0-9]*)*\])")
 
 
 def k_cache_bytes(n_head: int, d_head: list[int]) -> int:
@@ -74,7 +76,7 @@ def shrink_then_fine_tune(common: list[str], d_head: list[int], steps: int, work
 def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[str], work: Path, logs: str):
     rows = only or ROWS
     if unknown := {r for r in rows if r not in ROWS and not STATIC.fullmatch(r)}:
-        raise ValueError(f"unknown capacity rows {sorted(unknown)}; known: {ROWS}, or 'static d_head N' for any N")
+        raise ValueError(f"unknown capacity rows {sorted(unknown)}; known: {ROWS}, or 'static d_head N' / 'static d_head [N, M, …]' (per layer)")
     if AUTO not in rows and set(rows) & set(ROWS[3:5]):
         raise ValueError(f"rows {ROWS[3:5]} take the sizes the auto run found: run {AUTO!r} in the same invocation")
     common = [f"--data.init_args.path={text}", *SETTING, *extra]
@@ -94,7 +96,7 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
                 # Shrinking cannot widen: a layer that auto grew past 16 keeps 16 (the table shows the sizes).
                 result = shrink_then_fine_tune(seeded, [min(d, 16) for d in found], steps, work, logs)
             else:
-                result = run(AUTO_CONFIG, [*seeded, f"--model.init_args.d_head={name.split()[-1]}"], logs, grow=False)
+                result = run(AUTO_CONFIG, [*seeded, f"--model.init_args.d_head={name.removeprefix('static d_head ')}"], logs, grow=False)
             result |= {"seed": seed, "task": "text",
                        "kcache_bytes": k_cache_bytes(result["n_head"], result["final"]["d_head"])}
             results.setdefault(name, []).append(result)

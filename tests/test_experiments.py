@@ -97,10 +97,12 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
             "--override=--trainer.callbacks.init_args.schedule.init_args.agreement=0.01",
             "--override=--trainer.callbacks.init_args.growth.max_columns=1"]
     experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
-                      "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned", "static d_head 3"])
+                      "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned", "static d_head 3",
+                      "static d_head [3, 2]"])
     results = json.loads((out / "experiments_capacity.json").read_text())
     (auto,), (shrunk,) = results["auto from d_head 1"], results["static 16, shrunk, fine-tuned"]
     assert results["static d_head 3"][0]["final"]["d_head"] == [3, 3] and not results["static d_head 3"][0]["events"]
+    assert results["static d_head [3, 2]"][0]["final"]["d_head"] == [3, 2]
     found = auto["final"]["d_head"]
     assert auto["events"][0]["d_head_before"] == [1, 1] and max(found) > 1
     assert shrunk["final"]["d_head"] == found and shrunk["events"][0]["d_head_before"] == [16, 16]
