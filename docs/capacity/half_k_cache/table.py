@@ -1,30 +1,24 @@
 """Prints the table of docs/experiments_capacity.md, "What half the K cache costs a static model": static d_head 8
-and, on usrdoc, the unequal widths [6, 10] and [10, 6] (runs.json) against static d_head 16 of the same seed and length, beside the automatic schedule under the current
-rule (750 steps: ../fresh_seeds/runs.json; 3000 steps: ../long_training/runs.json) and under the √d_head bar
-(../sqrt_bar/runs.json).
+and, on usrdoc, the unequal widths [6, 10] and [10, 6] (runs.json) against static d_head 16 of the same seed and
+length, beside the automatic schedule under the current rule (750 steps: ../fresh_seeds/runs.json; 3000 steps:
+../long_training/runs.json) and under the √d_head bar (../sqrt_bar/runs.json).
 
     python docs/capacity/half_k_cache/table.py
 """
 
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from percent import above, signed  # noqa: E402
 
 here = Path(__file__).parent
 static8 = json.loads((here / "runs.json").read_text())
 current_runs = {"750": json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"],
                 "3000": json.loads((here.parent / "long_training" / "runs.json").read_text())}
 sqrt_runs = json.loads((here.parent / "sqrt_bar" / "runs.json").read_text())
-
-
-def above(loss: float, reference: float) -> float:
-    """Per cent above `reference`."""
-    return 100 * (loss / reference - 1)
-
-
-def signed(percent: float) -> str:
-    """With a true minus, as in the docs."""
-    return f"{percent:+.2f}".replace("-", "−")
 
 
 def final(run: dict) -> float:

@@ -6,21 +6,15 @@
 
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from percent import above, signed  # noqa: E402
 
 here = Path(__file__).parent
 long_runs = json.loads((here / "runs.json").read_text())
 short_runs = json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"]
-
-
-def above(loss: float, reference: float) -> float:
-    """Per cent above `reference`."""
-    return 100 * (loss / reference - 1)
-
-
-def signed(percent: float) -> str:
-    """With a true minus, as in the docs."""
-    return f"{percent:+.2f}".replace("-", "−")
 
 
 print("| corpus | seed | steps | static 16 | static 17 (vs 16) | auto: found d_head | auto (vs 16) | "

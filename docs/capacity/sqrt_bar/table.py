@@ -7,22 +7,16 @@ runs.json, beside the current rule's runs of the same seeds (750 steps: ../fresh
 
 import json
 import statistics
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from percent import above, signed  # noqa: E402
 
 here = Path(__file__).parent
 sqrt_runs = json.loads((here / "runs.json").read_text())
 current_runs = {"750": json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"],
                 "3000": json.loads((here.parent / "long_training" / "runs.json").read_text())}
-
-
-def above(loss: float, reference: float) -> float:
-    """Per cent above `reference`."""
-    return 100 * (loss / reference - 1)
-
-
-def signed(percent: float) -> str:
-    """With a true minus, as in the docs."""
-    return f"{percent:+.2f}".replace("-", "−")
 
 
 print("| corpus | steps | seed | current rule: found, vs static 16 | √d bar: found | √d bar vs static 16 | "
