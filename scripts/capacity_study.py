@@ -76,7 +76,8 @@ def shrink_then_fine_tune(common: list[str], d_head: list[int], steps: int, work
 def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[str], work: Path, logs: str):
     rows = only or ROWS
     if unknown := {r for r in rows if r not in ROWS and not STATIC.fullmatch(r)}:
-        raise ValueError(f"unknown capacity rows {sorted(unknown)}; known: {ROWS}, or 'static d_head N' / 'static d_head [N, M, …]' (per layer)")
+        raise ValueError(f"unknown capacity rows {sorted(unknown)}; known: {ROWS}, or 'static d_head N' for any N "
+                         f"('static d_head [N, M, …]': one per layer)")
     if AUTO not in rows and set(rows) & set(ROWS[3:5]):
         raise ValueError(f"rows {ROWS[3:5]} take the sizes the auto run found: run {AUTO!r} in the same invocation")
     common = [f"--data.init_args.path={text}", *SETTING, *extra]
@@ -96,7 +97,8 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
                 # Shrinking cannot widen: a layer that auto grew past 16 keeps 16 (the table shows the sizes).
                 result = shrink_then_fine_tune(seeded, [min(d, 16) for d in found], steps, work, logs)
             else:
-                result = run(AUTO_CONFIG, [*seeded, f"--model.init_args.d_head={name.removeprefix('static d_head ')}"], logs, grow=False)
+                widths = name.removeprefix("static d_head ")
+                result = run(AUTO_CONFIG, [*seeded, f"--model.init_args.d_head={widths}"], logs, grow=False)
             result |= {"seed": seed, "task": "text",
                        "kcache_bytes": k_cache_bytes(result["n_head"], result["final"]["d_head"])}
             results.setdefault(name, []).append(result)
