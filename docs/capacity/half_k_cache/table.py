@@ -12,12 +12,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from percent import above, signed  # noqa: E402
+from tables import above, current_rule_runs, signed  # noqa: E402
 
 here = Path(__file__).parent
 static8 = json.loads((here / "runs.json").read_text())
-current_runs = {"750": json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"],
-                "3000": json.loads((here.parent / "long_training" / "runs.json").read_text())}
+current_runs = current_rule_runs()
 sqrt_runs = json.loads((here.parent / "sqrt_bar" / "runs.json").read_text())
 
 

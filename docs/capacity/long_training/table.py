@@ -4,17 +4,15 @@
     python docs/capacity/long_training/table.py
 """
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from percent import above, signed  # noqa: E402
+from tables import above, current_rule_runs, signed  # noqa: E402
 
-here = Path(__file__).parent
-long_runs = json.loads((here / "runs.json").read_text())
-short_runs = json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"]
+runs = current_rule_runs()
+long_runs, short_runs = runs["3000"], runs["750"]
 
 
 print("| corpus | seed | steps | static 16 | static 17 (vs 16) | auto: found d_head | auto (vs 16) | "

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from percent import above, signed  # noqa: E402
+from tables import above, current_rule_runs, signed  # noqa: E402
 
 here = Path(__file__).parent
 sqrt_runs = json.loads((here / "runs.json").read_text())
-current_runs = {"750": json.loads((here.parent / "fresh_seeds" / "runs.json").read_text())["2layer"],
-                "3000": json.loads((here.parent / "long_training" / "runs.json").read_text())}
+current_runs = current_rule_runs()
 
 
 print("| corpus | steps | seed | current rule: found, vs static 16 | √d bar: found | √d bar vs static 16 | "
@@ -51,7 +50,8 @@ for steps, corpora in sqrt_runs.items():
             f"{corpus}, {steps} steps: √d bar vs static 16 on the mean {signed(statistics.mean(gaps['auto']))} % "
             f"(within 1 % on {sum(g <= 1 for g in gaps['auto'])} of {len(gaps['auto'])}); K cache over half on "
             f"{sum(k > 0.5 for k in k_caches)}; both within 1 % and at most half on "
-            f"{sum(g <= 1 and k <= 0.5 for g, k in zip(gaps['auto'], k_caches))}; spread per layer {', '.join(f'{s:.2f}×' for s in spreads)}; static at "
+            f"{sum(g <= 1 and k <= 0.5 for g, k in zip(gaps['auto'], k_caches))}; spread per layer "
+            f"{', '.join(f'{s:.2f}×' for s in spreads)}; static at "
             f"its widths vs 16 {signed(statistics.mean(gaps['width']))} %; √d bar vs static at its widths "
             f"{signed(statistics.mean(gaps['path']))} %")
 print("", *summaries, sep="\n")
