@@ -34,9 +34,13 @@ def loss(run: dict | float) -> float:
     return run if isinstance(run, float) else run["final"]["loss"]
 
 
+block_agreement = load("block_agreement/runs.json")
+gates = {size: load(f"spare_width/gate_{size}.json") for size in ("2layer", "8layer")}
+
+
 def seeds_0_to_2(size: str, corpus: str) -> dict[str, dict]:
     """seed → {"static d_head 16", "auto from d_head 1", "static at the auto sizes"} for seeds 0–2."""
-    block, gate = load("block_agreement/runs.json")[size], load(f"spare_width/gate_{size}.json")
+    block, gate = block_agreement[size], gates[size]
     if size == "8layer":
         static16 = by_seed(load(f"deep_lr1e-3_{corpus}/experiments_capacity.json")["static d_head 16"])
         static_at_found = by_seed(gate["static"][corpus])
@@ -53,9 +57,8 @@ def seeds_0_to_2(size: str, corpus: str) -> dict[str, dict]:
 
 
 fresh = load("fresh_seeds/runs.json")
-six_seeds = load("half_k_cache/runs_six_seeds.json")
-static8 = {"2layer": {corpus: six_seeds["2layer"][corpus] | load("half_k_cache/runs.json")["750"][corpus]
-                      for corpus in CORPORA},
+six_seeds, seeds_3_to_5 = load("half_k_cache/runs_six_seeds.json"), load("half_k_cache/runs.json")["750"]
+static8 = {"2layer": {corpus: six_seeds["2layer"][corpus] | seeds_3_to_5[corpus] for corpus in CORPORA},
            "8layer": six_seeds["8layer"]}
 
 for size in ("2layer", "8layer"):
