@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from jsonargparse import Namespace, _typehints
 
 from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.legacy import refuse_flat_config
@@ -22,6 +25,26 @@ TRAINER_DEFAULTS = {
         "init_args": {"save_dir": "logs", "name": "lit_growattn"},
     },
 }
+
+
+def _pass_nested_values_as_json(adapt_class_type):
+    """jsonargparse (up to 4.53 at least) hands a dotted override inside a class's arguments, such as
+    `--trainer.callbacks.init_args.growth.columns=null`, on to that class's own parser as the text
+    f"--growth.columns={value}". Scalars are still the text the user typed, but null, lists and mappings have been
+    parsed by then, and their str() is Python's: null arrives as "None", which no type accepts, and [null] as
+    ["None"]. Their JSON is what the user meant, and valid YAML."""
+
+    @functools.wraps(adapt_class_type)
+    def adapt(value, *args, **kwargs):
+        nested = value.get("init_args") if isinstance(value, (dict, Namespace)) else None
+        if isinstance(nested, _typehints.NestedArg) and not isinstance(nested.val, str):
+            value["init_args"] = _typehints.NestedArg(nested.key, json.dumps(nested.val))
+        return adapt_class_type(value, *args, **kwargs)
+
+    return adapt
+
+
+_typehints.adapt_class_type = _pass_nested_values_as_json(_typehints.adapt_class_type)
 
 
 class GrowAttentionCLI(LightningCLI):
