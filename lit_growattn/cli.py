@@ -6,15 +6,18 @@ import functools
 import importlib
 import json
 import os
+import re
 import shutil
 import sys
 import warnings
+from enum import Enum
 from pathlib import Path
 
 import lightning as L
+import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
-from jsonargparse import Namespace, _typehints
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from jsonargparse import Namespace, _typehints, set_dumper
 
 from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.legacy import refuse_flat_config
@@ -45,6 +48,33 @@ def _pass_nested_values_as_json(adapt_class_type):
 
 
 _typehints.adapt_class_type = _pass_nested_values_as_json(_typehints.adapt_class_type)
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """yaml's safe dumper that also writes an enum whose values are strings as that string: Lightning's `Timer`
+    defaults its `str` argument `interval` to one (`Interval.step`), and saving the run's config would fail on it."""
+
+
+_ConfigDumper.add_multi_representer(
+    Enum, lambda dumper, data: dumper.represent_str(data.value) if isinstance(data, str) else dumper.represent_undefined(data))
+set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_flow_style=False, allow_unicode=True,
+                                          sort_keys=False))  # jsonargparse's own yaml settings
+
+# jsonargparse's report of an option of one callback that went to another: `--trainer.callbacks.init_args.…` always
+# goes to the callback listed last at that point of the command line.
+_OPTION_OF_ANOTHER_CALLBACK = re.compile(
+    r'Parser key "trainer\.callbacks".*?Problem with given class_path \'([\w.]+)\':\s*unrecognized arguments: --(\S+?)(=|\s|$)',
+    re.DOTALL)
+
+
+class GrowAttentionParser(LightningArgumentParser):
+    def error(self, message: str, ex: Exception | None = None):
+        if match := _OPTION_OF_ANOTHER_CALLBACK.search(message):
+            callback, option = match[1].rsplit(".", 1)[-1], match[2]
+            message = (f"--trainer.callbacks.init_args.{option} went to {callback}, the callback listed last at that "
+                       f"point, which has no such argument: give a callback's options before any --trainer.callbacks+=… "
+                       f"that adds another (in a config, list the callback you set from the command line last)")
+        super().error(message, ex)
 
 
 class GrowAttentionCLI(LightningCLI):
@@ -153,6 +183,7 @@ def main(args: list[str] | None = None, run: bool = True) -> GrowAttentionCLI:
         L.LightningModule,  # lit_growattn.GrowAttentionLM, lit_growattn.hf.HFCausalLM, or a module of your own
         subclass_mode_model=True,
         subclass_mode_data=True,
+        parser_class=GrowAttentionParser,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
         args=args,
