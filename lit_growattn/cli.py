@@ -22,10 +22,13 @@ from jsonargparse import Namespace, _typehints, set_dumper
 from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.legacy import refuse_flat_config
 
+# Every run writes into a folder of its own, logs/lit_growattn/version_N: TensorBoard's, or with the logger off
+# the trainer's root folder (`_instantiate_trainer`).
+LOG_DIR, RUN_NAME = "logs", "lit_growattn"
 TRAINER_DEFAULTS = {
     "logger": {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": "logs", "name": "lit_growattn"},
+        "init_args": {"save_dir": LOG_DIR, "name": RUN_NAME},
     },
 }
 
@@ -121,6 +124,10 @@ class GrowAttentionCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def _instantiate_trainer(self, config: dict, callbacks: list[Callback]):
+        # Without a logger Lightning writes the config and checkpoints/ into the working directory, and a second run
+        # writes last-v1.ckpt beside the first: give such a run the folder the logger would have had.
+        if config.get("logger") is False and config.get("default_root_dir") is None:
+            config = {**config, "default_root_dir": str(next_version(Path(LOG_DIR) / RUN_NAME))}
         # The default `ModelCheckpoint(save_last=True)` only when the user configured none: Lightning refuses two
         # stateful callbacks of one type, and a user who configures checkpointing wants exactly theirs.
         configured = config.get("callbacks") or []
@@ -131,21 +138,31 @@ class GrowAttentionCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        run_dirs = self._run_dirs()
+        new_dirs = {d for run_dir in run_dirs for d in (run_dir, *run_dir.parents) if not d.exists()}
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
-            self._remove_logs_of_failed_start()
+            self._remove_logs_of_failed_start(run_dirs, new_dirs)
             raise
 
-    def _remove_logs_of_failed_start(self) -> None:
-        """A run that fails before logging anything leaves no `version_N` folder behind (only its own files go)."""
+    def _run_dirs(self) -> list[Path]:
+        """The folders this run writes into: each logger's, or without one the trainer's root folder."""
+        trainer = self.trainer
+        return [Path(d) for d in [logger.log_dir for logger in trainer.loggers] or [trainer.default_root_dir] if d]
+
+    def _remove_logs_of_failed_start(self, run_dirs: list[Path], new_dirs: set[Path]) -> None:
+        """A run that fails before logging anything leaves none of the folders it created behind: its run folder
+        (when it holds only what this start wrote) and the empty folders above it."""
         trainer = self.trainer
         if trainer.callback_metrics or not trainer.is_global_zero:
             return
-        for logger in trainer.loggers:
-            log_dir = Path(logger.log_dir) if logger.log_dir else None
-            if log_dir is not None and log_dir.is_dir() and _written_by_this_start(log_dir):
-                shutil.rmtree(log_dir, ignore_errors=True)
+        for run_dir in run_dirs:
+            if run_dir in new_dirs and run_dir.is_dir() and _written_by_this_start(run_dir):
+                shutil.rmtree(run_dir, ignore_errors=True)
+        for folder in sorted(new_dirs, key=lambda d: len(d.parts), reverse=True):  # the deepest first
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 # Set from the data (linked) or recorded by growth (a grown checkpoint's per-layer d_head): not the user's choice.
@@ -165,9 +182,14 @@ def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
                       "new run (or use init_from for the weights) to change them", stacklevel=2)
 
 
+def next_version(folder: Path) -> Path:
+    """folder/version_N with N one past the largest there, as TensorBoard's logger numbers its runs."""
+    versions = [int(p.name[len("version_"):]) for p in folder.glob("version_*") if p.name[len("version_"):].isdigit()]
+    return folder / f"version_{max(versions, default=-1) + 1}"
+
+
 def _written_by_this_start(log_dir: Path) -> bool:
-    """Whether log_dir holds only the config files and this process's (empty) event files: nothing from an earlier
-    run that used the same folder, and no checkpoint."""
+    """Whether log_dir holds only the config files and this process's (empty) event files: no checkpoint."""
     pid = str(os.getpid())
     for path in log_dir.rglob("*"):
         name = path.name
