@@ -96,8 +96,7 @@ class GrowableAttention(FormShape, nn.Module):
             raise ValueError(f"rotary_dim is refused for {self.config.model_type} models ({why}): leave it out. It "
                              "applies to llama, mistral and qwen2")
         if rotary <= 0 or rotary % 2 or self.rotary % rotary:
-            raise ValueError(f"rotary_dim={rotary} must be even and divide the model's {self.rotary} rotary columns "
-                             "(its head_dim)")
+            raise ValueError(f"rotary_dim={rotary} must be even and divide the {self.rotary} rotary columns of a head")
         keep = rotary_columns(self.rotary, rotary).to(self.w_q.device)
         w_q, w_k = (torch.cat([w[..., keep], w[..., self.rotary:]], -1) for w in (self.w_q, self.w_k))
         self.rotary = rotary
