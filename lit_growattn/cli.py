@@ -184,7 +184,8 @@ def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
 
 def next_version(folder: Path) -> Path:
     """folder/version_N with N one past the largest there, as TensorBoard's logger numbers its runs."""
-    versions = [int(p.name[len("version_"):]) for p in folder.glob("version_*") if p.name[len("version_"):].isdigit()]
+    versions = [int(p.name[len("version_"):]) for p in folder.glob("version_*")
+                if p.is_dir() and p.name[len("version_"):].isdigit()]
     return folder / f"version_{max(versions, default=-1) + 1}"
 
 
