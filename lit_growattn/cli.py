@@ -2,26 +2,82 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import os
+import re
 import shutil
 import sys
 import warnings
+from enum import Enum
 from pathlib import Path
 
 import lightning as L
+import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from jsonargparse import Namespace, _typehints, set_dumper
 
 from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.legacy import refuse_flat_config
 
+# Every run writes into a folder of its own, logs/lit_growattn/version_N: TensorBoard's, or with the logger off
+# the trainer's root folder (`_instantiate_trainer`).
+LOG_DIR, RUN_NAME = "logs", "lit_growattn"
 TRAINER_DEFAULTS = {
     "logger": {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-        "init_args": {"save_dir": "logs", "name": "lit_growattn"},
+        "init_args": {"save_dir": LOG_DIR, "name": RUN_NAME},
     },
 }
+
+
+def _pass_nested_values_as_json(adapt_class_type):
+    """jsonargparse (up to 4.53 at least) hands a dotted override inside a class's arguments, such as
+    `--trainer.callbacks.init_args.growth.columns=null`, on to that class's own parser as the text
+    f"--growth.columns={value}". Scalars are still the text the user typed, but null, lists and mappings have been
+    parsed by then, and their str() is Python's: null arrives as "None", which no type accepts, and [null] as
+    ["None"]. Their JSON is what the user meant, and valid YAML."""
+
+    @functools.wraps(adapt_class_type)
+    def adapt(value, *args, **kwargs):
+        nested = value.get("init_args") if isinstance(value, (dict, Namespace)) else None
+        if isinstance(nested, _typehints.NestedArg) and not isinstance(nested.val, str):
+            value["init_args"] = _typehints.NestedArg(nested.key, json.dumps(nested.val))
+        return adapt_class_type(value, *args, **kwargs)
+
+    return adapt
+
+
+_typehints.adapt_class_type = _pass_nested_values_as_json(_typehints.adapt_class_type)
+
+
+class _ConfigDumper(yaml.SafeDumper):
+    """yaml's safe dumper that also writes an enum whose values are strings as that string: Lightning's `Timer`
+    defaults its `str` argument `interval` to one (`Interval.step`), and saving the run's config would fail on it."""
+
+
+_ConfigDumper.add_multi_representer(
+    Enum, lambda dumper, data: dumper.represent_str(data.value) if isinstance(data, str) else dumper.represent_undefined(data))
+set_dumper("yaml", lambda data: yaml.dump(data, Dumper=_ConfigDumper, default_flow_style=False, allow_unicode=True,
+                                          sort_keys=False))  # jsonargparse's own yaml settings
+
+# jsonargparse's report of an option of one callback that went to another: `--trainer.callbacks.init_args.…` always
+# goes to the callback listed last at that point of the command line.
+_OPTION_OF_ANOTHER_CALLBACK = re.compile(
+    r'Parser key "trainer\.callbacks".*?Problem with given class_path \'([\w.]+)\':\s*unrecognized arguments: --(\S+?)(=|\s|$)',
+    re.DOTALL)
+
+
+class GrowAttentionParser(LightningArgumentParser):
+    def error(self, message: str, ex: Exception | None = None):
+        if match := _OPTION_OF_ANOTHER_CALLBACK.search(message):
+            callback, option = match[1].rsplit(".", 1)[-1], match[2]
+            message = (f"--trainer.callbacks.init_args.{option} went to {callback}, the callback listed last at that "
+                       f"point, which has no such argument: give a callback's options before any --trainer.callbacks+=… "
+                       f"that adds another (in a config, list the callback you set from the command line last)")
+        super().error(message, ex)
 
 
 class GrowAttentionCLI(LightningCLI):
@@ -68,6 +124,10 @@ class GrowAttentionCLI(LightningCLI):
         super()._parse_ckpt_path()
 
     def _instantiate_trainer(self, config: dict, callbacks: list[Callback]):
+        # Without a logger Lightning writes the config and checkpoints/ into the working directory, and a second run
+        # writes last-v1.ckpt beside the first: give such a run the folder the logger would have had.
+        if config.get("logger") is False and config.get("default_root_dir") is None:
+            config = {**config, "default_root_dir": str(next_version(Path(LOG_DIR) / RUN_NAME))}
         # The default `ModelCheckpoint(save_last=True)` only when the user configured none: Lightning refuses two
         # stateful callbacks of one type, and a user who configures checkpointing wants exactly theirs.
         configured = config.get("callbacks") or []
@@ -78,21 +138,31 @@ class GrowAttentionCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        run_dirs = self._run_dirs()
+        new_dirs = {d for run_dir in run_dirs for d in (run_dir, *run_dir.parents) if not d.exists()}
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
-            self._remove_logs_of_failed_start()
+            self._remove_logs_of_failed_start(run_dirs, new_dirs)
             raise
 
-    def _remove_logs_of_failed_start(self) -> None:
-        """A run that fails before logging anything leaves no `version_N` folder behind (only its own files go)."""
+    def _run_dirs(self) -> list[Path]:
+        """The folders this run writes into: each logger's, or without one the trainer's root folder."""
+        trainer = self.trainer
+        return [Path(d) for d in [logger.log_dir for logger in trainer.loggers] or [trainer.default_root_dir] if d]
+
+    def _remove_logs_of_failed_start(self, run_dirs: list[Path], new_dirs: set[Path]) -> None:
+        """A run that fails before logging anything leaves none of the folders it created behind: its run folder
+        (when it holds only what this start wrote) and the empty folders above it."""
         trainer = self.trainer
         if trainer.callback_metrics or not trainer.is_global_zero:
             return
-        for logger in trainer.loggers:
-            log_dir = Path(logger.log_dir) if logger.log_dir else None
-            if log_dir is not None and log_dir.is_dir() and _written_by_this_start(log_dir):
-                shutil.rmtree(log_dir, ignore_errors=True)
+        for run_dir in run_dirs:
+            if run_dir in new_dirs and run_dir.is_dir() and _written_by_this_start(run_dir):
+                shutil.rmtree(run_dir, ignore_errors=True)
+        for folder in sorted(new_dirs, key=lambda d: len(d.parts), reverse=True):  # the deepest first
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 # Set from the data (linked) or recorded by growth (a grown checkpoint's per-layer d_head): not the user's choice.
@@ -112,9 +182,15 @@ def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
                       "new run (or use init_from for the weights) to change them", stacklevel=2)
 
 
+def next_version(folder: Path) -> Path:
+    """folder/version_N with N one past the largest there, as TensorBoard's logger numbers its runs."""
+    versions = [int(p.name[len("version_"):]) for p in folder.glob("version_*")
+                if p.is_dir() and p.name[len("version_"):].isdigit()]
+    return folder / f"version_{max(versions, default=-1) + 1}"
+
+
 def _written_by_this_start(log_dir: Path) -> bool:
-    """Whether log_dir holds only the config files and this process's (empty) event files: nothing from an earlier
-    run that used the same folder, and no checkpoint."""
+    """Whether log_dir holds only the config files and this process's (empty) event files: no checkpoint."""
     pid = str(os.getpid())
     for path in log_dir.rglob("*"):
         name = path.name
@@ -130,6 +206,7 @@ def main(args: list[str] | None = None, run: bool = True) -> GrowAttentionCLI:
         L.LightningModule,  # lit_growattn.GrowAttentionLM, lit_growattn.hf.HFCausalLM, or a module of your own
         subclass_mode_model=True,
         subclass_mode_data=True,
+        parser_class=GrowAttentionParser,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
         args=args,

@@ -26,6 +26,18 @@ def test_llama_1b_estimate_and_the_fix_it_names():
     assert "1.66 GB" in check_statistics_memory(forms, list(range(16)), 3, "natural", 2.0)
 
 
+@pytest.mark.parametrize("method, limit_gb, fix", [
+    ("pinv", 0.9, r"one layer alone needs 1.09 GB with pinv's second sum: use method natural or gradient \(0.554 GB"),
+    ("pinv", 0.3, r"one layer alone needs 1.09 GB: raise statistics.max_memory_gb above that$"),
+    ("natural", 0.3, r"one layer alone needs 0.554 GB: raise statistics.max_memory_gb above that$"),
+])
+def test_a_window_one_layer_of_which_does_not_fit_names_only_a_fix_that_helps(method, limit_gb, fix):
+    # Llama-3.2-1B's layers (32 heads, e = 2048): 0.554 GB each, twice that with pinv.
+    forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(4)]
+    with pytest.raises(ValueError, match=fix):
+        check_statistics_memory(forms, list(range(4)), None, method, limit_gb)
+
+
 def test_layers_of_event_take_turns():
     assert [layers_of_event([0, 1, 2], 2, n) for n in range(3)] == [[0, 1], [2, 0], [1, 2]]
     assert layers_of_event([0, 1, 2], None, 5) == [0, 1, 2]

@@ -44,8 +44,19 @@ def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event
     line = (f"growth statistics: {size} per rank ({k} of {len(layers)} layers per window × {h} heads × "
             f"e′² = {e_in}² × {BYTES} B{', twice for pinv' if method == 'pinv' else ''})")
     if limit_gb is not None and worst > limit_gb * 1e9:
-        fits = math.floor(limit_gb * 1e9 / max(per_layer.values()))
-        fix = (f"set statistics.layers_per_event: {fits} (each event then grows {fits} layers in turn, each from its own window)"
-               if fits >= 1 else "one layer alone does not fit: raise statistics.max_memory_gb or use method gradient/natural")
-        raise ValueError(f"{line} exceed statistics.max_memory_gb={limit_gb}: {fix}")
+        raise ValueError(f"{line} exceed statistics.max_memory_gb={limit_gb}: "
+                         f"{_memory_fix(forms, per_layer, method, limit_gb * 1e9)}")
     return line
+
+
+def _memory_fix(forms: list[NamedForm], per_layer: dict[int, int], method: str, limit: float) -> str:
+    """What brings a window under `limit` bytes: fewer layers per window, else a method without pinv's second sum,
+    else a larger limit (only what would help, and nothing already in use)."""
+    largest = max(per_layer.values())
+    if (fits := math.floor(limit / largest)) >= 1:
+        return f"set statistics.layers_per_event: {fits} (each event then grows {fits} layers in turn, each from its own window)"
+    without_pinv = max(sum(form_bytes(f.form, "natural") for f in forms if f.layer == i) for i in per_layer)
+    if method == "pinv" and without_pinv <= limit:
+        return (f"one layer alone needs {largest / 1e9:.3g} GB with pinv's second sum: use method natural or gradient "
+                f"({without_pinv / 1e9:.3g} GB per layer), or raise statistics.max_memory_gb")
+    return f"one layer alone needs {largest / 1e9:.3g} GB: raise statistics.max_memory_gb above that"

@@ -90,9 +90,13 @@ class GrowableAttention(FormShape, nn.Module):
         """Keeps `rotary` of the rotary columns (even, dividing the current count): every (current/rotary)-th frequency
         pair, i.e. the RoPE a model of head_dim = rotary has; the NoPE columns after them stay. For training from a
         small query/key width while the value width stays head_dim (not exact: the other rotary columns are dropped)."""
-        if hasattr(self, "q_norm") or not self.rotary or rotary <= 0 or rotary % 2 or self.rotary % rotary:
-            raise ValueError(f"rotary_dim={rotary} must be even and divide the {self.rotary} rotary columns of a "
-                             "model without q/k norms (llama, mistral, qwen2)")
+        if hasattr(self, "q_norm") or not self.rotary:
+            why = (f"its q_norm/k_norm normalise all {self.rotary} rotary columns of a head together, and fewer "
+                   "columns would change what they compute" if self.rotary else "it has no rotary position embeddings")
+            raise ValueError(f"rotary_dim is refused for {self.config.model_type} models ({why}): leave it out. It "
+                             "applies to llama, mistral and qwen2")
+        if rotary <= 0 or rotary % 2 or self.rotary % rotary:
+            raise ValueError(f"rotary_dim={rotary} must be even and divide the {self.rotary} rotary columns of a head")
         keep = rotary_columns(self.rotary, rotary).to(self.w_q.device)
         w_q, w_k = (torch.cat([w[..., keep], w[..., self.rotary:]], -1) for w in (self.w_q, self.w_k))
         self.rotary = rotary
