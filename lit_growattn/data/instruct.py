@@ -13,6 +13,11 @@ Never pass them as `labels=` to a Hugging Face model: its loss (`ForCausalLMLoss
 mask is needed: padding only follows the real tokens, and causal attention (DINT's running mean A3 included)
 never looks ahead, so the real positions never see it.
 
+Every row must hold text in both fields: a row that does not (missing, null, not a string, empty) or a file that
+cannot be read as rows stops `prepare_data` with the file, the line (JSON Lines; the row for Parquet, a JSON array
+or a hub dataset) and the field. Rows are checked as they are encoded, in the one pass that reads them; only a
+failure reads the files again, to say where.
+
 An example longer than `max_length` loses the end of its response (and its EOS); one whose prompt alone fills
 `max_length` keeps no response token and is dropped. Both are counted and logged.
 
@@ -26,7 +31,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import reprlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -138,10 +146,18 @@ class InstructDataModule(BaseDataModule):
                 raise ValueError(f"{name} must be positive, got {value}")
         self.paths = [path] if isinstance(path, str) else list(path or [])
         for p in self.paths:
+            if os.path.isdir(p):
+                raise ValueError(f"instruction file {p!r} is a directory: list its files, e.g. --data.path "
+                                 f"'[{p}/a.jsonl, {p}/b.jsonl]'")
             if not os.path.isfile(p):
                 raise FileNotFoundError(f"instruction file not found: {p!r} (--data.path)")
             if _file_format(p) is None:
                 raise ValueError(f"{p!r}: instruction files must be .jsonl, .json or .parquet")
+            if os.path.getsize(p) == 0:
+                raise ValueError(f"instruction file {p!r} is empty: it needs one example per row, with text in "
+                                 f"{prompt_field!r} and {response_field!r}")
+        if len({_file_format(p) for p in self.paths}) > 1:
+            raise ValueError(f"instruction files {self.paths} mix JSON and Parquet: give files of one format")
         if "" in (val_texts or {}):
             raise ValueError(f"val_texts has an empty name (for {val_texts['']!r}): each set is logged as "
                              "val/<name>/…")
@@ -178,14 +194,39 @@ class InstructDataModule(BaseDataModule):
         if self.hf_dataset is not None:
             rows = load_dataset(self.hf_dataset, self.hf_config, split=self.hf_split)
         else:
-            rows = load_dataset(_file_format(self.paths[0]), data_files=self.paths, split="train",
-                                cache_dir=str(self.cache_dir / "datasets"))
+            try:
+                rows = load_dataset(_file_format(self.paths[0]), data_files=self.paths, split="train",
+                                    cache_dir=str(self.cache_dir / "datasets"))
+            except Exception as err:
+                self._refuse_unreadable(err)
         missing = [f for f in (self.prompt_field, self.response_field) if f not in rows.column_names]
         if missing:
             where = self.hf_dataset or ", ".join(self.paths)
             raise ValueError(f"{where} has no field {', '.join(map(repr, missing))}; its fields are {rows.column_names}: "
                              "set --data.prompt_field / --data.response_field")
         return rows.select(range(min(len(rows), self.max_examples))) if self.max_examples else rows
+
+    def _refuse_unreadable(self, err: Exception) -> None:
+        """Raise for rows the datasets loader could not read: the first file problem found, with where it is (the
+        loader's error then adds nothing), else the loader's error."""
+        for p in self.paths:
+            if (problem := _file_problem(p)) is not None:
+                raise ValueError(f"{p} {problem}") from None
+        cause = err.__cause__ or err
+        raise ValueError(f"{self.hf_dataset or ', '.join(self.paths)} could not be read as instruction rows: "
+                         f"{type(cause).__name__}: {cause}") from err
+
+    def _place(self, index: int) -> str:
+        """Where the row at `index` of the rows read comes from: its file and line (JSON Lines), or row (from 0)."""
+        if self.hf_dataset is not None:
+            return f"{self.hf_dataset} (split {self.hf_split!r}) row {index} (from 0)"
+        remaining = index
+        for p in self.paths:
+            for place in _row_places(p):
+                if remaining == 0:
+                    return f"{p} {place}"
+                remaining -= 1
+        return f"{', '.join(self.paths)} row {index} (from 0)"  # the loader counted rows otherwise: say what it said
 
     def _cache_path(self) -> Path:
         source = [self.hf_dataset, self.hf_config, self.hf_split] if self.hf_dataset else fingerprint_files(self.paths)
@@ -203,9 +244,12 @@ class InstructDataModule(BaseDataModule):
         tokenizer, prompt_field, response_field, max_length = (self.tokenizer, self.prompt_field, self.response_field,
                                                                self.max_length)
 
-        def encode(batch):
+        def encode(batch, indices):
             out = {"input_ids": [], "labels": [], "truncated": [], "num_labels": []}
-            for prompt, response in zip(batch[prompt_field], batch[response_field]):
+            for index, prompt, response in zip(indices, batch[prompt_field], batch[response_field]):
+                for field, value in ((prompt_field, prompt), (response_field, response)):
+                    if (problem := _not_text(value)) is not None:
+                        raise _BadRow(index, field, problem)
                 ids, n_prompt, truncated = encode_example(tokenizer, prompt, response, max_length)
                 out["input_ids"].append(ids)
                 out["labels"].append([-100] * min(n_prompt, len(ids)) + ids[n_prompt:])
@@ -214,7 +258,14 @@ class InstructDataModule(BaseDataModule):
             return out
 
         rows = self._rows()
-        tokenized = rows.map(encode, batched=True, remove_columns=rows.column_names, desc="tokenizing examples")
+        try:
+            tokenized = rows.map(encode, batched=True, with_indices=True, remove_columns=rows.column_names,
+                                 desc="tokenizing examples")
+        except _BadRow as bad:
+            raise ValueError(f"{self._place(bad.index)}: {bad.field!r} {bad.problem}: every row needs text in "
+                             f"{self.prompt_field!r} and {self.response_field!r}; fix or remove the row") from None
+        except UnicodeDecodeError as err:  # the JSON loader keeps invalid UTF-8; reading it back raises
+            self._refuse_unreadable(err)
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
         tokenized.save_to_disk(str(tmp))
         try:
@@ -272,6 +323,82 @@ class InstructDataModule(BaseDataModule):
 
     def collate(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         return pad_batch(examples, self.pad_id)
+
+
+class _BadRow(Exception):
+    """A row whose prompt or response is not text, found while encoding; prepare_data says where it is."""
+
+    def __init__(self, index: int, field: str, problem: str) -> None:
+        super().__init__(index, field, problem)
+        self.index, self.field, self.problem = index, field, problem
+
+
+def _not_text(value) -> str | None:
+    """Why a field's value cannot be a prompt or a response, None if it can (non-empty text)."""
+    if value is None:
+        return "is missing or null"
+    if not isinstance(value, str):
+        return f"is {reprlib.repr(value)} ({type(value).__name__}), not text"
+    return None if value.strip() else "is empty"
+
+
+def _json_rows(path: str) -> Iterator[tuple[str, object]]:
+    """Each row of a JSON Lines file (or of a JSON array) parsed, with where it is: "line 7" ("row 3 (from 0)" in an
+    array). A line that is not UTF-8 or not JSON raises ValueError naming it."""
+    with open(path, "rb") as f:
+        if f.read(4096).lstrip().startswith(b"["):
+            f.seek(0)
+            yield from ((f"row {i} (from 0)", row) for i, row in enumerate(_parse_json(f.read(), first_line=1)))
+            return
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if line.strip():  # blank lines hold no row, as for the datasets loader
+                yield f"line {number}", _parse_json(line, first_line=number)
+
+
+def _parse_json(data: bytes, first_line: int):
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        line = first_line + data.count(b"\n", 0, err.start)
+        keys = re.findall(rb'"((?:[^"\\]|\\.)*)"\s*:', data[data.rfind(b"\n", 0, err.start) + 1:err.start])
+        field = f" in field {keys[-1].decode('utf-8', 'replace')!r}" if keys else ""
+        raise ValueError(f"line {line} is not UTF-8 (byte 0x{data[err.start]:02x}{field}): save the file as UTF-8") \
+            from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"line {first_line + err.lineno - 1} is not valid JSON ({err.msg} at column {err.colno}): "
+                         "fix or remove it") from None
+
+
+def _row_places(path: str) -> Iterator[str]:
+    """Where each row of the file is, in the order the datasets loader reads them."""
+    if _file_format(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        return (f"row {i} (from 0)" for i in range(pq.read_metadata(path).num_rows))
+    return (place for place, _ in _json_rows(path))
+
+
+def _file_problem(path: str) -> str | None:
+    """Why a file that the datasets loader failed on cannot be read as rows, with where; None if not found."""
+    if _file_format(path) == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pq.read_metadata(path)
+        except Exception as err:
+            return f"is not a Parquet file pyarrow can read ({type(err).__name__}: {err})"
+        return None
+    try:
+        rows = 0
+        for place, row in _json_rows(path):
+            if not isinstance(row, dict):
+                return (f"{place} is {reprlib.repr(row)} ({type(row).__name__}), not an object: each row must be one "
+                        "JSON object, its fields the prompt and the response")
+            rows += 1
+    except ValueError as err:
+        return str(err)
+    return None if rows else "has no rows: it needs one JSON object per line"
 
 
 def _file_format(path: str) -> str | None:
