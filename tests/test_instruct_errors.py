@@ -50,7 +50,8 @@ def prepare(tmp_path, tokenizer, path, **kwargs) -> InstructDataModule:
     pytest.param([*GOOD[:4], b'{"problem": "Caf\xe9?", "generated_solution": "yes"}', *GOOD[4:]],
                  "line 5 is not UTF-8 (byte 0xe9 in field 'problem'): save the file as UTF-8", id="not-utf8"),
     pytest.param([*GOOD[:2], b'{"problem": "What is 0?", "generated_solution": "0"', *GOOD[2:]],
-                 "line 3 is not valid JSON (Expecting ',' delimiter at column 52): fix or remove it", id="malformed"),
+                 "line 3 is not valid JSON (Expecting ',' delimiter at column 52): fix or remove it (JSON Lines "
+                 "hold one whole object per line)", id="malformed"),
     pytest.param([*GOOD[:2], b"", b'{"problem": "What is 3 + 4?", "generated_solution": 7}', *GOOD[2:]],
                  f"line 4: 'generated_solution' is 7 (int), not text: {NEEDS}", id="integer-response-after-blank"),
     pytest.param([*GOOD, b'{"problem": " ", "generated_solution": "0"}'], f"line 7: 'problem' is empty: {NEEDS}",
@@ -94,6 +95,21 @@ def test_other_fields_and_rows_past_max_examples_are_not_read(tmp_path, tokenize
     assert len(dm.train_set) + len(dm.val_sets[0]) == 5
 
 
+def test_byte_order_mark_is_no_row_and_pretty_printed_json_names_the_first_line(tmp_path, tokenizer):
+    dm = prepare(tmp_path, tokenizer, jsonl(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + GOOD[0], *GOOD[1:]))
+    assert len(dm.train_set) + len(dm.val_sets[0]) == len(GOOD)
+    array = tmp_path / "bom.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps([json.loads(line) for line in GOOD], indent=2).encode())
+    dm = prepare(tmp_path, tokenizer, str(array))
+    assert len(dm.train_set) + len(dm.val_sets[0]) == len(GOOD)
+    pretty = tmp_path / "pretty.jsonl"
+    pretty.write_text("".join(json.dumps(json.loads(line), indent=2) + "\n" for line in GOOD))
+    with pytest.raises(ValueError, match=re.escape(f"{pretty} line 1 is not valid JSON (Expecting property name "
+                                                   "enclosed in double quotes at column 2): fix or remove it (JSON "
+                                                   "Lines hold one whole object per line)")):
+        prepare(tmp_path, tokenizer, str(pretty))
+
+
 def test_bad_row_in_a_later_file_names_that_file_and_its_line(tmp_path, tokenizer):
     first = jsonl(tmp_path / "a.jsonl", *GOOD)
     second = jsonl(tmp_path / "b.jsonl", GOOD[0], b"", b'{"problem": "What is 0?", "generated_solution": 0.5}')
@@ -126,8 +142,9 @@ def test_parquet_null_names_the_row_and_the_configured_field(tmp_path, tokenizer
 
 def test_parquet_without_the_column_lists_its_columns(tmp_path, tokenizer):
     path = parquet(tmp_path / "rows.parquet", [{"q": f"What is {i}?", "answer": str(i)} for i in range(5)])
-    with pytest.raises(ValueError, match=re.escape(f"{path} has no field 'a'; its fields are ['q', 'answer']: set "
-                                                   "--data.prompt_field / --data.response_field to the fields holding them")):
+    error = (f"{path} has no field 'a'; its fields are ['q', 'answer']: set --data.prompt_field / "
+             "--data.response_field to the fields holding them")
+    with pytest.raises(ValueError, match=re.escape(error)):
         prepare(tmp_path, tokenizer, path, prompt_field="q", response_field="a")
 
 
@@ -155,13 +172,15 @@ def test_hub_dataset_row_is_named_by_split_and_index(tmp_path, tokenizer):
         dm.prepare_data()
 
 
-def test_directory_and_mixed_formats_are_refused_when_the_module_is_built(tmp_path, tokenizer):
+def test_directory_mixed_formats_and_one_field_for_both_are_refused_when_the_module_is_built(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=re.escape(f"instruction file {str(tmp_path)!r} is a directory: list its "
                                                    f"files, e.g. --data.path '[{tmp_path}/a.jsonl")):
         InstructDataModule(tokenizer=tokenizer, path=str(tmp_path))
     files = [jsonl(tmp_path / "a.jsonl", *GOOD), parquet(tmp_path / "b.parquet", [{"problem": "p"}])]
     with pytest.raises(ValueError, match="mix JSON and Parquet: give files of one format"):
         InstructDataModule(tokenizer=tokenizer, path=files)
+    with pytest.raises(ValueError, match="prompt_field and response_field are both 'text': name the two fields"):
+        InstructDataModule(tokenizer=tokenizer, path=files[0], prompt_field="text", response_field="text")
 
 
 # -- the user's path: `python -m lit_growattn fit` with the tiny SFT config, in this process ----------------------

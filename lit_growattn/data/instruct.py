@@ -29,6 +29,7 @@ builds it, `setup` on every rank only reads it.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import itertools
 import json
@@ -158,6 +159,9 @@ class InstructDataModule(BaseDataModule):
             if os.path.getsize(p) == 0:
                 raise ValueError(f"instruction file {p!r} is empty: it needs one example per row, with text in "
                                  f"{prompt_field!r} and {response_field!r}")
+        if prompt_field == response_field:
+            raise ValueError(f"prompt_field and response_field are both {prompt_field!r}: name the two fields that "
+                             "hold the prompt and the response")
         if len({_file_format(p) for p in self.paths}) > 1:
             raise ValueError(f"instruction files {self.paths} mix JSON and Parquet: give files of one format")
         if "" in (val_texts or {}):
@@ -203,7 +207,7 @@ class InstructDataModule(BaseDataModule):
 
         rows = load_dataset(self.hf_dataset, self.hf_config, split=self.hf_split)
         _refuse_missing_fields(f"{self.hf_dataset} (split {self.hf_split!r})", fields, rows.column_names)
-        batches = rows.select_columns(sorted(set(fields))).iter(batch_size=1000)  # 100× faster than row by row
+        batches = rows.select_columns(list(fields)).iter(batch_size=1000)  # 100× faster than row by row
         pairs = itertools.chain.from_iterable(zip(b[fields[0]], b[fields[1]]) for b in batches)
         for index, (prompt, response) in enumerate(pairs):
             yield f"{self.hf_dataset} (split {self.hf_split!r}) row {index} (from 0)", prompt, response
@@ -341,7 +345,7 @@ def _json_records(path: str) -> Iterator[tuple[str, object]]:
     """Each row of a JSON Lines file (or of a JSON array) parsed, with where it is: "line 7" ("row 3 (from 0)" in an
     array). A line that is not UTF-8 or not JSON raises BadInstructionData naming it."""
     with open(path, "rb") as f:
-        if f.read(4096).lstrip().startswith(b"["):
+        if f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
             f.seek(0)
             array = _parse_json(path, f.read(), first_line=1)
             yield from ((f"row {i} (from 0)", row) for i, row in enumerate(array))
@@ -354,7 +358,7 @@ def _json_records(path: str) -> Iterator[tuple[str, object]]:
 
 def _parse_json(path: str, data: bytes, first_line: int):
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8-sig"))  # -sig: a byte order mark, as some editors write, is no row
     except UnicodeDecodeError as err:
         line = first_line + data.count(b"\n", 0, err.start)
         keys = re.findall(rb'"((?:[^"\\]|\\.)*)"\s*:', data[data.rfind(b"\n", 0, err.start) + 1:err.start])
@@ -363,7 +367,7 @@ def _parse_json(path: str, data: bytes, first_line: int):
                                  "file as UTF-8") from None
     except json.JSONDecodeError as err:
         raise BadInstructionData(f"{path} line {first_line + err.lineno - 1} is not valid JSON ({err.msg} at column "
-                                 f"{err.colno}): fix or remove it") from None
+                                 f"{err.colno}): fix or remove it (JSON Lines hold one whole object per line)") from None
 
 
 def _parquet_rows(path: str, fields: tuple[str, str]) -> Iterator[tuple[str, object, object]]:
@@ -371,14 +375,14 @@ def _parquet_rows(path: str, fields: tuple[str, str]) -> Iterator[tuple[str, obj
     import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(path)
+        parquet = pq.ParquetFile(path)
     except Exception as err:
         raise BadInstructionData(f"{path} is not a Parquet file pyarrow can read ({type(err).__name__}: {err})") \
             from None
-    _refuse_missing_fields(path, fields, table.schema_arrow.names)
-    if table.metadata.num_rows == 0:
+    _refuse_missing_fields(path, fields, parquet.schema_arrow.names)
+    if parquet.metadata.num_rows == 0:
         raise BadInstructionData(f"{path} has no rows")
-    batches = table.iter_batches(columns=sorted(set(fields)))
+    batches = parquet.iter_batches(columns=list(fields))
     pairs = itertools.chain.from_iterable(zip(b.column(fields[0]).to_pylist(), b.column(fields[1]).to_pylist())
                                           for b in batches)
     for index, (prompt, response) in enumerate(pairs):
