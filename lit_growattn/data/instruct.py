@@ -239,7 +239,8 @@ class InstructDataModule(BaseDataModule):
                 yield {"input_ids": ids, "labels": [-100] * min(n_prompt, len(ids)) + ids[n_prompt:],
                        "truncated": truncated, "num_labels": max(len(ids) - n_prompt, 0)}
 
-        build = path.with_name(path.name + f".build-{os.getpid()}")  # datasets' working copy, removed once saved
+        # datasets' working copy, removed once saved; the fingerprint spares it hashing the generator and tokenizer
+        build = path.with_name(path.name + f".build-{os.getpid()}")
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
         try:
             Dataset.from_generator(examples, cache_dir=str(build), fingerprint=path.name).save_to_disk(str(tmp))
