@@ -6,9 +6,11 @@ import json
 import pytest
 import torch
 
-from lit_growattn.data.instruct import PLAIN_TEMPLATE, InstructDataModule
+pytest.importorskip("transformers")
 
-from hf_helpers import instruct_tokenizer
+from lit_growattn.data.instruct import PLAIN_TEMPLATE, InstructDataModule  # noqa: E402
+
+from hf_helpers import instruct_tokenizer  # noqa: E402
 
 ROWS = [{"problem": f"What is {a} + {b}?", "generated_solution": f"{a} + {b} = {a + b}. The answer is {a + b}.",
          "expected_answer": str(a + b)} for a, b in [(1, 2), (12, 7), (30, 45), (8, 9), (100, 23), (5, 5)]]

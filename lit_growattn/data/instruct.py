@@ -13,6 +13,12 @@ Never pass them as `labels=` to a Hugging Face model: its loss (`ForCausalLMLoss
 mask is needed: padding only follows the real tokens, and causal attention (DINT's running mean A3 included)
 never looks ahead, so the real positions never see it.
 
+Local files are read here, not by the datasets loaders, and only their prompt and response fields: JSON Lines
+line by line, Parquet by those two columns. Each row is checked as it is read and encoded, in the one pass over
+the data: a line that is not UTF-8 or not a JSON object, a field that is missing, null, not a string or empty,
+a file without rows, stops `prepare_data` with the file, the line (JSON Lines; the row from 0 for Parquet, a JSON
+array or a hub dataset), the field and what to do.
+
 An example longer than `max_length` loses the end of its response (and its EOS); one whose prompt alone fills
 `max_length` keeps no response token and is dropped. Both are counted and logged.
 
@@ -23,10 +29,15 @@ builds it, `setup` on every rank only reads it.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import itertools
 import json
 import os
+import re
+import reprlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -138,10 +149,21 @@ class InstructDataModule(BaseDataModule):
                 raise ValueError(f"{name} must be positive, got {value}")
         self.paths = [path] if isinstance(path, str) else list(path or [])
         for p in self.paths:
+            if os.path.isdir(p):
+                raise ValueError(f"instruction file {p!r} is a directory: list its files, e.g. --data.path "
+                                 f"'[{p}/a.jsonl, {p}/b.jsonl]'")
             if not os.path.isfile(p):
                 raise FileNotFoundError(f"instruction file not found: {p!r} (--data.path)")
             if _file_format(p) is None:
                 raise ValueError(f"{p!r}: instruction files must be .jsonl, .json or .parquet")
+            if os.path.getsize(p) == 0:
+                raise ValueError(f"instruction file {p!r} is empty: it needs one example per row, with text in "
+                                 f"{prompt_field!r} and {response_field!r}")
+        if prompt_field == response_field:
+            raise ValueError(f"prompt_field and response_field are both {prompt_field!r}: name the two fields that "
+                             "hold the prompt and the response")
+        if len({_file_format(p) for p in self.paths}) > 1:
+            raise ValueError(f"instruction files {self.paths} mix JSON and Parquet: give files of one format")
         if "" in (val_texts or {}):
             raise ValueError(f"val_texts has an empty name (for {val_texts['']!r}): each set is logged as "
                              "val/<name>/…")
@@ -172,20 +194,23 @@ class InstructDataModule(BaseDataModule):
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
 
     # -- rows and their cache -------------------------------------------------------------------------------
-    def _rows(self):
+    def _rows(self) -> Iterator[tuple[str, object, object]]:
+        """(where, prompt, response) of each row, in order; `where` names the file and line (JSON Lines) or the row
+        (Parquet, a JSON array, a hub dataset). Files are read here, only their two fields, and a file that cannot
+        be read as rows raises BadInstructionData naming where."""
+        fields = (self.prompt_field, self.response_field)
+        if self.hf_dataset is None:
+            for p in self.paths:
+                yield from (_parquet_rows if _file_format(p) == "parquet" else _json_rows)(p, fields)
+            return
         from datasets import load_dataset
 
-        if self.hf_dataset is not None:
-            rows = load_dataset(self.hf_dataset, self.hf_config, split=self.hf_split)
-        else:
-            rows = load_dataset(_file_format(self.paths[0]), data_files=self.paths, split="train",
-                                cache_dir=str(self.cache_dir / "datasets"))
-        missing = [f for f in (self.prompt_field, self.response_field) if f not in rows.column_names]
-        if missing:
-            where = self.hf_dataset or ", ".join(self.paths)
-            raise ValueError(f"{where} has no field {', '.join(map(repr, missing))}; its fields are {rows.column_names}: "
-                             "set --data.prompt_field / --data.response_field")
-        return rows.select(range(min(len(rows), self.max_examples))) if self.max_examples else rows
+        rows = load_dataset(self.hf_dataset, self.hf_config, split=self.hf_split)
+        _refuse_missing_fields(f"{self.hf_dataset} (split {self.hf_split!r})", fields, rows.column_names)
+        batches = rows.select_columns(list(fields)).iter(batch_size=1000)  # 100× faster than row by row
+        pairs = itertools.chain.from_iterable(zip(b[fields[0]], b[fields[1]]) for b in batches)
+        for index, (prompt, response) in enumerate(pairs):
+            yield f"{self.hf_dataset} (split {self.hf_split!r}) row {index} (from 0)", prompt, response
 
     def _cache_path(self) -> Path:
         source = [self.hf_dataset, self.hf_config, self.hf_split] if self.hf_dataset else fingerprint_files(self.paths)
@@ -200,23 +225,31 @@ class InstructDataModule(BaseDataModule):
         path = self._cache_path()
         if path.is_dir():
             return
-        tokenizer, prompt_field, response_field, max_length = (self.tokenizer, self.prompt_field, self.response_field,
-                                                               self.max_length)
+        from datasets import Dataset
+        from datasets.exceptions import DatasetGenerationError
 
-        def encode(batch):
-            out = {"input_ids": [], "labels": [], "truncated": [], "num_labels": []}
-            for prompt, response in zip(batch[prompt_field], batch[response_field]):
-                ids, n_prompt, truncated = encode_example(tokenizer, prompt, response, max_length)
-                out["input_ids"].append(ids)
-                out["labels"].append([-100] * min(n_prompt, len(ids)) + ids[n_prompt:])
-                out["truncated"].append(truncated)
-                out["num_labels"].append(max(len(ids) - n_prompt, 0))
-            return out
+        def examples():
+            for where, prompt, response in itertools.islice(self._rows(), self.max_examples):
+                for field, value in ((self.prompt_field, prompt), (self.response_field, response)):
+                    if (problem := _not_text(value)) is not None:
+                        raise BadInstructionData(f"{where}: {field!r} {problem}: every row needs text in "
+                                                 f"{self.prompt_field!r} and {self.response_field!r}; fix or remove "
+                                                 "the row")
+                ids, n_prompt, truncated = encode_example(self.tokenizer, prompt, response, self.max_length)
+                yield {"input_ids": ids, "labels": [-100] * min(n_prompt, len(ids)) + ids[n_prompt:],
+                       "truncated": truncated, "num_labels": max(len(ids) - n_prompt, 0)}
 
-        rows = self._rows()
-        tokenized = rows.map(encode, batched=True, remove_columns=rows.column_names, desc="tokenizing examples")
+        # datasets' working copy, removed once saved; the fingerprint spares it hashing the generator and tokenizer
+        build = path.with_name(path.name + f".build-{os.getpid()}")
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        tokenized.save_to_disk(str(tmp))
+        try:
+            Dataset.from_generator(examples, cache_dir=str(build), fingerprint=path.name).save_to_disk(str(tmp))
+        except DatasetGenerationError as err:
+            if isinstance(err.__cause__, BadInstructionData):
+                raise err.__cause__ from None  # the user's problem in the user's terms, without datasets' wrapper
+            raise
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
         try:
             os.replace(tmp, path)  # complete or absent: a build that was interrupted is built again
         except OSError:
@@ -272,6 +305,89 @@ class InstructDataModule(BaseDataModule):
 
     def collate(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         return pad_batch(examples, self.pad_id)
+
+
+class BadInstructionData(ValueError):
+    """A row or file that cannot be read as prompt/response text; the message says where and what to do."""
+
+
+def _not_text(value) -> str | None:
+    """Why a field's value cannot be a prompt or a response, None if it can (non-empty text)."""
+    if value is None:
+        return "is null"
+    if not isinstance(value, str):
+        return f"is {reprlib.repr(value)} ({type(value).__name__}), not text"
+    return None if value.strip() else "is empty"
+
+
+def _refuse_missing_fields(where: str, fields: tuple[str, str], present: list[str], fix: str = "") -> None:
+    missing = [f for f in fields if f not in present]
+    if missing:
+        raise BadInstructionData(f"{where} has no field {', '.join(map(repr, missing))}; its fields are {present}: "
+                                 f"{fix}set --data.prompt_field / --data.response_field to the fields holding them")
+
+
+def _json_rows(path: str, fields: tuple[str, str]) -> Iterator[tuple[str, object, object]]:
+    """(where, prompt, response) of each row of a JSON Lines file (or a JSON array); any other field is ignored."""
+    rows = 0
+    for place, row in _json_records(path):
+        if not isinstance(row, dict):
+            raise BadInstructionData(f"{path} {place} is {reprlib.repr(row)} ({type(row).__name__}), not an object: "
+                                     f"each row must be one JSON object with fields {fields[0]!r} and {fields[1]!r}")
+        _refuse_missing_fields(f"{path} {place}", fields, list(row), fix="fix or remove the row, or ")
+        rows += 1
+        yield f"{path} {place}", row[fields[0]], row[fields[1]]
+    if not rows:
+        raise BadInstructionData(f"{path} has no rows: it needs one JSON object per line, with fields "
+                                 f"{fields[0]!r} and {fields[1]!r}")
+
+
+def _json_records(path: str) -> Iterator[tuple[str, object]]:
+    """Each row of a JSON Lines file (or of a JSON array) parsed, with where it is: "line 7" ("row 3 (from 0)" in an
+    array). A line that is not UTF-8 or not JSON raises BadInstructionData naming it."""
+    with open(path, "rb") as f:
+        if f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
+            f.seek(0)
+            array = _parse_json(path, f.read(), first_line=1)
+            yield from ((f"row {i} (from 0)", row) for i, row in enumerate(array))
+            return
+        f.seek(0)
+        for number, line in enumerate(f, 1):
+            if line.strip():  # a blank line holds no row
+                yield f"line {number}", _parse_json(path, line.rstrip(b"\r\n"), first_line=number)
+
+
+def _parse_json(path: str, data: bytes, first_line: int):
+    try:
+        return json.loads(data.decode("utf-8-sig"))  # -sig: a byte order mark, as some editors write, is no row
+    except UnicodeDecodeError as err:
+        line = first_line + data.count(b"\n", 0, err.start)
+        keys = re.findall(rb'"((?:[^"\\]|\\.)*)"\s*:', data[data.rfind(b"\n", 0, err.start) + 1:err.start])
+        field = f" in field {keys[-1].decode('utf-8', 'replace')!r}" if keys else ""
+        raise BadInstructionData(f"{path} line {line} is not UTF-8 (byte 0x{data[err.start]:02x}{field}): save the "
+                                 "file as UTF-8") from None
+    except json.JSONDecodeError as err:
+        raise BadInstructionData(f"{path} line {first_line + err.lineno - 1} is not valid JSON ({err.msg} at column "
+                                 f"{err.colno}): fix or remove it (JSON Lines hold one whole object per line)") from None
+
+
+def _parquet_rows(path: str, fields: tuple[str, str]) -> Iterator[tuple[str, object, object]]:
+    """(where, prompt, response) of each row of a Parquet file; only the two columns are read."""
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as err:
+        raise BadInstructionData(f"{path} is not a Parquet file pyarrow can read ({type(err).__name__}: {err})") \
+            from None
+    _refuse_missing_fields(path, fields, parquet.schema_arrow.names)
+    if parquet.metadata.num_rows == 0:
+        raise BadInstructionData(f"{path} has no rows")
+    batches = parquet.iter_batches(columns=list(fields))
+    pairs = itertools.chain.from_iterable(zip(b.column(fields[0]).to_pylist(), b.column(fields[1]).to_pylist())
+                                          for b in batches)
+    for index, (prompt, response) in enumerate(pairs):
+        yield f"{path} row {index} (from 0)", prompt, response
 
 
 def _file_format(path: str) -> str | None:
