@@ -99,7 +99,7 @@ class GrowAttentionCLI(LightningCLI):
 def fill_data_tokenizer(config) -> None:
     """A data tokenizer left out (null) is the model's: the one it recorded (a resumed run), else its pretrained
     folder's. Other data modules and models are left as they are."""
-    data, model = config["data"].get("init_args") or {}, config["model"].get("init_args") or {}
+    data, model = ((config.get(key) or {}).get("init_args") or {} for key in ("data", "model"))
     if "tokenizer" not in data or data["tokenizer"] is not None:
         return
     folder = model.get("pretrained")

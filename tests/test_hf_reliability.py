@@ -28,14 +28,16 @@ TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mi
 
 @pytest.fixture
 def fit_args(tmp_path):
-    """hf_llama_grow.yaml for a few steps on a small text, everything written under tmp_path."""
+    """hf_llama_grow.yaml on a small text: 2 steps per epoch, growth at the second of 2 epochs, everything written
+    under tmp_path."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 150)
     return ["--config", CONFIG, f"--data.init_args.path={corpus}", "--data.init_args.batch_size=8",
-            "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=32", "--trainer.max_epochs=1",
+            "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=16", "--trainer.max_epochs=2",
             "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
             "--trainer.enable_model_summary=false", f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
-            "--model.init_args.warmup_steps=2", "--trainer.callbacks.init_args.statistics.batches=2"]
+            "--model.init_args.warmup_steps=2", "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+            "--trainer.callbacks.init_args.statistics.batches=2"]
 
 
 def pretrained(folder, model_type: str = "llama", **settings) -> list[str]:
@@ -82,9 +84,10 @@ def test_a_pretrained_model_fine_tunes_in_train_mode_and_validates_in_eval_mode(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cli = main(["fit", *fit_args, *pretrained(tmp_path / "gpt2", "gpt2", **dropout),
-                    "--trainer.callbacks+=test_hf_reliability.DropoutModes", "--trainer.val_check_interval=2"])
+                    "--trainer.callbacks+=test_hf_reliability.DropoutModes"])
     (watch,) = [c for c in cli.trainer.callbacks if isinstance(c, DropoutModes)]
     assert watch.rates == {0.1} and len(watch.train[0]) == 7  # GPT-2's: embeddings, and 3 per layer
+    assert cli.model.head_sizes() == [16, 16]  # grown at epoch 1
     assert len(watch.train) == 4 and all(all(modes) for modes in watch.train)
     assert len(watch.val) >= 2 and not any(any(modes) for modes in watch.val)
     assert not [w for w in caught if "eval mode" in str(w.message)]
@@ -150,11 +153,11 @@ def test_a_checkpoint_resumes_rebuilds_and_exports_after_its_folder_moved(tmp_pa
         assert all(torch.equal(state[k], v) for k, v in saved["state_dict"].items())
 
     # Resuming names the moved tokenizer folder, then resumes with the new one.
-    resume = ["fit", *fit_args, "--model.init_args.config=null", f"--ckpt_path={ckpt}", "--trainer.max_epochs=2"]
+    resume = ["fit", *fit_args, "--model.init_args.config=null", f"--ckpt_path={ckpt}", "--trainer.max_epochs=3"]
     with pytest.raises(ValueError, match=f"its folder {folder} does not exist \\(moved\\?\\): name the tokenizer"):
         main(resume)
     cli = main([*resume, f"--data.init_args.tokenizer={moved}"])
-    assert cli.trainer.global_step == 8
+    assert cli.trainer.global_step == 6
 
 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights_as_the_resume_warning_advises(tmp_path, fit_args):

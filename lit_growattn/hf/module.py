@@ -70,6 +70,7 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
 
 
 def from_pretrained(folder: str, attn_implementation: str):
+    """The folder's model in float32; a damaged weights file is named (safetensors' own error does not)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
@@ -82,6 +83,7 @@ def from_pretrained(folder: str, attn_implementation: str):
 
 
 def unreadable_safetensors(folder: str) -> list[str]:
+    """The .safetensors files of `folder` whose header cannot be read (e.g. truncated)."""
     from safetensors import SafetensorError, safe_open
 
     unreadable = []
