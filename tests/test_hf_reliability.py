@@ -95,17 +95,20 @@ def test_a_pretrained_model_fine_tunes_in_train_mode_and_validates_in_eval_mode(
 
 # -- divergence ----------------------------------------------------------------------------------
 
-def test_a_diverged_hf_run_stops_without_checkpointing_non_finite_weights(tmp_path, fit_args, capsys):
+EVERY_STEP = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              "--trainer.callbacks.init_args.every_n_train_steps=1", "--trainer.callbacks.init_args.save_last=true"]
+
+
+@pytest.mark.parametrize("guard, settings", [
+    ("non-finite for 2 consecutive steps, the last nan at step", ["--model.init_args.max_nonfinite_steps=2"]),
+    ("parameter tensors are non-finite at step", ["--model.init_args.max_nonfinite_steps=100", *EVERY_STEP]),
+])
+def test_a_diverged_hf_run_stops_without_checkpointing_non_finite_weights(tmp_path, fit_args, capsys, guard, settings):
     rc = command_line(["fit", *fit_args, *pretrained(tmp_path / "llama"), "--model.init_args.optimizer.init_args.lr=1e6",
-                       "--trainer.gradient_clip_val=null", "--model.init_args.max_nonfinite_steps=2",
-                       "--data.init_args.samples_per_epoch=160",
-                       "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                       "--trainer.callbacks.init_args.every_n_train_steps=1",
-                       "--trainer.callbacks.init_args.save_last=true"])
+                       "--trainer.gradient_clip_val=null", "--data.init_args.samples_per_epoch=160", *settings])
     assert rc == 1
-    assert re.search(r"error: TrainingDiverged: training diverged: .*non-finite", capsys.readouterr().err)
-    written = list((tmp_path / "logs").rglob("*.ckpt"))
-    for path in written:
+    assert re.search(rf"error: TrainingDiverged: training diverged: .*{guard}", capsys.readouterr().err)
+    for path in (tmp_path / "logs").rglob("*.ckpt"):
         state = torch.load(path, weights_only=True)["state_dict"]
         assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path
 
@@ -182,3 +185,18 @@ def test_a_truncated_safetensors_file_is_named(tmp_path):
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is damaged \\(truncated or overwritten\\?\\)"):
         HFCausalLM(pretrained=folder)
+
+
+def test_instruction_data_takes_the_pretrained_folders_tokenizer(tmp_path):
+    from lit_growattn.data.arithmetic import make_rows, write_jsonl
+
+    from hf_helpers import instruct_tokenizer
+
+    folder = tmp_path / "llama"
+    saved_tiny_model("llama", folder, vocab=len(instruct_tokenizer(folder, chat_template=True)))
+    rows = write_jsonl(tmp_path / "rows.jsonl", make_rows(20, seed=0))
+    tiny = ["--config", str(REPO / "configs" / "hf_llama_dint_sft_tiny.yaml"), f"--data.init_args.path={rows}"]
+    cli = main([*tiny, f"--model.init_args.pretrained={folder}"], run=False)
+    assert cli.datamodule.tokenizer_spec == str(folder) and cli.datamodule.tokenizer.chat_template
+    with pytest.raises(ValueError, match="instruction data needs a tokenizer"):
+        main([*tiny, "--model.init_args.config={model_type: llama, hidden_size: 32}"], run=False)
