@@ -35,6 +35,13 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise damaged(path) from error
 
 
+def load_weights(module: nn.Module, path: str) -> None:
+    """`init_from`: `module` takes the weights of the checkpoint at `path` (a new run: nothing else is taken)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"init_from={path!r} does not exist; give the path of a checkpoint file")
+    module.load_state_dict(read_checkpoint(path)["state_dict"])
+
+
 def damaged(path: str | os.PathLike) -> ValueError:
     return ValueError(f"checkpoint {str(path)!r} is damaged (truncated or overwritten?) and cannot be read; "
                       "use another checkpoint, e.g. an earlier one of the same run")

@@ -114,6 +114,7 @@ class GrowAttentionCLI(LightningCLI):
             except ModuleNotFoundError as error:
                 raise ModuleNotFoundError(f"extensions: cannot import {name!r} ({error}); run from the folder that "
                                           "holds it, or add that folder to PYTHONPATH") from None
+        fill_data_tokenizer(config)
 
     def _parse_ckpt_path(self) -> None:
         """LightningCLI builds a resumed model from the checkpoint's hyperparameters: read the file the project's way
@@ -168,6 +169,25 @@ class GrowAttentionCLI(LightningCLI):
                 folder.rmdir()
 
 
+def fill_data_tokenizer(config) -> None:
+    """A data tokenizer left out (null) is the model's: the one it recorded (a resumed run), else its pretrained
+    folder's. Other data modules and models are left as they are."""
+    data, model = ((config.get(key) or {}).get("init_args") or {} for key in ("data", "model"))
+    if "tokenizer" not in data or data["tokenizer"] is not None:
+        return
+    folder = model.get("pretrained")
+    source = model.get("tokenizer") or folder
+    if source is None:
+        return
+    if source == folder and not any(
+            os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        where = "holds no tokenizer" if os.path.isdir(folder) else "does not exist (moved?)"
+        raise ValueError(f"--data.init_args.tokenizer is left out, so the model's tokenizer is used, but its folder "
+                         f"{folder} {where}: name the tokenizer the model was trained with, "
+                         "--data.init_args.tokenizer=<tokenizer folder or file>")
+    data["tokenizer"] = source
+
+
 # Set from the data (linked) or recorded by growth (a grown checkpoint's per-layer d_head): not the user's choice.
 DERIVED_SETTINGS = {"vocab_size", "block_size"}
 
@@ -181,8 +201,9 @@ def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
                and given[k] != v and not (k == "d_head" and isinstance(v, list))}
     if changed:
         listed = "; ".join(f"{k}: {new!r} given, the checkpoint's {old!r} used" for k, (new, old) in changed.items())
+        weights = " (or use init_from for the weights)" if "init_from" in given else ""
         warnings.warn(f"resuming from {ckpt_path}, whose model settings win over the command's: {listed}. Start a "
-                      "new run (or use init_from for the weights) to change them", stacklevel=2)
+                      f"new run{weights} to change them", stacklevel=2)
 
 
 def next_version(folder: Path) -> Path:

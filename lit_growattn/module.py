@@ -7,7 +7,6 @@ growth event resizes parameters and has to build them again (docs/design.md, "Li
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Literal
 
 import lightning as L
@@ -20,16 +19,16 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 from lit_growattn.attention.sdpa import SdpaPad
-from lit_growattn.checkpoint import read_checkpoint, resize_to_checkpoint
+from lit_growattn.checkpoint import load_weights, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
 from lit_growattn.contract import NamedForm
-from lit_growattn.divergence import NonFiniteLosses, check_finite_weights
+from lit_growattn.divergence import DivergenceGuard
 from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model import GPT
 from lit_growattn.optimization import GrowthOptimization, default_optimizer
 
 
-class GrowAttentionLM(GrowthOptimization, L.LightningModule):
+class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     """Args:
         vocab_size, block_size: normally linked from the data module by the CLI.
         n_layer, n_head, n_embd: transformer size.
@@ -81,7 +80,7 @@ class GrowAttentionLM(GrowthOptimization, L.LightningModule):
         )
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"need warmup_steps ≥ 0 and 0 ≤ min_lr_ratio ≤ 1, got {warmup_steps}, {min_lr_ratio}")
-        self._nonfinite_losses = NonFiniteLosses(max_nonfinite_steps)
+        self.guard_divergence(max_nonfinite_steps)
         self.model = GPT(self.cfg)
         if compile:
             self.model.compile_blocks()
@@ -94,7 +93,7 @@ class GrowAttentionLM(GrowthOptimization, L.LightningModule):
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("flops_seen", torch.zeros((), dtype=torch.float64))
         if init_from is not None:
-            self._load_weights(init_from)
+            load_weights(self, init_from)
 
     # -- model ---------------------------------------------------------------------------------
     def forward(self, idx: Tensor) -> Tensor:
@@ -125,12 +124,6 @@ class GrowAttentionLM(GrowthOptimization, L.LightningModule):
             self.record_head_sizes()
         return result
 
-    def _load_weights(self, path: str) -> None:
-        """Starts from the weights of a checkpoint (e.g. one made by `python -m lit_growattn convert`)."""
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"init_from={path!r} does not exist; give the path of a checkpoint file")
-        self.load_state_dict(read_checkpoint(path)["state_dict"])
-
     def record_head_sizes(self) -> None:
         """Keeps hparams in step with the grown shapes, so `load_from_checkpoint` builds the right sizes."""
         self.hparams["d_head"] = self.head_sizes()
@@ -140,12 +133,7 @@ class GrowAttentionLM(GrowthOptimization, L.LightningModule):
         inputs, labels = batch
         logits = self(inputs)
         loss = self.loss(logits, labels)
-        # `where` is only formatted when it is reported: this runs on every micro-batch.
-        where = lambda: f"step {self.trainer.global_step} (epoch {self.current_epoch}, batch {batch_idx})"  # noqa: E731
-        self._nonfinite_losses.observe(
-            loss, where, step_ends=not accumulation_open_after_this_batch(self.trainer),
-            any_process=lambda flag: self.trainer.strategy.reduce_boolean_decision(flag, all=False),
-        )
+        self.observe_loss(loss, batch_idx)
         tokens = inputs.numel() * self.trainer.world_size
         self.tokens_seen += tokens
         self.flops_seen += tokens * self.model.flops_per_token(inputs.shape[1])
@@ -155,16 +143,6 @@ class GrowAttentionLM(GrowthOptimization, L.LightningModule):
         if should_update_logs(self.trainer):
             self._log_step_scalars(logits, labels, loss)
         return loss
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Never replace a checkpoint (`last.ckpt` included) with non-finite weights: stop instead.
-        check_finite_weights(self, self.trainer.global_step)
-        # Checkpoints are written between optimizer steps: the count of non-finite steps is all there is to keep.
-        checkpoint[NonFiniteLosses.CHECKPOINT_KEY] = self._nonfinite_losses.count
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # A resumed run goes on counting non-finite steps (checkpoints from before this key: 0).
-        self._nonfinite_losses.count = checkpoint.get(NonFiniteLosses.CHECKPOINT_KEY, 0)
 
     def _log_step_scalars(self, logits: Tensor, labels: Tensor, loss: Tensor) -> None:
         self.train_acc(logits.detach().argmax(-1), labels)
@@ -194,10 +172,7 @@ class GrowAttentionLM(GrowthOptimization, L.LightningModule):
         return names[dataloader_idx] if names else ""
 
     def setup(self, stage: str) -> None:
-        if stage == "fit" and self.trainer.precision == "16-true":
-            # Measured: fp16 weights and AdamW state without loss scaling turn the loss NaN within a few steps.
-            raise ValueError("precision='16-true' is not supported for training (fp16 weights without loss scaling "
-                             "diverge); use '16-mixed' or 'bf16-mixed', which keep fp32 weights")
+        super().setup(stage)  # DivergenceGuard: refuses 16-true
         # Metrics must exist before the first `self.log` of a metric: Lightning looks up their attribute names once.
         names = getattr(self.trainer.datamodule, "val_names", None) or [""]
         for split in ("val", "test"):

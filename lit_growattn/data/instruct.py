@@ -102,7 +102,8 @@ class InstructDataModule(BaseDataModule):
     """Prompt/response pairs from a hub dataset or local JSONL/Parquet files; extra cross-domain validation sets.
 
     Args:
-        tokenizer: A tokenizer folder (e.g. the model's) or hub name, loaded with `AutoTokenizer.from_pretrained`.
+        tokenizer: A tokenizer folder or hub name, loaded with `AutoTokenizer.from_pretrained`. None: the model's; the
+            CLI gives a pretrained model's folder (or the tokenizer a checkpoint recorded).
         hf_dataset, hf_config, hf_split: a hub dataset (`datasets.load_dataset`); give this or `path`.
         path: Local `.jsonl`/`.json` or `.parquet` file(s), one example per row.
         prompt_field, response_field: the columns holding the prompt and the response.
@@ -123,7 +124,7 @@ class InstructDataModule(BaseDataModule):
 
     def __init__(
         self,
-        tokenizer: str,
+        tokenizer: str | None = None,
         hf_dataset: str | None = None,
         hf_config: str | None = None,
         hf_split: str = "train",
@@ -168,7 +169,11 @@ class InstructDataModule(BaseDataModule):
             raise ValueError(f"val_texts has an empty name (for {val_texts['']!r}): each set is logged as "
                              "val/<name>/…")
         self.val_sources = {name: text_source(v, f"val_texts[{name!r}]") for name, v in (val_texts or {}).items()}
+        if tokenizer is None:
+            raise ValueError("instruction data needs a tokenizer: give the model's folder (--data.init_args.tokenizer), "
+                             "or a pretrained model (--model.init_args.pretrained), whose folder the CLI then uses")
         self.tokenizer_spec, self.tokenizer = tokenizer, load_hf_tokenizer(tokenizer)
+        self.tokenizer_source = tokenizer  # what a model records as its tokenizer
         self.hf_dataset, self.hf_config, self.hf_split = hf_dataset, hf_config, hf_split
         self.prompt_field, self.response_field = prompt_field, response_field
         self.max_examples, self.val_size, self.max_length = max_examples, val_size, max_length

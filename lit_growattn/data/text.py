@@ -42,7 +42,9 @@ class TextDataModule(BaseDataModule):
         hf_dataset, hf_config, hf_split, hf_text_field: a hub dataset (`datasets.load_dataset`), used instead of
             `path`; its rows are documents, each followed by a blank line.
         tokenizer: `bytes` (vocabulary 256, no tokenizer), `bpe` (a byte-level BPE trained on the training
-            text), a `tokenizer.json` file, or a tokenizer name on the Hugging Face hub.
+            text), a `tokenizer.json` file or a folder holding one, or a tokenizer name on the Hugging Face hub.
+            None: the model's; the CLI gives a pretrained model's folder (or the tokenizer a checkpoint recorded),
+            and `bytes` otherwise.
         bpe_vocab_size: Largest vocabulary of the trained BPE (the model takes the size it learned, at most this).
         bpe_sample_mb: MB of training text the BPE is trained on, taken from the start of each source.
         streaming: Stream `hf_dataset` (or `path`) instead of tokenizing it into a file; needs `samples_per_epoch`.
@@ -65,7 +67,7 @@ class TextDataModule(BaseDataModule):
         hf_config: str | None = None,
         hf_split: str = "train",
         hf_text_field: str = "text",
-        tokenizer: str = "bytes",
+        tokenizer: str | None = None,
         bpe_vocab_size: int = 4096,
         bpe_sample_mb: float = 64.0,
         streaming: bool = False,
@@ -83,6 +85,7 @@ class TextDataModule(BaseDataModule):
         super().__init__()
         if (path is None) == (hf_dataset is None):
             raise ValueError("give exactly one of a local file (--data.path) or a hub dataset (--data.hf_dataset)")
+        tokenizer = tokenizer or "bytes"
         positive = dict(block_size=block_size, batch_size=batch_size, samples_per_epoch=samples_per_epoch,
                         val_rows=val_rows, bpe_sample_mb=bpe_sample_mb, num_proc=num_proc)
         for name, value in positive.items():
@@ -102,6 +105,8 @@ class TextDataModule(BaseDataModule):
                              "and could also land in the held-out split)")
         self.source = LocalFiles(paths) if path is not None else HubDataset(hf_dataset, hf_config, hf_split, hf_text_field)
         self.tokenizer_spec, self.bpe_vocab_size, self.bpe_sample_mb = tokenizer, bpe_vocab_size, bpe_sample_mb
+        # What a model records as its tokenizer: the spec, or a trained BPE's file (set where it is read or trained).
+        self.tokenizer_source = tokenizer
         # A trained BPE is made (or read from the cache) when the model asks for vocab_size, or in prepare_data.
         self.tokenizer = ByteTokenizer() if tokenizer == "bytes" else None if tokenizer == "bpe" else load_tokenizer(tokenizer)
         self._token_files: dict = {}  # filled by `_prepare`: the corpus's under None, each val file's under its path
@@ -165,6 +170,7 @@ class TextDataModule(BaseDataModule):
         fingerprint = self.source.identity if stream is not None else self.source.fingerprint()
         settings = dict(source=fingerprint, vocab=self.bpe_vocab_size, sample_mb=self.bpe_sample_mb, val_fraction=self.val_fraction)
         path = cache_directory(self.cache_dir / "tokenizers", f"bpe-{self.source.name}", settings).with_suffix(".json")
+        self.tokenizer_source = str(path)
         if path.is_file():
             return load_tokenizer(str(path))
         if not build:

@@ -103,5 +103,15 @@ def load_tokenizer(spec: str) -> HFTokenizer:
         ) from error
 
 
+def vocabulary(tokenizer) -> dict[str, int] | None:
+    """Token → id: what ties a model's embedding rows to a tokenizer, of a ByteTokenizer (None: raw bytes have no
+    table), an HFTokenizer or a transformers tokenizer (as InstructDataModule loads it)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return None
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+    return tokenizer.get_vocab()
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint8 if vocab_size <= 2**8 else np.uint16 if vocab_size <= 2**16 else np.uint32)

@@ -5,6 +5,9 @@ Built from a local model folder (`pretrained`, as written by save_pretrained or 
 fetched from a hub) or from a config mapping (`config`, with its `model_type`, for training from scratch).
 Batches are the data modules' (inputs, labels) pairs with labels already shifted, so the loss is a plain
 cross-entropy (the model's own loss would shift a second time).
+
+A checkpoint does not need the pretrained folder: the folder's config is recorded in the hyperparameters
+(`pretrained_config`), and the weights are in the checkpoint.
 """
 
 from __future__ import annotations
@@ -18,27 +21,34 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from lit_growattn.checkpoint import resize_to_checkpoint
+from lit_growattn.checkpoint import load_weights, resize_to_checkpoint
 from lit_growattn.contract import NamedForm
+from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
+from lit_growattn.divergence import DivergenceGuard
 from lit_growattn.hf.dint_models import DINT_MODEL_TYPES
 from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, supported
 from lit_growattn.optimization import GrowthOptimization, default_optimizer
 
 
-def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_implementation: str):
-    """The AutoModelForCausalLM of a local folder or a config mapping; the model type is checked before any weight
-    is read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_implementation: str,
+                pretrained_config: dict[str, Any] | None = None):
+    """The AutoModelForCausalLM of a local folder or a config mapping, in train mode; the model type is checked
+    before any weight is read. A folder that is gone is rebuilt from its recorded `pretrained_config` (random
+    weights, for a checkpoint's state dict to fill)."""
+    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
     if (pretrained is None) == (config is None):
         raise ValueError("give exactly one of `pretrained` (a local model folder) or `config` (a mapping with "
                          "`model_type`, to train from scratch)")
-    if pretrained is not None:
-        if not os.path.isfile(os.path.join(pretrained, "config.json")):
-            raise FileNotFoundError(f"pretrained={pretrained!r} is not a model folder (no config.json there); give a "
-                                    "local folder written by save_pretrained (models are never downloaded here)")
+    in_folder = pretrained is not None and os.path.isfile(os.path.join(pretrained, "config.json"))
+    if pretrained is not None and not in_folder and pretrained_config is None:
+        raise FileNotFoundError(f"pretrained={pretrained!r} is not a model folder (no config.json there); give a "
+                                "local folder written by save_pretrained (models are never downloaded here)")
+    if in_folder:
         hf_config = AutoConfig.from_pretrained(pretrained)
+    elif pretrained is not None:
+        hf_config = CONFIG_MAPPING[pretrained_config["model_type"]].from_dict(pretrained_config)
     else:
         settings = dict(config)
         model_type = settings.pop("model_type", None)
@@ -50,14 +60,48 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
     if getattr(hf_config, "base_model_type", hf_config.model_type) not in NATIVE_ATTENTION:
         raise ValueError(f"{pretrained} is a {hf_config.model_type!r} model; supported model types: {supported()} "
                          f"(and their DINT conversions, {', '.join(DINT_MODEL_TYPES)})")
-    if pretrained is not None:
-        return AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn_implementation)
-    return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+    if in_folder:
+        model = from_pretrained(pretrained, attn_implementation)
+    else:
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation)
+    # from_pretrained returns the model in eval mode, and Lightning keeps modules' modes: fine-tuning would run
+    # without dropout.
+    return model.train()
 
 
-class HFCausalLM(GrowthOptimization, L.LightningModule):
+def from_pretrained(folder: str, attn_implementation: str):
+    """The folder's model in float32; a damaged weights file is named (safetensors' own error does not)."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn_implementation)
+    except SafetensorError as error:
+        files = ", ".join(unreadable_safetensors(folder)) or f"a .safetensors file in {folder}"
+        raise ValueError(f"{files} is damaged (truncated or overwritten?) and cannot be read ({error}); save or "
+                         "download the model folder again") from error
+
+
+def unreadable_safetensors(folder: str) -> list[str]:
+    """The .safetensors files of `folder` whose header cannot be read (e.g. truncated)."""
+    from safetensors import SafetensorError, safe_open
+
+    unreadable = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(folder, name), "pt"):
+                    pass
+            except SafetensorError:
+                unreadable.append(os.path.join(folder, name))
+    return unreadable
+
+
+class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     """Args:
-        pretrained: a local model folder (config.json and weights), e.g. one downloaded beforehand.
+        pretrained: a local model folder (config.json and weights), e.g. one downloaded beforehand. Its tokenizer is
+            the one to train with: the CLI gives it to a data module whose tokenizer is left out, and a data
+            tokenizer of another vocabulary is refused at setup.
         config: or a config mapping with `model_type` (llama, mistral, qwen2, qwen3, gpt2), for training from scratch.
         vocab_size, block_size: linked from the data module by the CLI; a tokenizer with more tokens than the model's
             vocabulary, or blocks longer than its positions, are refused before training.
@@ -69,7 +113,13 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         growable: convert the attention into growable attention (for GrowAttentionCallback); false keeps the
             model's attention as loaded, e.g. a DINT model written by `convert --pretrained` (seed 001), which the
             growth callback cannot grow.
-        optimizer, scheduler, lr_schedule, warmup_steps, min_lr_ratio: as on GrowAttentionLM.
+        optimizer, scheduler, lr_schedule, warmup_steps, min_lr_ratio, init_from, max_nonfinite_steps: as on
+            GrowAttentionLM.
+        tokenizer: the tokenizer the model is trained with, recorded at setup from the data module: 'bytes', a
+            tokenizer.json file or a folder holding one, or a hub name. The CLI gives it to a data module whose
+            tokenizer is left out (so a resumed run keeps its tokenizer).
+        pretrained_config: recorded: the pretrained folder's config (config.json as a mapping), from which a
+            checkpoint rebuilds the model when the folder has moved.
     """
 
     def __init__(
@@ -87,12 +137,19 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         lr_schedule: Literal["cosine", "constant"] = "cosine",
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
+        init_from: str | None = None,
+        max_nonfinite_steps: int = 10,
+        tokenizer: str | None = None,
+        pretrained_config: dict[str, Any] | None = None,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "init_from"])
+        self.guard_divergence(max_nonfinite_steps)
         if config is not None and vocab_size is not None:
             config = {"vocab_size": vocab_size, **config}  # from scratch: the tokenizer's size unless given
-        self.model = build_model(pretrained, config, attn_implementation)
+        self.model = build_model(pretrained, config, attn_implementation, pretrained_config)
+        if pretrained is not None:
+            self.hparams["pretrained_config"] = self.model.config.to_dict()
         self._check_data_fits(vocab_size, block_size)
         if growable and self.model.config.model_type in DINT_MODEL_TYPES:
             raise ValueError(f"{pretrained} holds a DINT model, whose attention cannot be made growable: set "
@@ -112,12 +169,15 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
                 named.form.resize(d)
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self._total_steps = 1
+        if init_from is not None:
+            load_weights(self, init_from)
 
     def _check_data_fits(self, vocab_size: int | None, block_size: int | None) -> None:
         cfg = self.model.config
         if vocab_size is not None and vocab_size > cfg.vocab_size:
             raise ValueError(f"the tokenizer has {vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}: "
-                             "use the model's own tokenizer (--data.init_args.tokenizer <model folder>)")
+                             "use the model's own tokenizer (leave --data.init_args.tokenizer out to use the model "
+                             "folder's)")
         positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if block_size is not None and positions is not None and block_size > positions:
             raise ValueError(f"blocks of {block_size} tokens exceed the model's {positions} positions: lower block_size")
@@ -143,12 +203,38 @@ class HFCausalLM(GrowthOptimization, L.LightningModule):
         self.record_head_sizes()
         return result
 
+    # -- the data's tokenizer -------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        super().setup(stage)  # DivergenceGuard: refuses 16-true
+        datamodule = self.trainer.datamodule
+        if getattr(datamodule, "tokenizer_source", None) is not None:
+            self._check_tokenizer(datamodule.tokenizer, datamodule.tokenizer_source)
+            self.hparams["tokenizer"] = datamodule.tokenizer_source
+
+    def _check_tokenizer(self, tokenizer, source: str) -> None:
+        """The data's tokenizer must be the pretrained folder's (when the folder has one): the embeddings' rows are
+        its tokens."""
+        folder = self.hparams.pretrained
+        if folder is None or not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            return
+        own, given = vocabulary(load_tokenizer(folder)), vocabulary(tokenizer)
+        if given == own:
+            return
+        if given is None:
+            differs = f"raw bytes against a vocabulary of {len(own)} tokens"
+        else:
+            changed = sum(own.get(token) != i for token, i in given.items()) + len(own.keys() - given.keys())
+            differs = f"vocabularies of {len(given)} and {len(own)} tokens, {changed} of them differing"
+        raise ValueError(f"the data's tokenizer {source!r} does not match the model's, {folder} ({differs}): leave "
+                         f"--data.init_args.tokenizer out to train with the model's (or give {folder})")
+
     # -- steps ---------------------------------------------------------------------------------
     def forward(self, input_ids: Tensor) -> Tensor:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.batch_loss(batch)
+        self.observe_loss(loss, batch_idx)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 

@@ -1,0 +1,202 @@
+"""A pretrained Hugging Face folder on the user's path (`python -m lit_growattn fit`, folders written by
+save_pretrained): it fine-tunes in train mode with its own tokenizer, a diverged run stops, 16-true is refused, and
+its checkpoints outlive the folder."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import warnings
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+from lit_growattn.__main__ import main as command_line  # noqa: E402
+from lit_growattn.cli import main  # noqa: E402
+from lit_growattn.hf import HFCausalLM  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+from hf_helpers import saved_tiny_model, saved_tokenizer, tiny_config  # noqa: E402
+
+CONFIG = str(REPO / "configs" / "hf_llama_grow.yaml")
+TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.\n"
+
+
+@pytest.fixture
+def fit_args(tmp_path):
+    """hf_llama_grow.yaml on a small text: 2 steps per epoch, growth at the second of 2 epochs, everything written
+    under tmp_path."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 150)
+    return ["--config", CONFIG, f"--data.init_args.path={corpus}", "--data.init_args.batch_size=8",
+            "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=16", "--trainer.max_epochs=2",
+            "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false", f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
+            "--model.init_args.warmup_steps=2", "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+            "--trainer.callbacks.init_args.statistics.batches=2"]
+
+
+def pretrained(folder, model_type: str = "llama", **settings) -> list[str]:
+    """A tiny random model with its own byte-level BPE saved together in `folder` (its vocabulary has room for the
+    300 tokens); the arguments that fine-tune it with hf_llama_grow.yaml."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config(model_type, vocab=320)
+    for name, value in settings.items():
+        setattr(config, name, value)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    saved_tokenizer(folder, [TEXT] * 20, vocab_size=300)
+    return ["--model.init_args.config=null", f"--model.init_args.pretrained={folder}"]
+
+
+def last_checkpoint(tmp_path) -> dict:
+    (path,) = (tmp_path / "logs").rglob("last.ckpt")
+    return torch.load(path, weights_only=True)
+
+
+# -- train mode ----------------------------------------------------------------------------------
+
+class DropoutModes(Callback):
+    """Records, before each training and validation batch, whether each dropout module is in training mode."""
+
+    def __init__(self):
+        self.train, self.val, self.rates = [], [], set()
+
+    def _modes(self, pl_module) -> list[bool]:
+        dropouts = [m for m in pl_module.modules() if isinstance(m, torch.nn.Dropout)]
+        self.rates |= {m.p for m in dropouts}
+        return [m.training for m in dropouts]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.train.append(self._modes(pl_module))
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        self.val.append(self._modes(pl_module))
+
+
+def test_a_pretrained_model_fine_tunes_in_train_mode_and_validates_in_eval_mode(tmp_path, fit_args):
+    dropout = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=None, eos_token_id=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli = main(["fit", *fit_args, *pretrained(tmp_path / "gpt2", "gpt2", **dropout),
+                    "--trainer.callbacks+=test_hf_reliability.DropoutModes"])
+    (watch,) = [c for c in cli.trainer.callbacks if isinstance(c, DropoutModes)]
+    assert watch.rates == {0.1} and len(watch.train[0]) == 7  # GPT-2's: embeddings, and 3 per layer
+    assert cli.model.head_sizes() == [16, 16]  # grown at epoch 1
+    assert len(watch.train) == 4 and all(all(modes) for modes in watch.train)
+    assert len(watch.val) >= 2 and not any(any(modes) for modes in watch.val)
+    assert not [w for w in caught if "eval mode" in str(w.message)]
+
+
+# -- divergence ----------------------------------------------------------------------------------
+
+EVERY_STEP = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+              "--trainer.callbacks.init_args.every_n_train_steps=1", "--trainer.callbacks.init_args.save_last=true"]
+
+
+@pytest.mark.parametrize("guard, settings", [
+    ("non-finite for 2 consecutive steps, the last nan at step", ["--model.init_args.max_nonfinite_steps=2"]),
+    ("parameter tensors are non-finite at step", ["--model.init_args.max_nonfinite_steps=100", *EVERY_STEP]),
+])
+def test_a_diverged_hf_run_stops_without_checkpointing_non_finite_weights(tmp_path, fit_args, capsys, guard, settings):
+    rc = command_line(["fit", *fit_args, *pretrained(tmp_path / "llama"), "--model.init_args.optimizer.init_args.lr=1e6",
+                       "--trainer.gradient_clip_val=null", "--data.init_args.samples_per_epoch=160", *settings])
+    assert rc == 1
+    assert re.search(rf"error: TrainingDiverged: training diverged: .*{guard}", capsys.readouterr().err)
+    for path in (tmp_path / "logs").rglob("*.ckpt"):
+        state = torch.load(path, weights_only=True)["state_dict"]
+        assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path
+
+
+def test_16_true_is_refused_for_a_hf_model(tmp_path, fit_args):
+    with pytest.raises(ValueError, match="precision='16-true' is not supported.*use '16-mixed'"):
+        main(["fit", *fit_args, "--trainer.precision=16-true"])
+
+
+# -- tokenizer -----------------------------------------------------------------------------------
+
+def test_a_pretrained_model_trains_on_its_folders_tokenizer(tmp_path, fit_args):
+    folder = tmp_path / "llama"
+    cli = main(["fit", *fit_args, *pretrained(folder)])
+    assert cli.datamodule.tokenizer.vocab_size == 300  # the folder's BPE, not bytes
+    assert cli.trainer.global_step == 4
+    assert last_checkpoint(tmp_path)["hyper_parameters"]["tokenizer"] == str(folder)
+
+
+@pytest.mark.parametrize("other", ["bytes", "another BPE"])
+def test_a_tokenizer_that_is_not_the_models_is_refused_before_training(tmp_path, fit_args, other):
+    folder = tmp_path / "llama"
+    tokenizer = "bytes" if other == "bytes" else saved_tokenizer(tmp_path / "other", ["0123456789 " * 50], 280)
+    with pytest.raises(ValueError, match=rf"the data's tokenizer '{re.escape(tokenizer)}' does not match the "
+                                         rf"model's, {folder} \(.*\): leave --data.init_args.tokenizer out"):
+        main(["fit", *fit_args, *pretrained(folder), f"--data.init_args.tokenizer={tokenizer}"])
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+# -- checkpoints outlive the pretrained folder ---------------------------------------------------
+
+def test_a_checkpoint_resumes_rebuilds_and_exports_after_its_folder_moved(tmp_path, fit_args):
+    folder, moved = tmp_path / "llama", tmp_path / "moved"
+    main(["fit", *fit_args, *pretrained(folder)])
+    (ckpt,) = (tmp_path / "logs").rglob("last.ckpt")
+    saved = torch.load(ckpt, weights_only=True)
+    shutil.move(folder, moved)
+
+    # As `export --ckpt` builds it, and as Lightning loads it: the weights are the checkpoint's.
+    module = HFCausalLM(**{k: v for k, v in saved["hyper_parameters"].items() if not k.startswith("_")})
+    module.load_state_dict(saved["state_dict"])
+    loaded = HFCausalLM.load_from_checkpoint(ckpt)
+    for rebuilt in (module, loaded):
+        state = rebuilt.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in saved["state_dict"].items())
+
+    # Resuming names the moved tokenizer folder, then resumes with the new one.
+    resume = ["fit", *fit_args, "--model.init_args.config=null", f"--ckpt_path={ckpt}", "--trainer.max_epochs=3"]
+    with pytest.raises(ValueError, match=f"its folder {folder} does not exist \\(moved\\?\\): name the tokenizer"):
+        main(resume)
+    cli = main([*resume, f"--data.init_args.tokenizer={moved}"])
+    assert cli.trainer.global_step == 6
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoints_weights_as_the_resume_warning_advises(tmp_path, fit_args):
+    model = pretrained(tmp_path / "llama")
+    main(["fit", *fit_args, *model])
+    (ckpt,) = (tmp_path / "logs").rglob("last.ckpt")
+    with pytest.warns(UserWarning, match=r"attn_implementation: 'eager' given, the checkpoint's 'sdpa' used\. "
+                                         r"Start a new run \(or use init_from for the weights\)"):
+        main(["fit", *fit_args, *model, f"--ckpt_path={ckpt}", "--model.init_args.attn_implementation=eager"])
+    cli = main([*fit_args, *model, f"--model.init_args.init_from={ckpt}",
+                "--model.init_args.attn_implementation=eager"], run=False)
+    state = cli.model.state_dict()
+    assert cli.model.model.config._attn_implementation == "eager"
+    assert all(torch.equal(state[k], v) for k, v in torch.load(ckpt, weights_only=True)["state_dict"].items())
+
+
+# -- damaged folders -----------------------------------------------------------------------------
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+    folder = saved_tiny_model("llama", tmp_path / "llama")
+    weights = tmp_path / "llama" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is damaged \\(truncated or overwritten\\?\\)"):
+        HFCausalLM(pretrained=folder)
+
+
+def test_instruction_data_takes_the_pretrained_folders_tokenizer(tmp_path):
+    from lit_growattn.data.arithmetic import make_rows, write_jsonl
+
+    from hf_helpers import instruct_tokenizer
+
+    folder = tmp_path / "llama"
+    saved_tiny_model("llama", folder, vocab=len(instruct_tokenizer(folder, chat_template=True)))
+    rows = write_jsonl(tmp_path / "rows.jsonl", make_rows(20, seed=0))
+    tiny = ["--config", str(REPO / "configs" / "hf_llama_dint_sft_tiny.yaml"), f"--data.init_args.path={rows}"]
+    cli = main([*tiny, f"--model.init_args.pretrained={folder}"], run=False)
+    assert cli.datamodule.tokenizer_spec == str(folder) and cli.datamodule.tokenizer.chat_template
+    with pytest.raises(ValueError, match="instruction data needs a tokenizer"):
+        main([*tiny, "--model.init_args.config={model_type: llama, hidden_size: 32}"], run=False)
