@@ -1,8 +1,10 @@
 """Every private attribute of Lightning that lit_growattn reads, in one place.
 
 Lightning has no public API for these three facts, and each is read where a public alternative would cost a
-millisecond per step or would be wrong after a resume. A Lightning upgrade that moves one of them breaks here,
-and `tests/test_lightning_private.py` says which.
+millisecond per step or would be wrong after a resume. Nor does it expose the averaged copy of the model that its
+weight-averaging callbacks keep, or SWA's scheduler, which a growth must resize and move to the rebuilt optimizer
+(`growing/averaging.py`). A Lightning upgrade that moves one of them breaks here, and
+`tests/test_lightning_private.py` says which.
 
 `cli.py` also overrides two private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
 callback only when none is configured) and `_run_subcommand` (no empty log folder after a failed start). They
@@ -12,6 +14,9 @@ are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still 
 from __future__ import annotations
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 CLI_OVERRIDES = ("_instantiate_trainer", "_run_subcommand")
 
@@ -29,3 +34,20 @@ def accumulation_open_after_this_batch(trainer: L.Trainer) -> bool:
 def batches_done_in_epoch(trainer: L.Trainer) -> int:
     """Training batches of the current epoch already processed (restored from a checkpoint on resume)."""
     return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def averaged_model(callback: Callback) -> nn.Module | None:
+    """The copy of the LightningModule whose parameters a weight-averaging callback averages (None: another
+    callback, or before the copy exists). Lightning keeps it in `_average_model`: an `AveragedModel` around the
+    copy for `WeightAveraging` (and `EMAWeightAveraging`), the copy itself for `StochasticWeightAveraging`."""
+    if isinstance(callback, WeightAveraging):
+        return None if callback._average_model is None else callback._average_model.module
+    if isinstance(callback, StochasticWeightAveraging):
+        return callback._average_model
+    return None
+
+
+def callback_scheduler(callback: Callback) -> LRScheduler | None:
+    """The scheduler a callback put in `trainer.lr_scheduler_configs` in place of configure_optimizers' own:
+    `StochasticWeightAveraging`'s SWALR (`_swa_scheduler`, None before its first SWA epoch)."""
+    return callback._swa_scheduler if isinstance(callback, StochasticWeightAveraging) else None
