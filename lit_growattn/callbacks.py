@@ -108,7 +108,7 @@ class GrowAttentionCallback(Callback):
                 f"statistics.layers_per_event={per_event} exceeds the {len(layers)} growing layers {layers}: set it to "
                 f"at most {len(layers)}, or leave it unset to grow every growing layer at each event"
             )
-        check_callbacks(trainer.callbacks, self)
+        check_callbacks(trainer, self, named)
         self._per_step = min(self.statistics.layers_per_step or len(layers), len(layers))
         # The automatic schedule splits each layer's statistics in two halves: two turns per layer at least.
         turns = math.ceil(len(layers) / self._per_step) * (2 if self.window.halves else 1)

@@ -1,9 +1,9 @@
 """Every private attribute of Lightning that lit_growattn reads, in one place.
 
 Lightning has no public API for these three facts, and each is read where a public alternative would cost a
-millisecond per step or would be wrong after a resume. Nor does it expose the averaged copy of the model that its
-weight-averaging callbacks keep, or SWA's scheduler, which a growth must resize and move to the rebuilt optimizer
-(`growing/averaging.py`). A Lightning upgrade that moves one of them breaks here, and
+millisecond per step or would be wrong after a resume. Nor does it expose the averaged copy of the model that
+its weight-averaging callbacks keep, or SWA's scheduler, which a growth must resize and move to the rebuilt
+optimizer, or which tensors ModelPruning prunes (`growing/averaging.py`). A Lightning upgrade that moves one of them breaks here, and
 `tests/test_lightning_private.py` says which.
 
 `cli.py` also overrides two private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
@@ -14,7 +14,7 @@ are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still 
 from __future__ import annotations
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -51,3 +51,11 @@ def callback_scheduler(callback: Callback) -> LRScheduler | None:
     """The scheduler a callback put in `trainer.lr_scheduler_configs` in place of configure_optimizers' own:
     `StochasticWeightAveraging`'s SWALR (`_swa_scheduler`, None before its first SWA epoch)."""
     return callback._swa_scheduler if isinstance(callback, StochasticWeightAveraging) else None
+
+
+def pruned_tensors(callback: ModelPruning, pl_module: L.LightningModule) -> list[tuple[nn.Module, str]]:
+    """The (module, tensor name) pairs that a `ModelPruning` prunes, resolved from its constructor's arguments
+    (`_parameters_to_prune`, `_parameter_names`) as its own setup resolves them."""
+    pairs = callback.sanitize_parameters_to_prune(pl_module, callback._parameters_to_prune,
+                                                  parameter_names=callback._parameter_names)
+    return callback.filter_parameters_to_prune(pairs)

@@ -9,12 +9,10 @@ SWA also steps its own scheduler (SWALR) in place of configure_optimizers' one: 
 (`trainer_ops.resize_parameters`), on the new optimizer.
 
 The other callbacks of Lightning that hold parameters, parameter groups or schedulers are refused at setup
-(`check_callbacks`), with the reason.
+(`check_callbacks`), with the reason; ModelPruning only where it prunes a tensor that grows.
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import lightning as L
 from lightning.pytorch.callbacks import (BaseFinetuning, BatchSizeFinder, Callback, LearningRateFinder, ModelPruning,
@@ -25,7 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from lit_growattn.checkpoint import resize_to_checkpoint
 from lit_growattn.growing.window import NamedForms
 from lit_growattn.growth import Carry
-from lit_growattn.lightning_private import averaged_model, callback_scheduler
+from lit_growattn.lightning_private import averaged_model, callback_scheduler, pruned_tensors
 
 GROWN = ("w_q", "w_k", "log_tau")  # the tensors `set_weights` replaces
 
@@ -36,16 +34,16 @@ REFUSED: dict[type[Callback], str] = {
     BaseFinetuning: "it adds the parameters it unfreezes to the optimizer as new parameter groups, and a growth "
                     "rebuilds the optimizer from configure_optimizers, without them: the unfrozen modules would stop "
                     "training. Unfreeze them in configure_optimizers' groups instead (BackboneFinetuning included)",
-    ModelPruning: "it re-parametrises the tensors it prunes (a mask beside `<name>_orig`) and keeps copies of their "
-                  "first values (lottery ticket), neither of which follows a growth",
     LearningRateFinder: SEARCH,
     BatchSizeFinder: SEARCH,
 }
 
 
-def check_callbacks(callbacks: Sequence[Callback], grower: Callback) -> None:
-    """Refuses the callbacks that do not survive a growth, and a weight-averaging callback placed before `grower`:
-    on resume it loads its average in `on_load_checkpoint`, into a copy that `grower` must resize first."""
+def check_callbacks(trainer: L.Trainer, grower: Callback, forms: NamedForms) -> None:
+    """Refuses the trainer's callbacks that do not survive a growth of `forms`, and a weight-averaging callback
+    placed before `grower`: on resume it loads its average in `on_load_checkpoint`, into a copy that `grower`
+    must resize first."""
+    callbacks = trainer.callbacks
     for callback in callbacks:
         name = type(callback).__name__
         if reason := next((r for kind, r in REFUSED.items() if isinstance(callback, kind)), None):
@@ -55,6 +53,16 @@ def check_callbacks(callbacks: Sequence[Callback], grower: Callback) -> None:
                 f"{name} comes before GrowAttentionCallback in trainer.callbacks: put it after, so that a resumed "
                 f"run gives its averaged copy the checkpoint's head sizes before {name} loads the average into it"
             )
+        if isinstance(callback, ModelPruning):
+            growable = {id(form): form_name for _, form_name, form in forms}
+            pruned = pruned_tensors(callback, trainer.lightning_module)
+            if hit := [f"{growable[id(module)]}.{tensor}" for module, tensor in pruned
+                       if id(module) in growable and tensor in GROWN]:
+                raise ValueError(
+                    f"ModelPruning prunes {hit}, which grow: pruning re-parametrises a tensor (a mask beside "
+                    "`<name>_orig`) and keeps a copy of its first values (lottery ticket), and neither follows a "
+                    "growth. Leave the query/key tensors (w_q, w_k, log_tau) out of parameters_to_prune"
+                )
 
 
 def averaged_copies(trainer: L.Trainer) -> list[nn.Module]:
