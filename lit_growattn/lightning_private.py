@@ -1,10 +1,12 @@
 """Every private attribute of Lightning that lit_growattn reads, in one place.
 
 Lightning has no public API for these three facts, and each is read where a public alternative would cost a
-millisecond per step or would be wrong after a resume. Nor does it expose the averaged copy of the model that
-its weight-averaging callbacks keep, or SWA's scheduler, which a growth must resize and move to the rebuilt
-optimizer, or which tensors ModelPruning prunes (`growing/averaging.py`). A Lightning upgrade that moves one of them breaks here, and
-`tests/test_lightning_private.py` says which.
+millisecond per step or would be wrong after a resume. A Lightning upgrade that moves one of them breaks here,
+and `tests/test_lightning_private.py` says which.
+
+Nor does Lightning expose what a growth must follow in its own callbacks (`growing/averaging.py`): the averaged
+copy of the model that its weight-averaging callbacks keep, SWA's scheduler, and which tensors ModelPruning
+prunes. `tests/test_weight_averaging.py` reads them through these functions.
 
 `cli.py` also overrides two private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
 callback only when none is configured) and `_run_subcommand` (no empty log folder after a failed start). They

@@ -199,3 +199,21 @@ def test_layers_per_event_above_the_growing_layers_is_refused_naming_them(tmp_pa
         main(["fit", *RECALL, f"--trainer.logger.init_args.save_dir={tmp_path}",
               "--trainer.callbacks.init_args.statistics.layers_per_event=2"])
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_ema_follows_the_growth_of_a_hugging_face_model(tmp_path):
+    pytest.importorskip("transformers")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.\n" * 150)
+    cli = main([
+        "fit", "--config", str(REPO / "configs/hf_llama_grow.yaml"), f"--data.init_args.path={corpus}",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}", "--data.init_args.batch_size=8",
+        "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=64", "--trainer.max_epochs=2",
+        "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.warmup_steps=2",
+        "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2",
+        *EMA,
+    ])
+    average = averaged_model(only(cli.trainer, EMAWeightAveraging))
+    assert average.head_sizes() == cli.model.head_sizes() == [16, 16]
+    assert {k: v.shape for k, v in average.named_parameters()} == {k: v.shape for k, v in cli.model.named_parameters()}
