@@ -29,8 +29,7 @@ RECALL = [
 EMA = ["--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.init_args.decay=0.5"]
 # device as a string: SWA's default, torch.device("cpu"), is a value jsonargparse cannot write into config.yaml.
 SWA = ["--trainer.callbacks+=lightning.pytorch.callbacks.StochasticWeightAveraging",
-       "--trainer.callbacks.init_args.swa_lrs=0.01", "--trainer.callbacks.init_args.swa_epoch_start=1",
-       "--trainer.callbacks.init_args.device=cpu"]
+       "--trainer.callbacks.init_args.swa_lrs=0.01", "--trainer.callbacks.init_args.device=cpu"]
 # SWA swaps the module's per-step schedule for its per-epoch SWALR, and Lightning says so; that is what SWA does.
 SWA_SWAPS_SCHEDULE = pytest.mark.filterwarnings("ignore:SWA is currently only supported every epoch:UserWarning")
 
@@ -66,8 +65,9 @@ def test_ema_runs_through_both_growths_and_its_average_grows_with_the_model(ema_
 
 
 @SWA_SWAPS_SCHEDULE
-def test_swa_runs_through_both_growths_and_its_scheduler_steps_the_rebuilt_optimizer(tmp_path):
-    cli = fit(tmp_path, *SWA)
+@pytest.mark.parametrize("start", [1, 3], ids=["averaging-from-epoch-0", "first-growth-before-averaging"])
+def test_swa_runs_through_both_growths_and_its_scheduler_steps_the_rebuilt_optimizer(tmp_path, start):
+    cli = fit(tmp_path, *SWA, f"--trainer.callbacks.init_args.swa_epoch_start={start}")  # 1-based: epoch start - 1
     assert cli.model.head_sizes() == [15]
     assert averaged_model(only(cli.trainer, StochasticWeightAveraging)).head_sizes() == [15]
     (config,) = cli.trainer.lr_scheduler_configs
