@@ -102,7 +102,8 @@ def test_resumed_after_a_growth_with_a_model_built_small_equals_the_uninterrupte
     so the averaged copy must take the checkpoint's sizes before the average is loaded into it."""
     def run(out, ckpt_path=None):
         data = recall_data()
-        grow = GrowAttentionCallback(AtSteps([3]), growth=GrowthSettings(columns=2), statistics=StatisticsSettings(batches=2))
+        grow = GrowAttentionCallback(AtSteps([3]), growth=GrowthSettings(columns=2),
+                                     statistics=StatisticsSettings(batches=2))
         every_step = ModelCheckpoint(dirpath=out / "ckpt", filename="{step}", every_n_train_steps=1, save_top_k=-1)
         trainer(out, [grow, averaging(), every_step], max_epochs=2, limit_train_batches=4).fit(
             tiny_module(data), data, ckpt_path=ckpt_path)
@@ -110,7 +111,8 @@ def test_resumed_after_a_growth_with_a_model_built_small_equals_the_uninterrupte
         return [ckpt["state_dict"], *kept(ckpt)]
 
     full = run(tmp_path / "full")
-    for resumed, uninterrupted in zip(run(tmp_path / "resumed", tmp_path / "full" / "ckpt" / "step=5.ckpt"), full, strict=True):
+    after_growth = tmp_path / "full" / "ckpt" / "step=5.ckpt"
+    for resumed, uninterrupted in zip(run(tmp_path / "resumed", after_growth), full, strict=True):
         assert resumed.keys() == uninterrupted.keys()
         assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted)
     assert full[0]["model.blocks.0.attn.qk.w_q"].shape[-1] == 4
@@ -168,7 +170,8 @@ def test_the_averaged_copy_grows_the_same_columns_and_takes_the_live_values_of_t
 
 def test_model_pruning_of_other_tensors_runs_through_a_growth(tmp_path):
     data = recall_data()
-    grow = GrowAttentionCallback(AtSteps([3]), growth=GrowthSettings(columns=2), statistics=StatisticsSettings(batches=2))
+    grow = GrowAttentionCallback(AtSteps([3]), growth=GrowthSettings(columns=2),
+                                 statistics=StatisticsSettings(batches=2))
     module = tiny_module(data)
     trainer(tmp_path, [grow, ModelPruning("l1_unstructured", amount=0.5)], max_epochs=2, limit_train_batches=3).fit(
         module, data)
@@ -181,7 +184,8 @@ def test_model_pruning_of_other_tensors_runs_through_a_growth(tmp_path):
     (lambda grow, module: [grow, ModelPruning("l1_unstructured", parameters_to_prune=[
         (module.model.blocks[1].attn.qk, "w_k"), (module.model.blocks[1].mlp.fc, "weight")])],
      r"ModelPruning prunes \['model.blocks.1.attn.qk.w_k'\], which grow"),
-    (lambda grow, _: [EMAWeightAveraging(), grow], "EMAWeightAveraging comes before GrowAttentionCallback .* put it after"),
+    (lambda grow, _: [EMAWeightAveraging(), grow],
+     "EMAWeightAveraging comes before GrowAttentionCallback .* put it after"),
 ], ids=["finetuning", "lr-finder", "pruning", "ema-first"])
 def test_callbacks_that_cannot_follow_a_growth_are_refused_at_setup(tmp_path, others, match):
     data = recall_data()
@@ -211,7 +215,8 @@ def test_ema_follows_the_growth_of_a_hugging_face_model(tmp_path):
         "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=64", "--trainer.max_epochs=2",
         "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.warmup_steps=2",
-        "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]", "--trainer.callbacks.init_args.statistics.batches=2",
+        "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+        "--trainer.callbacks.init_args.statistics.batches=2",
         *EMA,
     ])
     average = averaged_model(only(cli.trainer, EMAWeightAveraging))
