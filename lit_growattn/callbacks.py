@@ -7,7 +7,9 @@ Thin Lightning glue over `lit_growattn.growing` (docs/design.md, "Lightning mech
 - window: on a statistics step the forms capture (X′, G X′) during the real training step, `on_after_backward`
   folds them into sums, and the window's last batch all-reduces them once;
 - event: plan, step size, broadcast of rank 0's tensors, install;
-- rebuild: DDP re-wrapped, optimizer and scheduler rebuilt with their state carried over.
+- rebuild: DDP re-wrapped, averaged copies of Lightning's weight-averaging callbacks grown alike, optimizer and
+  scheduler rebuilt with their state carried over (other callbacks that hold parameters or schedulers are
+  refused at setup: `growing.averaging.check_callbacks`).
 The history and the pending window are in `state_dict`, so a run resumed from a checkpoint taken at any step
 grows exactly once per event, from the statistics the uninterrupted run used (inside a window, only with the
 settings the window began with: `check_resumed`).
@@ -26,6 +28,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lit_growattn import growth
 from lit_growattn.contract import check_module
 from lit_growattn.growing import report
+from lit_growattn.growing.averaging import check_callbacks, resize_averaged_to
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
@@ -99,6 +102,13 @@ class GrowAttentionCallback(Callback):
                 f"max_d_head={max_d} must lie between the current head size ({current}) and the form's input size "
                 f"({e_in}: the bilinear form has rank ≤ {e_in})"
             )
+        per_event = self.statistics.layers_per_event
+        if per_event is not None and per_event > len(layers):
+            raise ValueError(
+                f"statistics.layers_per_event={per_event} exceeds the {len(layers)} growing layers {layers}: set it to "
+                f"at most {len(layers)}, or leave it unset to grow every growing layer at each event"
+            )
+        check_callbacks(trainer, self, named)
         self._per_step = min(self.statistics.layers_per_step or len(layers), len(layers))
         # The automatic schedule splits each layer's statistics in two halves: two turns per layer at least.
         turns = math.ceil(len(layers) / self._per_step) * (2 if self.window.halves else 1)
@@ -252,6 +262,11 @@ class GrowAttentionCallback(Callback):
     def state_dict(self) -> dict:
         return {"history": self.history, "window": self.window.state_dict(self._strategy, self._world),
                 "schedule": self.schedule.kind}
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # The averaged copies of weight-averaging callbacks were made from the model as built, before it took the
+        # checkpoint's head sizes; they load their averages after this (check_callbacks keeps that order).
+        resize_averaged_to(trainer, checkpoint["state_dict"])
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_same_schedule(state_dict, self.schedule.kind)

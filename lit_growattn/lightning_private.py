@@ -4,6 +4,10 @@ Lightning has no public API for these three facts, and each is read where a publ
 millisecond per step or would be wrong after a resume. A Lightning upgrade that moves one of them breaks here,
 and `tests/test_lightning_private.py` says which.
 
+Nor does Lightning expose what a growth must follow in its own callbacks (`growing/averaging.py`): the averaged
+copy of the model that its weight-averaging callbacks keep, SWA's scheduler, and which tensors ModelPruning
+prunes. `tests/test_weight_averaging.py` reads them through these functions.
+
 `cli.py` also overrides two private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
 callback only when none is configured) and `_run_subcommand` (no empty log folder after a failed start). They
 are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still has them.
@@ -12,6 +16,9 @@ are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still 
 from __future__ import annotations
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging, WeightAveraging
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 CLI_OVERRIDES = ("_instantiate_trainer", "_run_subcommand")
 
@@ -29,3 +36,28 @@ def accumulation_open_after_this_batch(trainer: L.Trainer) -> bool:
 def batches_done_in_epoch(trainer: L.Trainer) -> int:
     """Training batches of the current epoch already processed (restored from a checkpoint on resume)."""
     return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def averaged_model(callback: Callback) -> nn.Module | None:
+    """The copy of the LightningModule whose parameters a weight-averaging callback averages (None: another
+    callback, or before the copy exists). Lightning keeps it in `_average_model`: an `AveragedModel` around the
+    copy for `WeightAveraging` (and `EMAWeightAveraging`), the copy itself for `StochasticWeightAveraging`."""
+    if isinstance(callback, WeightAveraging):
+        return None if callback._average_model is None else callback._average_model.module
+    if isinstance(callback, StochasticWeightAveraging):
+        return callback._average_model
+    return None
+
+
+def callback_scheduler(callback: Callback) -> LRScheduler | None:
+    """The scheduler a callback put in `trainer.lr_scheduler_configs` in place of configure_optimizers' own:
+    `StochasticWeightAveraging`'s SWALR (`_swa_scheduler`, None before its first SWA epoch)."""
+    return callback._swa_scheduler if isinstance(callback, StochasticWeightAveraging) else None
+
+
+def pruned_tensors(callback: ModelPruning, pl_module: L.LightningModule) -> list[tuple[nn.Module, str]]:
+    """The (module, tensor name) pairs that a `ModelPruning` prunes, resolved from its constructor's arguments
+    (`_parameters_to_prune`, `_parameter_names`) as its own setup resolves them."""
+    pairs = callback.sanitize_parameters_to_prune(pl_module, callback._parameters_to_prune,
+                                                  parameter_names=callback._parameter_names)
+    return callback.filter_parameters_to_prune(pairs)

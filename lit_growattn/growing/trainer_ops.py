@@ -1,6 +1,6 @@
 """What a growth event does through a running Trainer: rate candidate growths on the kept batches, and resize
-parameters (DDP unwrapped and wrapped again, optimizer and scheduler rebuilt with their state carried over;
-docs/design.md, "Lightning mechanics")."""
+parameters (DDP unwrapped and wrapped again, averaged copies grown alike, optimizer and scheduler rebuilt with
+their state carried over; docs/design.md, "Lightning mechanics")."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
+from lit_growattn.growing.averaging import GROWN, callback_schedulers, grow_averaged
 from lit_growattn.growing.window import NamedForms
 from lit_growattn.growth import Carry, Growth, installed
 from lit_growattn.optim_state import carry_state, snapshot_state
@@ -60,13 +61,16 @@ def loss_terms(batches: list[Any]) -> int:
 def install_growth(
     trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, grown: dict[str, Growth], new_second_moment: str
 ) -> None:
-    """Puts the grown tensors in the forms (named as in `pl_module.named_parameters()`) and rebuilds what follows."""
+    """Puts the grown tensors in the forms (named as in `pl_module.named_parameters()`), grows the averaged copies
+    of weight-averaging callbacks alike, and rebuilds what follows."""
 
     def resize() -> dict[str, Carry]:
-        carries = {}
+        carries, before = {}, {}
         for _, name, form in forms:
+            before[name] = {tensor: getattr(form, tensor) for tensor in GROWN}
             form.set_weights(grown[name].w_q, grown[name].w_k, grown[name].log_tau)
             carries |= {f"{name}.{param}": carry for param, carry in grown[name].carries.items()}
+        grow_averaged(trainer, forms, before, carries)
         return carries
 
     resize_parameters(trainer, pl_module, resize, new_second_moment)
@@ -79,7 +83,9 @@ def resize_parameters(
     name, then re-wraps DDP and rebuilds optimizer and scheduler with Adam state, lrs and schedule position."""
     strategy = trainer.strategy
     (old_optimizer,) = trainer.optimizers
-    old_schedulers = [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs]
+    old_configs = list(trainer.lr_scheduler_configs)
+    old_states = [cfg.scheduler.state_dict() for cfg in old_configs]
+    held = callback_schedulers(trainer)
     old_state = snapshot_state(old_optimizer, pl_module)
     if isinstance(strategy, DDPStrategy):
         strategy.model = strategy.lightning_module  # unwrap: DDP cannot follow resized parameters
@@ -92,5 +98,12 @@ def resize_parameters(
         # lr, and whatever else a scheduler moves (betas, momentum), as they were.
         new_group.update({k: v for k, v in old_group.items() if k != "params"})
     carry_state(old_state, new_optimizer, pl_module, carries, new_second_moment)
-    for cfg, state in zip(trainer.lr_scheduler_configs, old_schedulers):
-        cfg.scheduler.load_state_dict(state)
+    configs = trainer.lr_scheduler_configs
+    for i, (old, state) in enumerate(zip(old_configs, old_states)):
+        if any(old.scheduler is s for s in held):
+            # A callback's scheduler (SWA's SWALR) stood in for configure_optimizers' one, or was added to its
+            # list: it stays, stepping the new optimizer, and the one configure_optimizers just made goes.
+            old.scheduler.optimizer = new_optimizer
+            configs[i : i + 1] = [old]
+        else:
+            configs[i].scheduler.load_state_dict(state)
