@@ -9,6 +9,7 @@ event resizes parameters and has to build them again (docs/design.md, "Lightning
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Literal
 
@@ -36,6 +37,16 @@ def lr_factor(step: int, warmup: int, total: int, floor: float, shape: Literal["
 
 class GrowthOptimization:
     """Mixin placed before L.LightningModule."""
+
+    def __deepcopy__(self, memo: dict) -> "GrowthOptimization":
+        """A copy (Lightning's weight averaging makes one) shares the optimizer and scheduler callables: those the
+        CLI builds reach its parser and, under DDP, the trainer's process group, which cannot be copied."""
+        for factory in (self.optimizer_factory, self.scheduler_factory):
+            memo[id(factory)] = factory
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))  # LightningModule leaves its trainer out
+        return copied
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Weight decay only on ≥2-D weights; never on temperatures, biases, norms or gates.

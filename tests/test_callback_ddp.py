@@ -61,18 +61,25 @@ def test_ddp_statistics_equal_single_rank_and_replicas_stay_identical(tmp_path):
 
 
 def test_cli_growth_under_ddp_from_the_command_line(tmp_path):
+    """With EMA weight averaging too, whose copy of the module must survive DDP's setup and follow each growth."""
     cmd = [sys.executable, "-m", "lit_growattn", "fit", "--config", str(REPO / "configs/mqar_grow.yaml"),
            "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.max_epochs=3",
            "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
            "--trainer.callbacks.init_args.schedule.init_args.epochs=[1, 2]", "--trainer.callbacks.init_args.statistics.batches=2",
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.num_train_examples=512",
-           "--data.init_args.num_val_examples=64"]
+           "--data.init_args.num_val_examples=64",
+           "--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.init_args.decay=0.5"]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     ckpt = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)
     history = ckpt["callbacks"][next(k for k in ckpt["callbacks"] if k.startswith("GrowAttentionCallback"))]["history"]
     assert [e["epoch"] for e in history] == [1, 2]
     assert ckpt["hyper_parameters"]["d_head"] == [6, 6]  # 2, grown by 2 twice
+    # EMA stores its average as the state dict and the live weights beside it: both at the grown size, different.
+    live, average = ckpt["current_model_state"], ckpt["state_dict"]
+    w_q = next(k for k in live if k.endswith("w_q"))
+    assert live[w_q].shape == average[w_q].shape and live[w_q].shape[-1] == 6
+    assert not torch.equal(live[w_q], average[w_q])
 
 
 class SaveParams(L.Callback):
