@@ -10,7 +10,10 @@ prunes. `tests/test_weight_averaging.py` reads them through these functions.
 
 `cli.py` also overrides two private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
 callback only when none is configured) and `_run_subcommand` (no empty log folder after a failed start). They
-are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still has them.
+are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still has them. It wraps one private
+function of jsonargparse too, `_typehints.adapt_class_type` (a nested `null` on the command line reaches the
+class's parser as JSON instead of the text "None"); `tests/test_cli_overrides.py` checks that jsonargparse still
+needs it.
 """
 
 from __future__ import annotations
