@@ -16,28 +16,32 @@ from lit_growattn.contract import ScoreMap
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's content, loaded with `weights_only=True`: tensors and plain containers only, so a file from
-    elsewhere cannot run code. Checkpoints written by this project's CLI and by `convert` load this way."""
+    elsewhere cannot run code. Checkpoints written by this project's CLI and by `convert` load this way.
+
+    torch's own messages for a file it will not load this way advise loading it with `weights_only=False`, which
+    would run the file's code: none of them is passed on (no `from error`), whatever the refusal."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {str(path)!r}; give the path of a .ckpt file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+)", str(error))  # "Unsupported global: GLOBAL x" or "unsupported GLOBAL x"
-        if found is None:
-            raise damaged(path) from error
-        # From None: torch's own message advises loading with the unsafe setting, for exactly this file.
+        if found is None:  # e.g. a plain pickle (not torch.save) or a damaged file: torch names no object then
+            raise ValueError(
+                f"{path} cannot be read as a checkpoint of tensors and plain containers: it is damaged (truncated or "
+                "overwritten?) or not written by torch.save (a plain pickle could run code when loaded, so it is "
+                "refused); use another checkpoint, e.g. an earlier one of the same run"
+            ) from None
         raise ValueError(
             f"{path} holds Python objects such as {found.group(1)} beyond tensors and plain containers; loading "
             "them could run code from the file, so it is refused. If you trust the file, save only its "
             "'state_dict' and 'hyper_parameters' (tensors and plain values) to a new file."
         ) from None
     except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
+        if "weights_only" in str(error):  # e.g. a TorchScript archive, or a file of torch's legacy .tar format
+            raise ValueError(f"{path} is not a checkpoint of tensors and plain containers (a TorchScript archive?); "
+                             "it is refused, since loading it could run code from the file") from None
         raise damaged(path) from error
-
-
-def damaged(path: str | os.PathLike) -> ValueError:
-    return ValueError(f"checkpoint {str(path)!r} is damaged (truncated or overwritten?) and cannot be read; "
-                      "use another checkpoint, e.g. an earlier one of the same run")
 
 
 def resize_to_checkpoint(model: nn.Module, state_dict: dict[str, Tensor]) -> None:
