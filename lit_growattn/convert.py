@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     out = check_output(args.out, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite)
     config_path = out.with_suffix(".yaml")
     if config_path == out:
-        parser.error(f"--out {out} ends in .yaml, the name of the model config written beside the checkpoint: "
-                     "give the checkpoint's name, e.g. converted.ckpt")
+        raise ValueError(f"--out {out} ends in .yaml, the name of the model config written beside the checkpoint: "
+                         "give the checkpoint's name, e.g. converted.ckpt")
     check_output(config_path, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite, option="--out's config")
     d_head = None if args.d_head is None else args.d_head[0] if len(args.d_head) == 1 else args.d_head
     with new_file(out) as partial_ckpt, new_file(config_path) as partial_config:

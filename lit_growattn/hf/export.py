@@ -220,6 +220,7 @@ def main(argv: list[str]) -> None:
     """`python -m lit_growattn export --ckpt CKPT --out DIR [--pretrained DIR] [--overwrite]`: an HFCausalLM
     checkpoint (as `fit` writes it) as a save_pretrained folder, with the tokenizer the model was trained with."""
     import argparse
+    import inspect
 
     from lit_growattn.checkpoint import read_checkpoint
     from lit_growattn.divergence import ADVICE, TrainingDiverged
@@ -251,7 +252,8 @@ def main(argv: list[str]) -> None:
         raise TrainingDiverged(f"{args.ckpt} holds non-finite weights ({len(non_finite)} tensors: "
                                f"{', '.join(non_finite[:3])}{', …' if len(non_finite) > 3 else ''}), so it is not "
                                f"exported: its run had diverged. Export an earlier checkpoint, or train again: {ADVICE}")
-    module = HFCausalLM(**hparams)
+    # The model's own settings; others recorded beside them (e.g. the data's tokenizer) do not build it.
+    module = HFCausalLM(**{k: v for k, v in hparams.items() if k in inspect.signature(HFCausalLM).parameters})
     module.load_state_dict(ckpt["state_dict"])
     with new_folder(out) as folder:
         written = export(module.model, folder)
