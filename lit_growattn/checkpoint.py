@@ -44,6 +44,11 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise damaged(path) from error
 
 
+def damaged(path: str | os.PathLike) -> ValueError:
+    return ValueError(f"checkpoint {str(path)!r} is damaged (truncated or overwritten?) and cannot be read; "
+                      "use another checkpoint, e.g. an earlier one of the same run")
+
+
 def resize_to_checkpoint(model: nn.Module, state_dict: dict[str, Tensor]) -> None:
     """Gives every score map of `model` the head size its tensors have in state_dict (placeholder values, which
     the state dict then fills): the one resize path for `fit --ckpt_path`, `load_from_checkpoint`, `init_from`."""
