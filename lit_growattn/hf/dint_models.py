@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import pickle
 
 import torch
 from torch import nn
@@ -92,12 +93,18 @@ def convert_pretrained(src: str, out: str | os.PathLike, settings: DintSettings,
     name in the README (out's, unless out is a temporary folder). Returns the converted model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from lit_growattn.checkpoint import refusal, unsafe_load_refused
     from lit_growattn.hf.export import write_loading_files
 
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise FileNotFoundError(f"--pretrained {src!r} is not a model folder (no config.json): give a local folder "
                                 "written by save_pretrained (models are never downloaded here)")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    except (pickle.UnpicklingError, RuntimeError) as error:  # a pytorch_model.bin that weights_only loading refuses
+        if unsafe_load_refused(error):
+            raise refusal(f"a weights file of {src}", error) from None
+        raise
     converted = convert_to_dint(model, settings, seed)
     converted.save_pretrained(out)
     if any(os.path.isfile(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
