@@ -42,7 +42,8 @@ def check_output(out: str | os.PathLike, kind: Literal["folder", "file"], source
         if kind == "file" and target.is_dir():
             raise ValueError(f"{option} {out} is a folder; it must name a file: give a file's path")
         if not overwrite and (kind == "file" or any(target.iterdir())):
-            held = "" if kind == "file" else f" ({', '.join(sorted(p.name for p in target.iterdir())[:3])}, …)"
+            names = sorted(p.name for p in target.iterdir()) if kind == "folder" else []
+            held = f" ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})" if names else ""
             raise ValueError(f"{option} {out} already exists{held}: give --overwrite to replace it (the old one "
                              f"is kept until the new one is complete), or another {option}")
     return out

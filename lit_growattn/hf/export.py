@@ -1,5 +1,6 @@
 """Export of a growable Hugging Face model as a `save_pretrained` folder that `AutoModelForCausalLM.from_pretrained`
-loads back after `import lit_growattn` (no remote code).
+loads back after `import lit_growattn` (no remote code; `write_loading_files` adds a README.md saying so, and a
+loader for `trust_remote_code=True` that only imports lit_growattn).
 
 - Expressible natively (every layer at its rotary/original width, and for Qwen3 one temperature per layer, since
   its q_norm is scale-invariant): the original architecture, with τ_j/scaling folded into head j's query rows, so
@@ -245,8 +246,10 @@ def main(argv: list[str]) -> None:
             raise ValueError(f"{args.ckpt} was trained from a config, not a pretrained folder: leave out --pretrained")
         hparams["pretrained"] = args.pretrained
     tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"])
+    recorded = ckpt["hyper_parameters"]["pretrained"]
     out = check_output(args.out, "folder", {"the checkpoint": args.ckpt, "the model's pretrained folder": hparams[
-        "pretrained"], "the model's tokenizer": tokenizer}, args.overwrite)
+        "pretrained"], "the pretrained folder the checkpoint names": recorded, "the model's tokenizer": tokenizer},
+        args.overwrite)
     non_finite = [k for k, v in ckpt["state_dict"].items() if v.is_floating_point() and not v.isfinite().all()]
     if non_finite:
         raise TrainingDiverged(f"{args.ckpt} holds non-finite weights ({len(non_finite)} tensors: "
