@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     if config_path == out:
         raise ValueError(f"--out {out} ends in .yaml, the name of the model config written beside the checkpoint: "
                          "give the checkpoint's name, e.g. converted.ckpt")
-    check_output(config_path, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite, option="--out's config")
+    check_output(config_path, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite, option="--out's model config")
     d_head = None if args.d_head is None else args.d_head[0] if len(args.d_head) == 1 else args.d_head
     with new_file(out) as partial_ckpt, new_file(config_path) as partial_config:
         module = convert_checkpoint(args.ckpt, partial_ckpt, args.to, seed=args.seed, d_head=d_head, **variant_args)

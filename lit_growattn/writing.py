@@ -45,7 +45,7 @@ def check_output(out: str | os.PathLike, kind: Literal["folder", "file"], source
             names = sorted(p.name for p in target.iterdir()) if kind == "folder" else []
             held = f" ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})" if names else ""
             raise ValueError(f"{option} {out} already exists{held}: give --overwrite to replace it (the old one "
-                             f"is kept until the new one is complete), or another {option}")
+                             "is kept until the new one is complete), or another path")
     return out
 
 
