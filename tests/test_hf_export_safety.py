@@ -254,6 +254,7 @@ def test_the_fine_tune_command_that_convert_prints_runs(model, tmp_path, cli):
     folder, _ = model
     done = cli("convert", "--pretrained", folder, "--to", "lowrank_dint", "--rank", "2", "--out", tmp_path / "dint")
     assert done.returncode == 0, done.stderr
+    assert "import lit_growattn" in (tmp_path / "dint" / "README.md").read_text()
     (command,) = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("python -m lit_growattn fit")]
     args = shlex.split(command.replace("<run config>", str(REPO / "configs" / "hf_llama_dint_sft_tiny.yaml")))[3:]
     rows = write_jsonl(tmp_path / "rows.jsonl", make_rows(24, seed=0))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lit_growattn.hf.dint import DintAttention, DintSettings
+from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.surgery import replace_attention
 
 FAMILIES = {
@@ -94,7 +95,6 @@ def convert_pretrained(src: str, out: str | os.PathLike, settings: DintSettings,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lit_growattn.checkpoint import refusal, unsafe_load_refused
-    from lit_growattn.hf.export import write_loading_files
 
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise FileNotFoundError(f"--pretrained {src!r} is not a model folder (no config.json): give a local folder "

@@ -1,6 +1,6 @@
 """Export of a growable Hugging Face model as a `save_pretrained` folder that `AutoModelForCausalLM.from_pretrained`
-loads back after `import lit_growattn` (no remote code; `write_loading_files` adds a README.md saying so, and a
-loader for `trust_remote_code=True` that only imports lit_growattn).
+loads back after `import lit_growattn` (no remote code; `hf.loading` adds a README.md saying so, and a loader for
+`trust_remote_code=True` that only imports lit_growattn).
 
 - Expressible natively (every layer at its rotary/original width, and for Qwen3 one temperature per layer, since
   its q_norm is scale-invariant): the original architecture, with τ_j/scaling folded into head j's query rows, so
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lit_growattn.hf.growable import GrowableAttention, make_growable
+from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
 
 PREFIX = "growattn_"
@@ -126,50 +127,6 @@ def register() -> None:
         config_cls, model_cls = grown_classes(base_type)
         AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
-
-
-LOADER = "lit_growattn_loader"
-LOADER_CODE = '''"""Lets transformers load this folder without `import lit_growattn` first, through
-`AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`: this file only imports lit_growattn (which
-must be installed: pip install lit_growattn[hf]) and names the model classes it registers."""
-
-import lit_growattn  # noqa: F401  (registers the model types growattn_* and dint_* with the Auto classes)
-from transformers import AutoModelForCausalLM
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-Config = CONFIG_MAPPING[{model_type!r}]
-ForCausalLM = AutoModelForCausalLM._model_mapping[Config]
-'''
-MODEL_CARD = '''# {name}
-
-A `{model_type}` model written by lit_growattn ({origin}). Its model type is registered by lit_growattn, not by
-transformers itself, so import lit_growattn (`pip install lit_growattn[hf]`) before loading it:
-
-```python
-import lit_growattn  # registers {model_type}
-from transformers import AutoModelForCausalLM
-
-model = AutoModelForCausalLM.from_pretrained("{name}")
-```
-
-Without that import, `AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)` loads it too: the
-only code it runs is `{loader}.py` here, which imports lit_growattn. Without either, transformers refuses the folder.
-'''
-
-
-def write_loading_files(folder: str | os.PathLike, model_type: str, name: str, origin: str) -> None:
-    """For a model type that lit_growattn registers (growattn_*, dint_*): a README.md saying how to load the folder,
-    and a loader module named in config.json's `auto_map`. Without it, transformers without `import lit_growattn`
-    advises upgrading transformers; with it, transformers asks for trust_remote_code=True, which then loads."""
-    import json
-
-    folder = Path(folder)  # written in place of `name` (the folder's final path)
-    (folder / f"{LOADER}.py").write_text(LOADER_CODE.format(model_type=model_type))
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text())
-    config["auto_map"] = {"AutoConfig": f"{LOADER}.Config", "AutoModelForCausalLM": f"{LOADER}.ForCausalLM"}
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (folder / "README.md").write_text(MODEL_CARD.format(name=name, model_type=model_type, origin=origin, loader=LOADER))
 
 
 def registered_here(model_type: str) -> bool:
