@@ -330,7 +330,7 @@ def test_export_copies_the_tokenizer_the_model_was_trained_with(model, tmp_path,
 
     shutil.rmtree(tmp_path / "other")
     refused(cli("export", "--ckpt", on_other, "--out", tmp_path / "gone"), f"tokenizer of {other}",
-            "not there any more")
+            "not a folder or file here", "put it there")
 
 
 def test_export_refuses_non_finite_weights(model, tmp_path, cli):

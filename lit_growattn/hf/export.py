@@ -142,7 +142,7 @@ def training_tokenizer(hparams: dict, pretrained: str | None) -> str | None:
     """Where the tokenizer the checkpoint's model was trained with is now (a folder or a tokenizer.json file), or
     None for raw bytes. `pretrained`: where the model folder is now (`--pretrained`, else the recorded one)."""
     recorded_folder = hparams.get("pretrained")
-    tokenizer = hparams.get("tokenizer", recorded_folder)  # recorded since fit names it; before, the folder's own
+    tokenizer = hparams.get("tokenizer") or recorded_folder  # recorded since fit names it; before, the folder's own
     if tokenizer in (None, "bytes"):
         return None
     if recorded_folder is not None and Path(tokenizer).resolve() == Path(recorded_folder).resolve():
@@ -150,8 +150,8 @@ def training_tokenizer(hparams: dict, pretrained: str | None) -> str | None:
     if not os.path.exists(tokenizer):
         moved = tokenizer == pretrained
         raise FileNotFoundError(
-            f"the model was trained with the tokenizer of {tokenizer}, which is not there any more: "
-            + ("give --pretrained DIR, the folder's new place" if moved else "put it back there (export copies the "
+            f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or file here (moved?): "
+            + ("give --pretrained DIR, the folder's new place" if moved else "put it there (export copies the "
                "tokenizer the model was trained with, never another)"))
     return tokenizer
 
@@ -220,9 +220,12 @@ def main(argv: list[str]) -> None:
         copied = copy_tokenizer(tokenizer, folder)
         if registered_here(written):
             write_loading_files(folder, written, str(out), f"`python -m lit_growattn export` of {args.ckpt}")
-    tokens = (f"tokenizer files {', '.join(copied)}" if copied else "no tokenizer files: the model was trained on "
-              "raw bytes (token ids 0–255, the bytes of UTF-8 text)" if tokenizer is None
-              else f"no tokenizer files ({tokenizer} has none)")
+    if copied:
+        tokens = f"tokenizer files {', '.join(copied)}"
+    elif hparams.get("tokenizer") == "bytes":
+        tokens = "no tokenizer files: the model was trained on raw bytes (token ids 0–255, the bytes of UTF-8 text)"
+    else:
+        tokens = f"no tokenizer files ({tokenizer} has none)" if tokenizer else "no tokenizer (the checkpoint names none)"
     loading = (f"; load it after `import lit_growattn`, or with trust_remote_code=True ({out / 'README.md'})"
                if registered_here(written) else "")
     sizes = f", query/key head sizes {module.head_sizes()}" if module.head_sizes() else ""  # none: DINT, not growable
