@@ -382,12 +382,14 @@ def test_no_refusal_of_a_checkpoint_advises_weights_only_false(tmp_path, cli):
               (plain_pickle, [*fit, f"--model.init_args.init_from={plain_pickle}"])]
     # A model folder whose weights file holds an object: read by transformers, on the way of convert and fit.
     folder = tmp_path / "model"
-    saved_tiny_model("llama", folder)
+    saved_tokenizer(folder, [TEXT] * 20, vocab_size=300)
+    saved_tiny_model("llama", folder, vocab=320)
     (folder / "model.safetensors").unlink()
     torch.save({"model.embed_tokens.weight": RunsCode()}, folder / "pytorch_model.bin")
     cases += [(folder, ["convert", "--pretrained", folder, "--to", "dint", "--out", tmp_path / "dint"]),
               ("a file being loaded", ["fit", "--config", REPO / "configs/hf_llama_grow.yaml", "--model.init_args.config=null",
-                                       f"--model.init_args.pretrained={folder}", f"--data.init_args.path={folder / 'config.json'}",
+                                       f"--model.init_args.pretrained={folder}", f"--data.init_args.tokenizer={folder}",
+                                       f"--data.init_args.path={folder / 'config.json'}",
                                        f"--trainer.default_root_dir={tmp_path}",
                                        f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}"])]
     for path, args in cases:
