@@ -31,15 +31,24 @@ def first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
 
 
+def shown(error: BaseException) -> BaseException:
+    """What the report says of `error`: where torch refused to load a file with weights_only=True (e.g. a model
+    folder's pytorch_model.bin, loaded by transformers), the project's refusal instead of torch's message, which
+    advises loading the file with weights_only=False, for a file that may run code."""
+    from lit_growattn.checkpoint import refusal, unsafe_load_refused
+
+    return refusal("a file being loaded", error) if unsafe_load_refused(error) else error
+
+
 def short_report(error: BaseException) -> str:
     """The project's own message (the outermost one it raised: jsonargparse wraps a failing __init__ in "Does
     not validate against any of the Union subtypes"), and the first line of the root cause under it, if any."""
     chain = causes(error)
     own = next((e for e in chain if raised_by_project(e)), chain[-1])
     where = traceback.extract_tb(own.__traceback__)[-1] if own.__traceback__ else None
-    lines = [f"error: {type(own).__name__}: {own}"]
+    lines = [f"error: {type(shown(own)).__name__}: {shown(own)}"]
     if chain[-1] is not own:
-        lines.append(f"  (caused by {first_line(chain[-1])})")
+        lines.append(f"  (caused by {first_line(shown(chain[-1]))})")
     if where is not None:
         lines.append(f"  (raised at {where.filename}:{where.lineno})")
     lines.append(f"  (full traceback: run again with {DEBUG_ENV}=1)")

@@ -16,22 +16,17 @@ from lit_growattn.contract import ScoreMap
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's content, loaded with `weights_only=True`: tensors and plain containers only, so a file from
-    elsewhere cannot run code. Checkpoints written by this project's CLI and by `convert` load this way."""
+    elsewhere cannot run code. Checkpoints written by this project's CLI and by `convert` load this way.
+
+    torch's own messages for a file it will not load this way advise loading it with `weights_only=False`, which
+    would run the file's code: none of them is passed on (no `from error`), whatever the refusal."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {str(path)!r}; give the path of a .ckpt file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))  # "Unsupported global: GLOBAL x" or "unsupported GLOBAL x"
-        if found is None:
-            raise damaged(path) from error
-        # From None: torch's own message advises loading with the unsafe setting, for exactly this file.
-        raise ValueError(
-            f"{path} holds Python objects such as {found.group(1)} beyond tensors and plain containers; loading "
-            "them could run code from the file, so it is refused. If you trust the file, save only its "
-            "'state_dict' and 'hyper_parameters' (tensors and plain values) to a new file."
-        ) from None
-    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
+        if unsafe_load_refused(error):
+            raise refusal(str(path), error) from None
         raise damaged(path) from error
 
 
@@ -40,6 +35,30 @@ def load_weights(module: nn.Module, path: str) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"init_from={path!r} does not exist; give the path of a checkpoint file")
     module.load_state_dict(read_checkpoint(path)["state_dict"])
+
+
+def unsafe_load_refused(error: BaseException) -> bool:
+    """Whether `error` is torch refusing to load a file with weights_only=True (its message then advises loading it
+    with weights_only=False, which could run code from the file)."""
+    return isinstance(error, (pickle.UnpicklingError, RuntimeError)) and "weights_only" in str(error)
+
+
+def refusal(name: str, error: BaseException) -> ValueError:
+    """Why the file `name` is not loaded, for torch's refusal `error` to load it with weights_only=True; torch's own
+    message is left out, since it advises loading the file with weights_only=False, which could run its code."""
+    if not isinstance(error, pickle.UnpicklingError):  # e.g. a TorchScript archive, or torch's legacy .tar format
+        return ValueError(f"{name} is not a file of tensors and plain containers (a TorchScript archive?); it is "
+                          "refused, since loading it could run code from the file")
+    found = re.search(r"GLOBAL (\S+)", str(error))  # "Unsupported global: GLOBAL x" or "unsupported GLOBAL x"
+    if found is None:  # e.g. a plain pickle (not torch.save) or a damaged file: torch names no object then
+        return ValueError(
+            f"{name} cannot be read as a file of tensors and plain containers: it is damaged (truncated or "
+            "overwritten?) or not written by torch.save (a plain pickle could run code when loaded, so it is refused); "
+            "use another file, e.g. an earlier checkpoint of the same run")
+    return ValueError(
+        f"{name} holds Python objects such as {found.group(1)} beyond tensors and plain containers; loading them "
+        "could run code from the file, so it is refused. If you trust the file, save only its tensors and plain "
+        "values (a checkpoint's 'state_dict' and 'hyper_parameters') to a new file.")
 
 
 def damaged(path: str | os.PathLike) -> ValueError:

@@ -21,6 +21,7 @@ state, step counters and the LR schedule's position. Fine-tuning starts a new ru
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import lightning as L
@@ -30,6 +31,7 @@ import yaml
 from lit_growattn.checkpoint import read_checkpoint
 from lit_growattn.growth.shrink import shrink_form
 from lit_growattn.module import GrowAttentionLM
+from lit_growattn.writing import check_output, new_file, new_folder
 
 TARGETS = ("dint", "lowrank_dint", "mha")
 
@@ -53,6 +55,12 @@ def convert_checkpoint(
     if (to == "mha") != (d_head is not None):
         raise ValueError("give d_head exactly when shrinking (to='mha'): the other targets keep the head sizes")
     ckpt = read_checkpoint(src_path)
+    if "pretrained" in ckpt.get("hyper_parameters", {}):
+        raise ValueError(f"{src_path} is a checkpoint of a Hugging Face model (lit_growattn.hf.HFCausalLM): export it "
+                         "(python -m lit_growattn export), then convert the folder with --pretrained")
+    if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
+        raise ValueError(f"{src_path} is not a checkpoint of lit_growattn's GrowAttentionLM (it has no "
+                         "hyper_parameters and state_dict): give a checkpoint written by `python -m lit_growattn fit`")
     # LightningCLI records how it built the model (`_class_path`, `_instantiator`): not arguments of the model.
     hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if not k.startswith("_")}
     state = ckpt["state_dict"]
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--d_head", type=int, nargs="+", help="head size to shrink to (mha): one, or one per layer")
     parser.add_argument("--out", required=True, help="converted checkpoint (its model config goes beside it, .yaml); "
                         "with --pretrained, the model folder to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out (never the source)")
     args = parser.parse_args(argv)
     variant_args = {k: v for k in ("rank", "d2_ratio") if (v := getattr(args, k)) is not None}
     if args.to == "lowrank_dint" and "rank" not in variant_args:
@@ -136,16 +145,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.pretrained is not None:
         _convert_pretrained(parser, args, variant_args)
         return
+    out = check_output(args.out, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite)
+    config_path = out.with_suffix(".yaml")
+    if config_path == out:
+        raise ValueError(f"--out {out} ends in .yaml, the name of the model config written beside the checkpoint: "
+                         "give the checkpoint's name, e.g. converted.ckpt")
+    check_output(config_path, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite, option="--out's model config")
     d_head = None if args.d_head is None else args.d_head[0] if len(args.d_head) == 1 else args.d_head
-    module = convert_checkpoint(args.ckpt, args.out, args.to, seed=args.seed, d_head=d_head, **variant_args)
-    # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
-    init_args = {k: v for k, v in module.hparams.items() if k not in ("vocab_size", "block_size")}
-    init_args["init_from"] = str(Path(args.out).resolve())
-    config = {"class_path": "lit_growattn.module.GrowAttentionLM", "init_args": init_args}
-    config_path = Path(args.out).with_suffix(".yaml")
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    with new_file(out) as partial_ckpt, new_file(config_path) as partial_config:
+        module = convert_checkpoint(args.ckpt, partial_ckpt, args.to, seed=args.seed, d_head=d_head, **variant_args)
+        # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
+        init_args = {k: v for k, v in module.hparams.items() if k not in ("vocab_size", "block_size")}
+        init_args["init_from"] = str(out.resolve())
+        config = {"class_path": "lit_growattn.module.GrowAttentionLM", "init_args": init_args}
+        partial_config.write_text(yaml.safe_dump(config, sort_keys=False))
     print(
-        f"wrote {args.out} and {config_path}; fine-tune with\n"
+        f"wrote {out} and {config_path}; fine-tune with\n"
         f"  python -m lit_growattn fit --config <your run config> --model {config_path}"
     )
 
@@ -158,6 +173,16 @@ def _convert_pretrained(parser: argparse.ArgumentParser, args: argparse.Namespac
 
     kind = "lowrank" if args.to == "lowrank_dint" else "full"
     settings = DintSettings(kind, rank=variant_args.get("rank"), d2_ratio=variant_args.get("d2_ratio"))
-    convert_pretrained(args.pretrained, args.out, settings, seed=args.seed)
-    print(f"wrote {args.out}; fine-tune with\n  python -m lit_growattn fit --config <your run config> "
-          f"--model lit_growattn.hf.HFCausalLM --model.init_args.pretrained {args.out} --model.init_args.growable false")
+    out = check_output(args.out, "folder", {"the model folder --pretrained": args.pretrained}, args.overwrite)
+    with new_folder(out) as folder:
+        convert_pretrained(args.pretrained, folder, settings, seed=args.seed, name=str(out))
+        has_tokenizer = (folder / "tokenizer_config.json").is_file()
+    # Every run config takes these: the model class and the folder replace the config's model, its tokenizer the data's.
+    command = ["python", "-m", "lit_growattn", "fit", "--config", "<run config>", "--model=lit_growattn.hf.HFCausalLM",
+               "--model.init_args.config=null", f"--model.init_args.pretrained={out}", "--model.init_args.growable=false"]
+    command += [f"--data.init_args.tokenizer={out}"] if has_tokenizer else []
+    print(f"wrote {out} ({args.to} of {args.pretrained}; load it after `import lit_growattn`, see {out / 'README.md'});\n"
+          "fine-tune with a run config that has no growth callback (a DINT model does not grow), e.g. "
+          "configs/hf_llama_dint_sft.yaml:\n  " + shlex.join(command).replace("'<run config>'", "<run config>")
+          + ("" if has_tokenizer else f"\n  {args.pretrained} has no tokenizer: add --data.init_args.tokenizer=<the "
+             "model's tokenizer>"))

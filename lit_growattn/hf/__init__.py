@@ -4,6 +4,8 @@ surgery   replace each layer's native attention by a module built from it, by mo
 growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA.
 module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
 dint      DINT / low-rank DINT attention (seed 001); dint_models: its registered model classes and conversion.
+export    a trained model as a save_pretrained folder; loading: the README.md and loader that say how such a
+          folder of a model type registered here is loaded.
 
 Importing this package registers the DINT model types (`dint_llama`, …) with transformers' Auto classes, so a
 converted model folder loads with `AutoModelForCausalLM.from_pretrained` and no remote code.

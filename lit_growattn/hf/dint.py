@@ -138,6 +138,12 @@ class DintAttention(nn.Module):
         for key in ("_parameters", "_buffers", "_modules"):
             new.__dict__[key] = dict(native.__dict__[key])
         e, w = native.q_proj.in_features, native.q_proj.weight
+        if settings.rank is not None and settings.rank > min(e, native.head_dim):
+            raise ValueError(
+                f"low-rank DINT rank={settings.rank} exceeds the head size {native.head_dim}: the second map's form has "
+                f"rank ≤ min(rank, hidden size {e}, head size {native.head_dim}) and a DINT model's head size is fixed, "
+                f"so a larger rank adds parameters, never rank; use rank ≤ {min(e, native.head_dim)} (or the full "
+                "second map, kind 'full': convert --to dint)")
         n_head, n_kv = native.config.num_attention_heads, native.config.num_key_value_heads
         new.second = SecondMap(settings, e, n_head, n_kv, native.head_dim, w)
         normalised = hasattr(native, "q_norm")

@@ -13,11 +13,14 @@ initialised from `seed`, λ = 0, so its outputs are the native model's (tests/te
 from __future__ import annotations
 
 import importlib
+import os
+import pickle
 
 import torch
 from torch import nn
 
 from lit_growattn.hf.dint import DintAttention, DintSettings
+from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.surgery import replace_attention
 
 FAMILIES = {
@@ -84,19 +87,27 @@ def convert_to_dint(model: nn.Module, settings: DintSettings, seed: int = 0) -> 
     return converted.eval() if not model.training else converted
 
 
-def convert_pretrained(src: str, out: str, settings: DintSettings, seed: int = 0) -> nn.Module:
+def convert_pretrained(src: str, out: str | os.PathLike, settings: DintSettings, seed: int = 0, name: str | None = None
+                       ) -> nn.Module:
     """Converts the model folder `src` (save_pretrained layout) to DINT and writes it, with src's tokenizer when it
-    has one, to `out`; the weights keep their stored dtype. Returns the converted model."""
-    import os
-
+    has one and a README.md on how to load it, to `out`; the weights keep their stored dtype. `name`: the folder's
+    name in the README (out's, unless out is a temporary folder). Returns the converted model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lit_growattn.checkpoint import refusal, unsafe_load_refused
 
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise FileNotFoundError(f"--pretrained {src!r} is not a model folder (no config.json): give a local folder "
                                 "written by save_pretrained (models are never downloaded here)")
-    model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+    except (pickle.UnpicklingError, RuntimeError) as error:  # a pytorch_model.bin that weights_only loading refuses
+        if unsafe_load_refused(error):
+            raise refusal(f"a weights file of {src}", error) from None
+        raise
     converted = convert_to_dint(model, settings, seed)
     converted.save_pretrained(out)
     if any(os.path.isfile(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    write_loading_files(out, converted.config.model_type, name or str(out), f"the DINT conversion of {src}")
     return converted

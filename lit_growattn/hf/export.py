@@ -1,5 +1,6 @@
 """Export of a growable Hugging Face model as a `save_pretrained` folder that `AutoModelForCausalLM.from_pretrained`
-loads back after `import lit_growattn` (no remote code).
+loads back after `import lit_growattn` (no remote code; `hf.loading` adds a README.md saying so, and a loader for
+`trust_remote_code=True` that only imports lit_growattn).
 
 - Expressible natively (every layer at its rotary/original width, and for Qwen3 one temperature per layer, since
   its q_norm is scale-invariant): the original architecture, with τ_j/scaling folded into head j's query rows, so
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from lit_growattn.hf.growable import GrowableAttention, make_growable
+from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
 
 PREFIX = "growattn_"
@@ -126,33 +129,104 @@ def register() -> None:
         AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+def registered_here(model_type: str) -> bool:
+    """True for the model types that only `import lit_growattn` makes known to transformers."""
+    return model_type.startswith((PREFIX, "dint_"))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+
+
+def training_tokenizer(hparams: dict, pretrained: str | None) -> str | None:
+    """Where the tokenizer the checkpoint's model was trained with is now (a folder or a tokenizer.json file), or
+    None for raw bytes. `pretrained`: where the model folder is now (`--pretrained`, else the recorded one)."""
+    recorded_folder = hparams.get("pretrained")
+    tokenizer = hparams.get("tokenizer") or recorded_folder  # recorded since fit names it; before, the folder's own
+    if tokenizer in (None, "bytes"):
+        return None
+    if recorded_folder is not None and Path(tokenizer).resolve() == Path(recorded_folder).resolve():
+        tokenizer = pretrained  # the model folder's own tokenizer, wherever the folder is now
+    if not os.path.exists(tokenizer):
+        moved = tokenizer == pretrained
+        raise FileNotFoundError(
+            f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or file here (moved?): "
+            + ("give --pretrained DIR, the folder's new place" if moved else "put it there (export copies the "
+               "tokenizer the model was trained with, never another)"))
+    return tokenizer
+
+
+def copy_tokenizer(source: str | None, folder: Path) -> list[str]:
+    """Copies the tokenizer at `source` (a folder's tokenizer files, or a tokenizer.json file) into folder; returns
+    the names written."""
+    import json
+    import shutil
+
+    if source is None:
+        return []
+    if os.path.isfile(source):  # a bare tokenizers file: a tokenizer_config.json lets AutoTokenizer load it
+        shutil.copy(source, folder / "tokenizer.json")
+        (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+        return ["tokenizer.json", "tokenizer_config.json"]
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copy(os.path.join(source, name), folder / name)
+    return copied
 
 
 def main(argv: list[str]) -> None:
-    """`python -m lit_growattn export --ckpt CKPT --out DIR`: an HFCausalLM checkpoint (as `fit` writes it) as a
-    save_pretrained folder, with the tokenizer files of its `pretrained` folder when it has them."""
+    """`python -m lit_growattn export --ckpt CKPT --out DIR [--pretrained DIR] [--overwrite]`: an HFCausalLM
+    checkpoint (as `fit` writes it) as a save_pretrained folder, with the tokenizer the model was trained with."""
     import argparse
-    import shutil
+    import inspect
 
     from lit_growattn.checkpoint import read_checkpoint
+    from lit_growattn.divergence import ADVICE, TrainingDiverged
     from lit_growattn.hf.module import HFCausalLM
+    from lit_growattn.writing import check_output, new_folder
 
     parser = argparse.ArgumentParser(prog="python -m lit_growattn export", description=main.__doc__)
     parser.add_argument("--ckpt", required=True, help="a checkpoint of lit_growattn.hf.HFCausalLM written by fit")
-    parser.add_argument("--out", required=True, help="the folder to write (save_pretrained)")
+    parser.add_argument("--out", required=True, help="the folder to write (save_pretrained); written beside, then "
+                        "renamed into place")
+    parser.add_argument("--pretrained", help="where the model's pretrained folder is now, if it moved since training "
+                        "(its tokenizer, and the model's architecture)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
     ckpt = read_checkpoint(args.ckpt)
-    hparams = ckpt.get("hyper_parameters", {})
+    hparams = {k: v for k, v in ckpt.get("hyper_parameters", {}).items() if not k.startswith("_")}
     if "pretrained" not in hparams or "config" not in hparams:
         raise ValueError(f"{args.ckpt} is not a checkpoint of lit_growattn.hf.HFCausalLM (its hyperparameters have "
                          "no pretrained/config); for GrowAttentionLM checkpoints use `python -m lit_growattn convert`")
-    module = HFCausalLM(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+    if args.pretrained is not None:
+        if hparams["pretrained"] is None:
+            raise ValueError(f"{args.ckpt} was trained from a config, not a pretrained folder: leave out --pretrained")
+        hparams["pretrained"] = args.pretrained
+    tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"])
+    recorded = ckpt["hyper_parameters"]["pretrained"]
+    out = check_output(args.out, "folder", {"the checkpoint": args.ckpt, "the model's pretrained folder": hparams[
+        "pretrained"], "the pretrained folder the checkpoint names": recorded, "the model's tokenizer": tokenizer},
+        args.overwrite)
+    non_finite = [k for k, v in ckpt["state_dict"].items() if v.is_floating_point() and not v.isfinite().all()]
+    if non_finite:
+        raise TrainingDiverged(f"{args.ckpt} holds non-finite weights ({len(non_finite)} tensors: "
+                               f"{', '.join(non_finite[:3])}{', …' if len(non_finite) > 3 else ''}), so it is not "
+                               f"exported: its run had diverged. Export an earlier checkpoint, or train again: {ADVICE}")
+    # The model's own settings; others recorded beside them (e.g. the data's tokenizer) do not build it.
+    module = HFCausalLM(**{k: v for k, v in hparams.items() if k in inspect.signature(HFCausalLM).parameters})
     module.load_state_dict(ckpt["state_dict"])
-    written = export(module.model, args.out)
-    source = hparams["pretrained"]
-    copied = [name for name in TOKENIZER_FILES if source and os.path.isfile(os.path.join(source, name))]
-    for name in copied:
-        shutil.copy(os.path.join(source, name), os.path.join(args.out, name))
-    print(f"wrote {args.out}: model type {written}, query/key head sizes {module.head_sizes()}"
-          + (f", tokenizer files {', '.join(copied)}" if copied else ""))
+    with new_folder(out) as folder:
+        written = export(module.model, folder)
+        copied = copy_tokenizer(tokenizer, folder)
+        if registered_here(written):
+            write_loading_files(folder, written, str(out), f"`python -m lit_growattn export` of {args.ckpt}")
+    if copied:
+        tokens = f"tokenizer files {', '.join(copied)}"
+    elif hparams.get("tokenizer") == "bytes":
+        tokens = "no tokenizer files: the model was trained on raw bytes (token ids 0–255, the bytes of UTF-8 text)"
+    else:
+        tokens = f"no tokenizer files ({tokenizer} has none)" if tokenizer else "no tokenizer (the checkpoint names none)"
+    loading = (f"; load it after `import lit_growattn`, or with trust_remote_code=True ({out / 'README.md'})"
+               if registered_here(written) else "")
+    sizes = f", query/key head sizes {module.head_sizes()}" if module.head_sizes() else ""  # none: DINT, not growable
+    print(f"wrote {out}: model type {written}{sizes}, {tokens}{loading}")

@@ -1,0 +1,399 @@
+"""`python -m lit_growattn export|convert` never lose a user's files: they write beside the target and rename it into
+place, refuse their own source, an existing folder or file (unless --overwrite), and a file where a folder goes; a
+write that fails or is killed leaves the old target whole. Export copies the tokenizer the model was trained with,
+finds a moved pretrained folder with --pretrained, refuses non-finite weights and says how to load what it wrote;
+no refusal of an unreadable checkpoint advises loading it with weights_only=False."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from lit_growattn.__main__ import main as command_line  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+from hf_helpers import TEXT, VOCAB, load, saved_tiny_model, saved_tokenizer  # noqa: E402
+
+
+class Done:
+    """What `python -m lit_growattn ARGS` returned and printed, run in this process."""
+
+    def __init__(self, args, capsys):
+        capsys.readouterr()
+        self.returncode = command_line([str(a) for a in args])
+        out = capsys.readouterr()
+        self.stdout, self.stderr = out.out, out.err
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    monkeypatch.delenv("LIT_GROWATTN_DEBUG", raising=False)
+    return lambda *args: Done(args, capsys)
+
+
+def refused(done: Done, *phrases) -> str:
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    report = done.stderr[done.stderr.index("error:"):]
+    for phrase in phrases:
+        assert str(phrase) in report, (phrase, report)
+    return report
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    """Every file under folder, by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def hf_checkpoint(path, pretrained, head_sizes=None, **recorded):
+    """A checkpoint of lit_growattn.hf.HFCausalLM as fit writes it (state_dict and hyper_parameters), with `recorded`
+    added to its hyperparameters (e.g. the tokenizer fit recorded)."""
+    from lit_growattn.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    module = HFCausalLM(pretrained=str(pretrained), head_sizes=head_sizes)
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": {**module.hparams, **recorded}}, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny Llama folder with its own BPE tokenizer, and a checkpoint of it grown to query/key head size 10."""
+    root = tmp_path_factory.mktemp("model")
+    folder = root / "llama"
+    saved_tokenizer(folder, [TEXT] * 20, vocab_size=300)
+    saved_tiny_model("llama", folder, vocab=320)
+    return folder, hf_checkpoint(root / "grown.ckpt", folder, head_sizes=[10, 10])
+
+
+# -- item 4: never destroy a folder ------------------------------------------------------------------------------
+
+def test_export_refuses_its_own_source_even_with_overwrite(model, cli):
+    folder, ckpt = model
+    before = snapshot(folder)
+    for out, relation in ((folder, "is"), (folder / "sub", "is inside"), (folder.parent, "holds")):
+        for overwrite in ([], ["--overwrite"]):
+            refused(cli("export", "--ckpt", ckpt, "--out", out, *overwrite), f"--out {out} {relation}", "never overwritten")
+    assert snapshot(folder) == before and not (folder / "sub").exists()
+
+
+def test_export_refuses_a_folder_holding_its_checkpoint(model, tmp_path, cli):
+    folder, ckpt = model
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(ckpt, run / "last.ckpt")
+    refused(cli("export", "--ckpt", run / "last.ckpt", "--out", run, "--overwrite"), "holds the checkpoint")
+    assert (run / "last.ckpt").read_bytes() == ckpt.read_bytes()
+
+
+def test_export_into_an_existing_folder_needs_overwrite_and_then_replaces_it(model, tmp_path, cli):
+    folder, ckpt = model
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    refused(cli("export", "--ckpt", ckpt, "--out", out), f"--out {out} already exists (notes.txt", "--overwrite")
+    assert snapshot(out) == {"notes.txt": b"mine"}
+    done = cli("export", "--ckpt", ckpt, "--out", out, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert not (out / "notes.txt").exists() and load(out).config.qk_head_sizes == [10, 10]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left beside it
+    (tmp_path / "empty").mkdir()  # an empty folder is no one's work: taken without --overwrite
+    assert cli("export", "--ckpt", ckpt, "--out", tmp_path / "empty").returncode == 0
+
+
+def test_export_refuses_a_file_as_its_folder(model, tmp_path, cli):
+    folder, ckpt = model
+    file = tmp_path / "model.bin"
+    file.write_text("not a folder")
+    refused(cli("export", "--ckpt", ckpt, "--out", file), f"--out {file} is a file")
+    refused(cli("export", "--ckpt", ckpt, "--out", file / "sub"), f"inside {file}, which is a file")
+    assert file.read_text() == "not a folder"
+
+
+def test_an_export_failing_midway_leaves_the_old_folder_whole(model, tmp_path, cli, monkeypatch):
+    from transformers import PreTrainedModel
+
+    folder, ckpt = model
+    out = tmp_path / "out"
+    assert cli("export", "--ckpt", ckpt, "--out", out).returncode == 0
+    before = snapshot(out)
+    save_pretrained = PreTrainedModel.save_pretrained
+
+    def half_then_fail(self, directory, **kwargs):
+        save_pretrained(self, directory, **kwargs)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", half_then_fail)
+    refused(cli("export", "--ckpt", ckpt, "--out", out, "--overwrite"), "disk full")
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+
+
+KILLED_EXPORT = """
+import sys, time
+from pathlib import Path
+from transformers import PreTrainedModel
+from lit_growattn.__main__ import main
+
+save_pretrained = PreTrainedModel.save_pretrained
+
+def save_then_wait(self, directory, **kwargs):  # the weights are written, the tokenizer not yet
+    save_pretrained(self, directory, **kwargs)
+    Path(sys.argv[1]).touch()
+    time.sleep(120)
+
+PreTrainedModel.save_pretrained = save_then_wait
+main(["export", *sys.argv[2:]])
+"""
+
+
+def test_an_export_killed_midway_leaves_the_old_folder_whole(model, tmp_path, cli):
+    """A real `kill -9`, made deterministic: the child signals (a marker file) once the weights are written and
+    waits there, so the kill always lands with the new folder half-written."""
+    folder, ckpt = model
+    out = tmp_path / "out"
+    assert cli("export", "--ckpt", ckpt, "--out", out).returncode == 0
+    before = snapshot(out)
+    marker = tmp_path / "weights_written"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    child = subprocess.Popen([sys.executable, "-c", KILLED_EXPORT, str(marker), "--ckpt", str(ckpt), "--out", str(out),
+                              "--overwrite"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None, child.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the export never reached its weights"
+            time.sleep(0.1)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert snapshot(out) == before
+    (partial,) = [p for p in tmp_path.iterdir() if p.name not in ("out", marker.name)]
+    assert partial.name.startswith(".out.") and partial.name.endswith(".partial")  # hidden, named after its target
+    assert (partial / "model.safetensors").exists() and not (partial / "tokenizer.json").exists()
+
+
+def test_convert_pretrained_never_replaces_its_source_and_needs_overwrite(model, tmp_path, cli):
+    folder, _ = model
+    before = snapshot(folder)
+    for args in (["--out", folder, "--overwrite"], ["--out", folder / "dint"]):
+        refused(cli("convert", "--pretrained", folder, "--to", "dint", *args), "never overwritten")
+    assert snapshot(folder) == before
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    refused(cli("convert", "--pretrained", folder, "--to", "dint", "--out", tmp_path / "taken"), "already exists")
+    refused(cli("convert", "--pretrained", folder, "--to", "dint", "--out", tmp_path / "taken" / "keep.txt"), "is a file")
+    assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture(scope="module")
+def mha_ckpt(tmp_path_factory):
+    """A checkpoint of the project's GPT (mha), as `convert --ckpt` takes it."""
+    from lit_growattn.module import GrowAttentionLM
+
+    torch.manual_seed(0)
+    module = GrowAttentionLM(vocab_size=32, block_size=12, n_layer=1, n_embd=16, n_head=2, d_head=4)
+    path = tmp_path_factory.mktemp("mha") / "mha.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return path
+
+
+def test_convert_ckpt_writes_its_files_whole_and_never_onto_its_source(mha_ckpt, tmp_path, cli, monkeypatch):
+    original = mha_ckpt.read_bytes()
+    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", mha_ckpt, "--overwrite"), "is the checkpoint")
+    assert mha_ckpt.read_bytes() == original
+    out = tmp_path / "dint.ckpt"
+    assert cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out).returncode == 0
+    written = out.read_bytes(), out.with_suffix(".yaml").read_text()
+    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out), f"--out {out} already exists")
+    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out.with_suffix(".yaml"), "--overwrite"),
+            "ends in .yaml")
+
+    import lit_growattn.convert as convert
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(convert, "convert_checkpoint", fail)
+    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out, "--overwrite"), "disk full")
+    assert (out.read_bytes(), out.with_suffix(".yaml").read_text()) == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dint.ckpt", "dint.yaml"]
+    monkeypatch.undo()
+    done = cli("convert", "--ckpt", mha_ckpt, "--to", "lowrank_dint", "--rank", "2", "--out", out, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert torch.load(out, weights_only=True)["hyper_parameters"]["attention"] == "lowrank_dint"
+    assert "lowrank_dint" in out.with_suffix(".yaml").read_text()
+
+
+# -- item 8: the low-rank DINT rank ------------------------------------------------------------------------------
+
+def test_convert_bounds_the_rank_by_the_head_size(model, tmp_path, cli):
+    folder, _ = model  # hidden 32, head size 8
+    refused(cli("convert", "--pretrained", folder, "--to", "lowrank_dint", "--rank", "1000", "--out", tmp_path / "d"),
+            "rank=1000 exceeds the head size 8", "use rank ≤ 8")
+    assert not (tmp_path / "d").exists() and list(tmp_path.iterdir()) == []
+
+
+# -- item 9: what convert and export print -----------------------------------------------------------------------
+
+def test_the_fine_tune_command_that_convert_prints_runs(model, tmp_path, cli):
+    from lit_growattn.data.arithmetic import make_rows, write_jsonl
+
+    folder, _ = model
+    done = cli("convert", "--pretrained", folder, "--to", "lowrank_dint", "--rank", "2", "--out", tmp_path / "dint")
+    assert done.returncode == 0, done.stderr
+    assert "import lit_growattn" in (tmp_path / "dint" / "README.md").read_text()
+    (command,) = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("python -m lit_growattn fit")]
+    args = shlex.split(command.replace("<run config>", str(REPO / "configs" / "hf_llama_dint_sft_tiny.yaml")))[3:]
+    rows = write_jsonl(tmp_path / "rows.jsonl", make_rows(24, seed=0))
+    # As printed, plus what every run supplies: its data, and here a short run under tmp_path.
+    done = cli(*args, f"--data.init_args.path={rows}", f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+               "--trainer.max_steps=2", f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (ckpt,) = tmp_path.rglob("last.ckpt")
+    assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["pretrained"] == str(tmp_path / "dint")
+
+
+LOADS_WITHOUT_IMPORT = """
+import sys
+import torch
+from transformers import AutoModelForCausalLM
+
+try:
+    AutoModelForCausalLM.from_pretrained(sys.argv[1])
+except ValueError as error:
+    print("REFUSED:", error)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
+print("LOADED:", type(model).__name__, "lit_growattn" in sys.modules)
+with torch.no_grad():
+    torch.save(model(torch.arange(12)[None] % 96).logits, sys.argv[2])
+"""
+
+
+def test_a_grown_export_says_how_to_load_it_and_loads_without_the_import(model, tmp_path, cli):
+    folder, ckpt = model
+    done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "grown")
+    assert done.returncode == 0, done.stderr
+    assert "model type growattn_llama" in done.stdout and "load it after `import lit_growattn`" in done.stdout
+    assert "import lit_growattn" in (tmp_path / "grown" / "README.md").read_text()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    child = subprocess.run([sys.executable, "-c", LOADS_WITHOUT_IMPORT, str(tmp_path / "grown"), str(tmp_path / "l.pt")],
+                           env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert child.returncode == 0, child.stderr[-3000:]
+    refusal = child.stdout[child.stdout.index("REFUSED:"):child.stdout.index("LOADED:")]
+    assert "trust_remote_code=True" in refusal and "upgrade" not in refusal
+    assert "LOADED: GrowAttnLlamaForCausalLM True" in child.stdout
+    with torch.no_grad():
+        expected = load(tmp_path / "grown")(torch.arange(12)[None] % VOCAB).logits  # this process imported it
+    torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected, rtol=0, atol=1e-6)
+
+
+# -- item 5: the tokenizer the model was trained with, a moved folder, non-finite weights ------------------------
+
+def test_export_of_a_moved_folder_takes_pretrained(model, tmp_path, cli):
+    folder, _ = model
+    moved = tmp_path / "was_here"
+    shutil.copytree(folder, moved)
+    ckpt = hf_checkpoint(tmp_path / "run.ckpt", moved, tokenizer=str(moved))
+    shutil.move(moved, tmp_path / "now_here")
+    refused(cli("export", "--ckpt", ckpt, "--out", tmp_path / "out"), str(moved), "--pretrained DIR")
+    done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "out", "--pretrained", tmp_path / "now_here")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+def test_export_copies_the_tokenizer_the_model_was_trained_with(model, tmp_path, cli):
+    folder, _ = model
+    on_bytes = hf_checkpoint(tmp_path / "bytes.ckpt", folder, tokenizer="bytes")
+    done = cli("export", "--ckpt", on_bytes, "--out", tmp_path / "bytes")
+    assert done.returncode == 0, done.stderr
+    assert "no tokenizer files: the model was trained on raw bytes" in done.stdout
+    assert not [p.name for p in (tmp_path / "bytes").iterdir() if p.name.startswith("tokenizer")]
+
+    other = saved_tokenizer(tmp_path / "other", [TEXT[::-1]] * 20, vocab_size=280)
+    on_other = hf_checkpoint(tmp_path / "other.ckpt", folder, tokenizer=other)
+    assert cli("export", "--ckpt", on_other, "--out", tmp_path / "other_export").returncode == 0
+    assert (tmp_path / "other_export" / "tokenizer.json").read_bytes() == (tmp_path / "other" / "tokenizer.json").read_bytes()
+
+    shutil.rmtree(tmp_path / "other")
+    refused(cli("export", "--ckpt", on_other, "--out", tmp_path / "gone"), f"tokenizer of {other}",
+            "not a folder or file here", "put it there")
+
+
+def test_export_refuses_non_finite_weights(model, tmp_path, cli):
+    folder, ckpt = model
+    saved = torch.load(ckpt, weights_only=True)
+    saved["state_dict"]["model.model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    torch.save(saved, tmp_path / "nan.ckpt")
+    refused(cli("export", "--ckpt", tmp_path / "nan.ckpt", "--out", tmp_path / "out"), "TrainingDiverged",
+            "non-finite weights (1 tensors: model.model.layers.1.mlp.up_proj.weight)", "not exported")
+    assert not (tmp_path / "out").exists()
+
+
+# -- item 10: no refusal advises the unsafe load -----------------------------------------------------------------
+
+class RunsCode:
+    def __reduce__(self):
+        return os.getcwd, ()
+
+
+def unreadable_checkpoints(folder):
+    """Files that weights_only loading refuses, each in a way torch's message advises weights_only=False."""
+    import pickle
+
+    class Identity(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    with open(folder / "plain_pickle.ckpt", "wb") as f:  # pickle.dump of an object, not torch.save
+        pickle.dump({"state_dict": {}, "hyper_parameters": {"x": RunsCode()}}, f)
+    torch.save({"state_dict": {}, "hyper_parameters": {"x": RunsCode()}}, folder / "object.ckpt")
+    torch.jit.save(torch.jit.script(Identity()), folder / "torchscript.ckpt")
+    (folder / "text.ckpt").write_text("not a checkpoint\n")
+    return sorted(folder.glob("*.ckpt"))
+
+
+# The files are made unreadable on purpose: a TorchScript archive (torch.jit deprecates making one) and a plain
+# pickle (a protocol torch.load does not expect).
+@pytest.mark.filterwarnings("ignore:`torch.jit.s.*` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*TorchScript archive:UserWarning")
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+def test_no_refusal_of_a_checkpoint_advises_weights_only_false(tmp_path, cli):
+    fit = ["fit", "--config", REPO / "configs/recall_grow.yaml", f"--trainer.default_root_dir={tmp_path}",
+           f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}"]
+    cases = [(path, ["convert", "--ckpt", path, "--to", "dint", "--out", tmp_path / "out.ckpt"])
+             for path in unreadable_checkpoints(tmp_path)]
+    cases += [(path, ["export", "--ckpt", path, "--out", tmp_path / "out"]) for path, _ in cases]
+    plain_pickle = tmp_path / "plain_pickle.ckpt"  # the reported case, also on fit's two ways of reading a checkpoint
+    cases += [(plain_pickle, [*fit, f"--ckpt_path={plain_pickle}"]),
+              (plain_pickle, [*fit, f"--model.init_args.init_from={plain_pickle}"])]
+    # A model folder whose weights file holds an object: read by transformers, on the way of convert and fit.
+    folder = tmp_path / "model"
+    saved_tokenizer(folder, [TEXT] * 20, vocab_size=300)
+    saved_tiny_model("llama", folder, vocab=320)
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": RunsCode()}, folder / "pytorch_model.bin")
+    cases += [(folder, ["convert", "--pretrained", folder, "--to", "dint", "--out", tmp_path / "dint"]),
+              ("a file being loaded", ["fit", "--config", REPO / "configs/hf_llama_grow.yaml", "--model.init_args.config=null",
+                                       f"--model.init_args.pretrained={folder}", f"--data.init_args.tokenizer={folder}",
+                                       f"--data.init_args.path={folder / 'config.json'}",
+                                       f"--trainer.default_root_dir={tmp_path}",
+                                       f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}"])]
+    for path, args in cases:
+        done = cli(*args)
+        report = refused(done, path)
+        assert "weights_only=False" not in done.stderr and "set to `False`" not in done.stderr, report
+        assert "refused" in report or "damaged" in report, report
