@@ -54,10 +54,10 @@ def check_callbacks(trainer: L.Trainer, grower: Callback, forms: NamedForms) -> 
                 f"run gives its averaged copy the checkpoint's head sizes before {name} loads the average into it"
             )
         if isinstance(callback, ModelPruning):
-            growable = {id(form): form_name for _, form_name, form in forms}
+            growable = {form: form_name for _, form_name, form in forms}  # modules hash by identity
             pruned = pruned_tensors(callback, trainer.lightning_module)
-            if hit := [f"{growable[id(module)]}.{tensor}" for module, tensor in pruned
-                       if id(module) in growable and tensor in GROWN]:
+            if hit := [f"{growable[module]}.{tensor}" for module, tensor in pruned
+                       if module in growable and tensor in GROWN]:
                 raise ValueError(
                     f"ModelPruning prunes {hit}, which grow: pruning re-parametrises a tensor (a mask beside "
                     "`<name>_orig`) and keeps a copy of its first values (lottery ticket), and neither follows a "
