@@ -22,10 +22,9 @@ sys.path.insert(0, str(REPO / "scripts"))  # bench_gpu, bench_common, seed001_re
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 import bench_gpu  # noqa: E402
-from bench_common import sync  # noqa: E402
+from bench_common import StepTimer, sync  # noqa: E402
 from lit_growattn import GrowAttentionCallback  # noqa: E402
 from lit_growattn.growing import report  # noqa: E402
 
@@ -183,31 +182,6 @@ def repository_text() -> str:
     return "\n\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
-class StepTimes(Callback):
-    """(epoch, seconds) of every training step: batch start to the next batch start (the last: to epoch end)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.stamps, self.steps = device, [], []
-
-    def _stamp(self, epoch: int) -> None:
-        sync(self.device)
-        now = time.perf_counter()
-        if self.stamps and self.stamps[-1][0] == epoch:
-            self.steps.append((epoch, now - self.stamps[-1][1]))
-        self.stamps.append((epoch, now))
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._stamp(trainer.current_epoch)
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        self._stamp(trainer.current_epoch)
-
-    def median_per_epoch(self, skip: int) -> list[float]:
-        """Median step time of each epoch, leaving out its first `skip` steps (warm-up after a growth)."""
-        epochs = sorted({e for e, _ in self.steps})
-        return [statistics.median([t for e, t in self.steps if e == epoch][skip:]) for epoch in epochs]
-
-
 def text_growth(dry_run: bool, work: Path) -> dict:
     from lit_growattn.cli import main
 
@@ -223,11 +197,12 @@ def text_growth(dry_run: bool, work: Path) -> dict:
     if dry_run:
         args.append("--trainer.callbacks.init_args.statistics.batches=2")
     cli = main(args, run=False)
-    timer = StepTimes(device_of(dry_run))
-    cli.trainer.callbacks.insert(0, timer)
+    timers = [StepTimer(device_of(dry_run), epoch) for epoch in range(cli.trainer.max_epochs)]
+    cli.trainer.callbacks[:0] = timers
     cli.trainer.fit(cli.model, cli.datamodule)
     (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)]
-    per_epoch = timer.median_per_epoch(skip=2 if dry_run else 10)
+    # The median step of each epoch, its first steps (warm-up after a growth) left out.
+    per_epoch = [statistics.median(t.step_times(skip=2 if dry_run else 10)) for t in timers]
     grown = [e for e in grow.history if report.grew(e)]
     return {
         "corpus": {"what": "this repository's README, docs/*.md and lit_growattn/**/*.py", "bytes": corpus.stat().st_size},
