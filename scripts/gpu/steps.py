@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import bench_gpu  # noqa: E402
 from bench_common import StepTimer, sync  # noqa: E402
 from lit_growattn import GrowAttentionCallback  # noqa: E402
+from lit_growattn.cli import main as cli_main  # noqa: E402
 from lit_growattn.growing import report  # noqa: E402
 
 CONFIGS = REPO / "configs"
@@ -183,8 +184,6 @@ def repository_text() -> str:
 
 
 def text_growth(dry_run: bool, work: Path) -> dict:
-    from lit_growattn.cli import main
-
     corpus = work / "corpus.txt"
     corpus.write_text(repository_text(), encoding="utf-8")
     batch, steps_per_epoch = (8, 6) if dry_run else (256, 100)
@@ -196,7 +195,7 @@ def text_growth(dry_run: bool, work: Path) -> dict:
             f"--trainer.logger.init_args.save_dir={work / 'logs'}"]
     if dry_run:
         args.append("--trainer.callbacks.init_args.statistics.batches=2")
-    cli = main(args, run=False)
+    cli = cli_main(args, run=False)
     timers = [StepTimer(device_of(dry_run), epoch) for epoch in range(cli.trainer.max_epochs)]
     cli.trainer.callbacks[:0] = timers
     cli.trainer.fit(cli.model, cli.datamodule)
@@ -227,7 +226,7 @@ def seed001(dry_run: bool, work: Path) -> dict:
     from lit_growattn.data.arithmetic import make_rows, write_jsonl
     from seed001_repro import MODEL, make_tokenizer
 
-    rows = make_rows(40 if dry_run else 2000, seed=0)
+    rows = make_rows(40 if dry_run else 4000, seed=0)  # more batches per epoch than steps between validations
     rows_file = write_jsonl(work / "rows.jsonl", rows)
     (work / "other.txt").write_text(repository_text()[:20000], encoding="utf-8")
     native, dint = work / "llama", work / "dint"
