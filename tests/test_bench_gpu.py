@@ -23,19 +23,14 @@ STEP_KEYS = {
 }
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check")
+def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
+    # One test for the one dry run: spread over several, the test workers of `make test` would each run it.
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu" / "check.py"), "--dry-run", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    return done, out
-
-
-def test_dry_run_runs_every_step_and_writes_every_key(dry_run):
-    done, out = dry_run
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + (out / "gpu_check.log").read_text()[-4000:]
-    result = json.loads((out / "bench_gpu.json").read_text())
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu" / "check.py"), "--dry-run", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + log[-4000:]
+    result = json.loads((tmp_path / "bench_gpu.json").read_text())
     assert set(result) == {"dry_run", "seconds", "environment", "steps", "checks"} and result["dry_run"]
     assert result["environment"]["result"]["device"] == "cpu"
     assert result["environment"]["result"]["unmet_requirements"] == []
@@ -44,7 +39,7 @@ def test_dry_run_runs_every_step_and_writes_every_key(dry_run):
         step = result["steps"][name]
         assert step["status"] == "ok" and step["error"] is None, (name, step["error"])
         assert set(step["result"]) == keys, name
-    assert "growth at step 12 (epoch 2): d_head 9→16 per layer" in (out / "gpu_check.log").read_text()
+    assert "growth at step 12 (epoch 2): d_head 9→16 per layer" in log
     # Where a CPU can answer, it does; figures only a GPU gives are not judged here.
     assert result["checks"] == {
         "gpu_tests: gpu tests pass": None,
@@ -55,41 +50,39 @@ def test_dry_run_runs_every_step_and_writes_every_key(dry_run):
         "seed001: lambda moves": True,
         "seed001: entropy callback logs": True,
     }
+    steps = {name: step["result"] for name, step in result["steps"].items()}
 
-
-def test_dry_run_collects_the_gpu_tests_and_skips_them_without_cuda(dry_run):
-    tests = json.loads((dry_run[1] / "bench_gpu.json").read_text())["steps"]["gpu_tests"]["result"]
+    # The GPU tests are collected, and skipped without CUDA.
+    tests = steps["gpu_tests"]
     assert tests["skipped"] == len(tests["tests"]) >= 9 and tests["passed"] == tests["failed"] == 0
     assert {t["message"] for t in tests["tests"].values()} == {"Skipped: needs a CUDA GPU"}
 
-
-def test_dry_run_bench_figures_and_padding_reaches_flash_on_cpu(dry_run):
-    bench = json.loads((dry_run[1] / "bench_gpu.json").read_text())["steps"]["bench_gpu"]["result"]
+    # bench_gpu.py: CPU has a flash kernel too, with one rule: q, k and v of the same width. Padded, every head size
+    # reaches it (a fallback would have raised under the fused-only restriction); unpadded, d_head 1 ≠ d_v falls back.
+    bench = steps["bench_gpu"]
     assert bench["throughput"]["grown_d_head"] == [bench["setup"]["d_head_grown"]] * bench["setup"]["n_layer"]
     for key in ("grown_vs_static_throughput", "lightning_vs_plain_throughput"):
         assert bench["throughput"][key] > 0
     assert bench["statistics_step"]["stats_step_cost_ratio"] > 0
-    # CPU has a flash kernel too, with one rule: q, k and v of the same width. Padded, every head size reaches it
-    # (a fallback would have raised under the fused-only restriction); unpadded, d_head 1 ≠ d_v falls back.
     backends = bench["sdpa_backends"]
     assert backends["math_fallbacks"] == [] and len(backends["per_d_head"]) == len(bench["setup"]["d_heads"])
     for row in backends["per_d_head"].values():
         assert "flash" in row["padded_train"] and "flash" in row["padded_extend"], row
     assert "math" in backends["per_d_head"]["1"]["unpadded_train"]
 
-
-def test_dry_run_mfu_counts_the_models_flops_against_the_measured_peak(dry_run):
-    mfu = json.loads((dry_run[1] / "bench_gpu.json").read_text())["steps"]["mfu"]["result"]
-    s = mfu["setup"]
-    # 6 FLOPs per weight and token (tied embedding counted once, no position table), plus the causal score and
-    # value products, 3 × (s + 1) × (n_head · (d_head + d_v)) per layer.
+    # MFU: 6 FLOPs per weight and token (tied embedding counted once, no position table), plus the causal score
+    # and value products, 3 × (s + 1) × n_head · (d_head + d_v) per layer; against the measured matmul peak.
+    mfu, s = steps["mfu"], steps["mfu"]["setup"]
     weights = s["vocab"] * s["n_embd"] + s["n_layer"] * (12 * s["n_embd"] ** 2 + 4 * s["n_embd"])
     attention = s["n_layer"] * 3 * (s["block_size"] + 1) * s["n_head"] * (s["d_head"] + s["d_v"])
     assert mfu["flops_per_token"] == pytest.approx(6 * weights + attention, rel=0.05)
     for kind in ("normal", "statistics"):
+        assert mfu["tokens_per_s"][kind] > 0
         assert mfu["mfu"][kind] == pytest.approx(
             mfu["flops_per_token"] * mfu["tokens_per_s"][kind] / (mfu["matmul_peak_tflops"] * 1e12))
-    assert min(mfu["tokens_per_s"].values()) > 0
+
+    # The text run grows twice (2 → 9 → 16) and times every epoch.
+    assert steps["text_growth"]["d_head"] == [16, 16] and len(steps["text_growth"]["step_s_per_epoch"]) == 3
 
 
 def test_the_check_refuses_to_overwrite_results(tmp_path):

@@ -251,7 +251,7 @@ def seed001(dry_run: bool, work: Path) -> dict:
         raise RuntimeError("python -m lit_growattn fit on configs/hf_llama_dint_sft_tiny.yaml failed (see the log)")
     (ckpt,) = (work / "logs").rglob("last.ckpt")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
-    lam = {name: state[name].float().abs().mean().item() for name in sorted(state) if name.endswith("self_attn.lam")}
+    lam = {name: value.float().abs().mean().item() for name, value in state.items() if name.endswith("self_attn.lam")}
     scalars = {}
     for events in (work / "logs").rglob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
