@@ -43,10 +43,11 @@ def step_process(name: str, *args) -> None:
 
 
 def run_step(context, name: str, dry_run: bool, work: Path, log: Path) -> dict:
-    """`name` in a process of its own, ended with everything it started when its time box runs out."""
+    """`name` in a process of its own, ended with everything it started when its time box runs out. A step that
+    does not finish is reported with what it kept in its folder's partial.json, if anything."""
     folder = work / name
     folder.mkdir()
-    result_file, error_file = folder / "result.json", folder / "error.txt"
+    result_file, error_file, partial_file = folder / "result.json", folder / "error.txt", folder / "partial.json"
     process = context.Process(target=step_process, name=f"gpu_check {name}",
                               args=(name, dry_run, str(folder), str(result_file), str(error_file), str(log)))
     box = time_box(name, dry_run)
@@ -66,8 +67,9 @@ def run_step(context, name: str, dry_run: bool, work: Path, log: Path) -> dict:
     else:
         status = "failed"
         error = error_file.read_text() if error_file.exists() else f"exit code {process.exitcode} (see the log)"
+    kept = result_file if status == "ok" else partial_file
     return {"status": status, "seconds": round(time.perf_counter() - started, 1), "time_box_s": box,
-            "error": error, "result": json.loads(result_file.read_text()) if status == "ok" else None}
+            "error": error, "result": json.loads(kept.read_text()) if kept.exists() else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not (args.dry_run or r["result"]["cuda_available"]):
                     parser.error("no CUDA GPU here: run it on one, or pass --dry-run to check the kit on CPU")
     environment = results.pop("environment")
-    checks = {f"{name}: {check}": ok for name, r in results.items() if r["result"]
+    checks = {f"{name}: {check}": ok for name, r in results.items() if r["status"] == "ok"
               for check, ok in r["result"]["checks"].items()}
     document = {"dry_run": args.dry_run, "seconds": round(time.perf_counter() - started, 1),
                 "environment": environment, "steps": results, "checks": checks}

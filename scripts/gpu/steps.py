@@ -1,5 +1,6 @@
 """The steps of scripts/gpu/check.py, most valuable first. Each takes (dry_run, work folder) and returns a dict of
 figures with the same keys on a GPU and in a dry run, plus "checks": {name: True | False | None (not run here)}.
+A step may keep what it has so far in `work/partial.json`, which check.py reports if the step does not finish.
 
 A dry run (CPU, no CUDA) runs the same code at tiny sizes: it proves the kit works, not the figures."""
 
@@ -99,10 +100,11 @@ def environment(dry_run: bool, work: Path) -> dict:
 
 # -- 1. the `gpu` pytest marker tests ---------------------------------------------------------------------
 class Outcomes:
-    """pytest plugin: each test's outcome, seconds, failure message and record_property values."""
+    """pytest plugin: each test's outcome, seconds, failure message and record_property values, saved to `partial`
+    after each test: what check.py keeps if the time box ends the run."""
 
-    def __init__(self):
-        self.tests: dict[str, dict] = {}
+    def __init__(self, partial: Path):
+        self.partial, self.tests = partial, {}
 
     def pytest_runtest_logreport(self, report):
         if report.when == "call" or report.outcome != "passed":  # a setup skip or failure, or the call itself
@@ -114,12 +116,15 @@ class Outcomes:
             elif report.failed:
                 entry["message"] = report.longreprtext.strip().splitlines()[-1][:500]
             entry.update(dict(report.user_properties))
+            writing = self.partial.with_suffix(".writing")  # renamed whole: a kill never leaves half a file
+            writing.write_text(json.dumps({"tests": self.tests}, default=str))
+            os.replace(writing, self.partial)
 
 
 def gpu_tests(dry_run: bool, work: Path) -> dict:
     import pytest
 
-    outcomes = Outcomes()
+    outcomes = Outcomes(work / "partial.json")
     code = pytest.main(["-q", "-m", "gpu", "-p", "no:cacheprovider", f"--rootdir={REPO}", f"--basetemp={work / 'tmp'}",
                         str(REPO / "tests" / "test_gpu.py")], plugins=[outcomes])
     counts = {kind: sum(t["outcome"] == kind for t in outcomes.tests.values()) for kind in ("passed", "failed", "skipped")}
