@@ -30,11 +30,12 @@ bench: $(VENV)/.installed
 experiments: $(VENV)/.installed
 	$(PY) scripts/experiments.py $(ARGS)
 
-# The wheels a bare GPU machine lacks (Python 3.12 with torch, lightning, transformers 5.17 and the rest of its own list,
-# no package index: docs/gpu.md), at the versions the tests ran with when set. scripts/gpu/check.sh installs them.
+# The wheels a bare GPU machine lacks (Python 3.12 with torch, lightning, transformers 5.17 and the rest of its own
+# list, no package index: docs/gpu.md), at the versions the tests ran with when set. scripts/gpu/check.sh installs them.
 GPU_WHEELS := jsonargparse==4.53.0 docstring_parser==0.18.0 typeshed_client==2.15.0 ruamel.yaml==0.19.1 \
 	datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.23.0
-GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+	manylinux1_x86_64
 GPU_WHEELS_MAX_MIB := 60
 # Downloaded beside .whl/ and swapped in whole, so that a failed download leaves the old set as it was.
 gpu-wheels:

@@ -2,10 +2,10 @@
 """GPU benchmark of lit_growattn in bf16: fused attention kernels, grown vs static throughput, statistics steps.
 
 Measurements (one function each):
-1. sdpa_backends: for every d_head in 1…64 (a few in the dry run), a query/key form's forward and backward (a normal step's attention
-   and the `extend` statistics capture) under `sdpa_kernel` restricted to the fused backends, so that a math
-   fallback raises instead of being slow; the profiler names the kernel that ran. Beside it, the kernel that
-   runs without padding (sdpa_pad: off), which is what the padding saves.
+1. sdpa_backends: for every d_head in 1…64 (a few in the dry run), a query/key form's forward and backward (a
+   normal step's attention and the `extend` statistics capture) under `sdpa_kernel` restricted to the fused
+   backends, so that a math fallback raises instead of being slow; the profiler names the kernel that ran.
+   Beside it, the kernel that runs without padding (sdpa_pad: off), which is what the padding saves.
 2. throughput: tokens/s of a model grown by GrowAttentionCallback (d_head d0 → d1 at epoch 1, timed in the
    epoch after the growth) ÷ a model built at d1 (same fit, same steps), and the static model under Lightning
    ÷ a plain PyTorch loop on the same model, optimizer and schedule.

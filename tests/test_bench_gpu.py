@@ -14,6 +14,8 @@ from packaging.utils import canonicalize_name
 
 from conftest import REPO
 
+CHECK = REPO / "scripts" / "gpu" / "check.py"
+
 STEP_KEYS = {
     "gpu_tests": {"passed", "failed", "skipped", "pytest_exit_code", "tests", "checks"},
     "bench_gpu": {"device", "torch", "lightning", "precision", "compile", "setup", "throughput", "statistics_step",
@@ -28,8 +30,8 @@ STEP_KEYS = {
 def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
     # One test for the one dry run: spread over several, the test workers of `make test` would each run it.
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu" / "check.py"), "--dry-run", "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, str(CHECK), "--dry-run", "--out", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
     log = (tmp_path / "gpu_check.log").read_text()
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + log[-4000:]
     result = json.loads((tmp_path / "bench_gpu.json").read_text())
@@ -89,8 +91,8 @@ def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
 
 def test_the_check_refuses_to_overwrite_results(tmp_path):
     (tmp_path / "bench_gpu.json").write_text("{}")
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu" / "check.py"), "--dry-run", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, str(CHECK), "--dry-run", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 2 and "bench_gpu.json exists already: give another --out folder" in done.stderr
     assert (tmp_path / "bench_gpu.json").read_text() == "{}"
 

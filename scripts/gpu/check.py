@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ["environment", *args.steps]:
             say(f"== {name} (time box {time_box(name, args.dry_run)} s)")
             r = results[name] = run_step(context, name, args.dry_run, Path(work), log)
-            say(f"== {name}: {r['status']} in {r['seconds']} s" + (f": {r['error'].strip().splitlines()[-1]}" if r["error"] else ""))
+            why = f": {r['error'].strip().splitlines()[-1]}" if r["error"] else ""
+            say(f"== {name}: {r['status']} in {r['seconds']} s{why}")
             if name == "environment":
                 if r["result"] is None:
                     break  # torch, lightning or the project does not import: no step could run
