@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build is enough for the demo and the tests; users with a GPU install their own torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test bench experiments clean
+.PHONY: demo test bench experiments gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,23 @@ bench: $(VENV)/.installed
 
 experiments: $(VENV)/.installed
 	$(PY) scripts/experiments.py $(ARGS)
+
+# The wheels a bare GPU machine lacks (Python 3.12 with torch, lightning, transformers 5.17 and the rest of its own
+# list, no package index: docs/gpu.md), at the versions the tests ran with when set. scripts/gpu/check.sh installs them.
+GPU_WHEELS := jsonargparse==4.53.0 docstring_parser==0.18.0 typeshed_client==2.15.0 ruamel.yaml==0.19.1 \
+	datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 transformers==5.23.0
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
+	manylinux1_x86_64
+GPU_WHEELS_MAX_MIB := 60
+# Downloaded beside .whl/ and swapped in whole, so that a failed download leaves the old set as it was.
+gpu-wheels:
+	rm -rf .whl.partial
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(GPU_PLATFORMS)) -d .whl.partial $(GPU_WHEELS)
+	@size=$$(du -sm .whl.partial | cut -f1); if [ $$size -gt $(GPU_WHEELS_MAX_MIB) ]; then \
+		echo "gpu-wheels: $$size MiB, more than the $(GPU_WHEELS_MAX_MIB) MiB the GPU machine takes"; exit 1; fi
+	rm -rf .whl && mv .whl.partial .whl
+	@du -sh .whl
 
 clean:
 	rm -rf $(VENV)

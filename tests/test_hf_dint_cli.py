@@ -26,7 +26,7 @@ TINY = REPO / "configs" / "hf_llama_dint_sft_tiny.yaml"
 
 def run(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "lit_growattn", *args], env=env, capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

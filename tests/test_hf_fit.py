@@ -26,7 +26,7 @@ def _fit(tmp_path, *args: str, config=CONFIG, expect_ok: bool = True) -> subproc
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT * 150)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "lit_growattn", "fit", "--config", str(config),
            f"--data.init_args.path={corpus}", f"--data.init_args.cache_dir={tmp_path / 'cache'}",
            "--data.init_args.batch_size=8", "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=64",
