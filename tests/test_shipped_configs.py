@@ -1,0 +1,144 @@
+"""Every file in configs/ as a user runs it. Each is parsed by the command line (`--print_config`), an overlay on the
+base config its comment names, and every setting the file makes reaches the parsed config. The CPU ones train a few
+steps through the command line's entry point (`python -m lit_growattn fit`). The automatic schedule decides at its
+first check with its shipped settings. Text comes from a generated file and model folders are tiny and random, so
+nothing here needs the hub or files beside the clone."""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lit_growattn import GrowAttentionCallback
+from lit_growattn.__main__ import main as command_line
+from lit_growattn.cli import main
+from lit_growattn.data.arithmetic import make_rows, write_jsonl
+
+from conftest import REPO, needs_transformers
+
+CONFIGS = REPO / "configs"
+
+
+def documented_base(overlay: Path) -> Path:
+    """The base config that the overlay's own comment runs it on: `--config configs/X.yaml --config <overlay>`."""
+    named = re.search(rf"--config (configs/\S+\.yaml) --config configs/variants/{overlay.name}", overlay.read_text())
+    assert named, f"{overlay.relative_to(REPO)}: its comment shows no `--config BASE --config` command to run it with"
+    return REPO / named[1]
+
+
+# Each as its --config files, in order: every config, and every overlay on its documented base.
+SHIPPED = [[path] for path in sorted(CONFIGS.glob("*.yaml"))] + [
+    [documented_base(overlay), overlay] for overlay in sorted((CONFIGS / "variants").glob("*.yaml"))]
+NAMES = ["+".join(path.stem for path in files) for files in SHIPPED]
+
+
+def merged(files: list[Path]) -> dict:
+    """The settings of the config files, each later one over the earlier (as the command line applies them)."""
+    settings: dict = {}
+    for path in files:
+        settings = overlaid(settings, yaml.safe_load(path.read_text()))
+    return settings
+
+
+def overlaid(base: dict, top: dict) -> dict:
+    both = dict(base)
+    for key, value in top.items():
+        both[key] = overlaid(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return both
+
+
+def assert_reaches(parsed, shipped, where: str = "") -> None:
+    """Every setting in `shipped` is in `parsed` with its value (the parser adds the defaults of the rest)."""
+    if isinstance(shipped, dict):
+        assert isinstance(parsed, dict), where
+        for key, value in shipped.items():
+            assert key in parsed, f"{where}{key} is not in the parsed config"
+            assert_reaches(parsed[key], value, f"{where}{key}.")
+    elif isinstance(shipped, list) and shipped and isinstance(shipped[0], dict):
+        assert isinstance(parsed, list) and len(parsed) == len(shipped), where
+        for i, (got, value) in enumerate(zip(parsed, shipped)):
+            assert_reaches(got, value, f"{where.rstrip('.')}[{i}].")
+    else:
+        assert parsed == shipped, f"{where}: parsed {parsed!r}, shipped {shipped!r}"
+
+
+def uses_hugging_face(settings: dict) -> bool:
+    return settings["model"]["class_path"].startswith("lit_growattn.hf.")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """Generated English-like text, enough for the configs' windows and a BPE vocabulary of 1024."""
+    rng = random.Random(0)
+    words = [w for w in re.split(r"\W+", Path(__file__).read_text().lower()) if w.isalpha()]  # any varied wording
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text("".join(" ".join(rng.choice(words) for _ in range(12)).capitalize() + ".\n" for _ in range(3000)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_files(tmp_path_factory, corpus) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("local")
+    rows = write_jsonl(folder / "rows.jsonl", make_rows(64, seed=0))
+    hub = folder / "hub"  # a dataset folder, where a hub name would go
+    hub.mkdir()
+    write_jsonl(hub / "train_1M.jsonl", make_rows(64, seed=1))
+    return {"text": corpus, "rows": Path(rows), "hub": hub, "folder": folder}
+
+
+@pytest.fixture(scope="module")
+def pretrained(local_files) -> Path:
+    """A tiny random Llama folder with an instruction tokenizer, as save_pretrained writes a downloaded one."""
+    needs_transformers()
+    from hf_helpers import instruct_tokenizer, saved_tiny_model
+
+    folder = local_files["folder"] / "llama"
+    tokenizer = instruct_tokenizer(folder, chat_template=False)
+    saved_tiny_model("llama", folder, vocab=len(tokenizer))
+    return folder
+
+
+def local_settings(settings: dict, local_files: dict[str, Path], request) -> dict[str, str]:
+    """The command-line settings that replace the config's files, model folders and hub names with local ones."""
+    data = settings["data"]
+    local = {}
+    if data["class_path"].endswith("TextDataModule"):
+        local["data.init_args.path"] = str(local_files["text"])
+    if data["class_path"].endswith("InstructDataModule"):
+        hub = (data.get("init_args") or {}).get("hf_dataset")
+        local["data.init_args.hf_dataset" if hub else "data.init_args.path"] = str(local_files["hub" if hub else "rows"])
+    if uses_hugging_face(settings) and "pretrained" in settings["model"]["init_args"]:
+        local["model.init_args.pretrained"] = str(request.getfixturevalue("pretrained"))
+    return local
+
+
+def config_args(files: list[Path], local: dict[str, str]) -> list[str]:
+    return [*(arg for path in files for arg in ("--config", str(path))), *(f"--{k}={v}" for k, v in local.items())]
+
+
+def with_settings(settings: dict, dotted: dict[str, str]) -> dict:
+    """`settings` with the given `a.b.c` keys set, as the command line sets them over the config files."""
+    for key, value in dotted.items():
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        settings = overlaid(settings, value)
+    return settings
+
+
+@pytest.mark.parametrize("files", SHIPPED, ids=NAMES)
+def test_the_command_line_parses_every_setting_of_a_shipped_config(files, local_files, request, capsys):
+    settings = merged(files)
+    if uses_hugging_face(settings):
+        needs_transformers()
+    local = local_settings(settings, local_files, request)
+    with pytest.raises(SystemExit) as done:
+        command_line(["fit", *config_args(files, local), "--print_config"])
+    assert done.value.code in (0, None)
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    assert_reaches(parsed, with_settings(settings, local))  # what the test replaced, as replaced
