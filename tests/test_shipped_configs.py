@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -74,11 +75,13 @@ def uses_hugging_face(settings: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    """Generated English-like text, enough for the configs' windows and a BPE vocabulary of 1024."""
+    """Generated text: sentences of 12 words drawn from 300 made-up words, enough for the configs' windows and a
+    BPE vocabulary of 1024."""
     rng = random.Random(0)
-    words = [w for w in re.split(r"\W+", Path(__file__).read_text().lower()) if w.isalpha()]  # any varied wording
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = ["".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(300)]
     path = tmp_path_factory.mktemp("text") / "corpus.txt"
-    path.write_text("".join(" ".join(rng.choice(words) for _ in range(12)).capitalize() + ".\n" for _ in range(3000)))
+    path.write_text("".join(" ".join(rng.choices(words, k=12)).capitalize() + ".\n" for _ in range(3000)))
     return path
 
 
@@ -142,3 +145,75 @@ def test_the_command_line_parses_every_setting_of_a_shipped_config(files, local_
     assert done.value.code in (0, None)
     parsed = yaml.safe_load(capsys.readouterr().out)
     assert_reaches(parsed, with_settings(settings, local))  # what the test replaced, as replaced
+
+
+def logged(log_dir: Path, tag: str) -> dict[int, float]:
+    """The scalar `tag` written under log_dir, by step."""
+    values = {}
+    for event_file in log_dir.rglob("events.out.tfevents.*"):
+        events = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+        events.Reload()
+        if tag in events.Tags()["scalars"]:
+            values |= {e.step: e.value for e in events.Scalars(tag)}
+    return values
+
+
+# A few optimizer steps, the first validation batch, a log line per step; the rest as shipped.
+FEW_STEPS = ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+ON_CPU = [files for files in SHIPPED if merged(files)["trainer"].get("accelerator") != "gpu"]
+
+
+@pytest.mark.parametrize("files", ON_CPU, ids=["+".join(path.stem for path in files) for files in ON_CPU])
+def test_a_shipped_cpu_config_trains_a_few_steps(files, local_files, request, tmp_path):
+    settings = merged(files)
+    if uses_hugging_face(settings):
+        needs_transformers()
+    local = local_settings(settings, local_files, request)
+    assert command_line(["fit", *config_args(files, local), *FEW_STEPS,
+                         f"--trainer.logger.init_args.save_dir={tmp_path}"]) == 0
+    losses = logged(tmp_path, "train/loss")
+    assert sorted(losses) == [0, 1, 2] and all(math.isfinite(v) for v in losses.values()), losses
+    (last,) = tmp_path.rglob("last.ckpt")
+    assert torch.load(last, weights_only=False)["global_step"] == 3
+
+
+def auto_fit(config: str, tmp_path: Path, *overrides: str) -> tuple[GrowAttentionCallback, list[int]]:
+    """`fit --config configs/<config>` with its AutoSchedule settings as shipped: the growth callback and the head
+    sizes of the trained model."""
+    cli = main(["fit", "--config", str(CONFIGS / config), "--trainer.limit_val_batches=1",
+                "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                f"--trainer.logger.init_args.save_dir={tmp_path}", *overrides])
+    (callback,) = (c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback))
+    return callback, cli.model.model.head_sizes()
+
+
+def assert_decided_by_the_shipped_bars(callback: GrowAttentionCallback, step: int, layers: int) -> dict:
+    """The run's one check happened at `step` and is recorded, per layer, with the default bars (½ and ½: the configs
+    set none), taking only columns that clear them; returns the record."""
+    (check,) = callback.history
+    assert (check["event"], check["step"], check["d_head_before"]) == (f"step {step}", step, [1] * layers)
+    assert [d["layer"] for d in check["decisions"]] == list(range(layers))
+    for decision, before, after in zip(check["decisions"], check["d_head_before"], check["d_head"]):
+        assert (decision["bar"], decision["agreement_bar"]) == (0.5, 0.5)
+        taken = decision["columns"]
+        assert after == before + taken and taken <= decision["candidates"]
+        assert all(ratio >= 0.5 for ratio in decision["ratios"][:taken])
+        assert taken == 0 or decision["agreement"][taken - 1] >= 0.5
+    return check
+
+
+def test_text_auto_as_shipped_grows_every_layer_at_its_first_check(corpus, tmp_path):
+    # first_check 16 (one statistics window of 16 batches): one step more than that holds the check.
+    callback, head_sizes = auto_fit("text_auto.yaml", tmp_path, f"--data.init_args.path={corpus}",
+                                    "--trainer.max_steps=17")
+    check = assert_decided_by_the_shipped_bars(callback, step=16, layers=2)
+    # At d_head 1 text gains from every column the cap (growth.max_columns 4) lets a layer take at once.
+    assert check["d_head"] == head_sizes == [5, 5]
+
+
+def test_recall_auto_as_shipped_decides_at_its_first_check(tmp_path):
+    # check_every 100 (no first_check): one step more than that holds the check.
+    callback, head_sizes = auto_fit("recall_auto.yaml", tmp_path, "--trainer.max_steps=101")
+    check = assert_decided_by_the_shipped_bars(callback, step=100, layers=1)
+    assert check["d_head"] == head_sizes
