@@ -1,6 +1,6 @@
 """Every file in configs/ as a user runs it. Each is parsed by the command line (`--print_config`), an overlay on the
 base config its comment names, and every setting the file makes reaches the parsed config. The CPU ones train a few
-steps through the command line's entry point (`python -m lit_growattn fit`). The automatic schedule decides at its
+steps through the command line's entry point, in process (`python -m lit_growattn fit`). The automatic schedule decides at its
 first check with its shipped settings. Text comes from a generated file and model folders are tiny and random, so
 nothing here needs the hub or files beside the clone."""
 
@@ -36,7 +36,14 @@ def documented_base(overlay: Path) -> Path:
 # Each as its --config files, in order: every config, and every overlay on its documented base.
 SHIPPED = [[path] for path in sorted(CONFIGS.glob("*.yaml"))] + [
     [documented_base(overlay), overlay] for overlay in sorted((CONFIGS / "variants").glob("*.yaml"))]
-NAMES = ["+".join(path.stem for path in files) for files in SHIPPED]
+
+
+def named(runs: list[list[Path]]) -> dict:
+    return {"argvalues": runs, "ids": ["+".join(path.stem for path in files) for files in runs]}
+
+
+def test_every_file_in_configs_is_one_of_them():
+    assert {p for p in CONFIGS.rglob("*") if p.is_file()} == {path for files in SHIPPED for path in files}
 
 
 def merged(files: list[Path]) -> dict:
@@ -97,14 +104,17 @@ def local_files(tmp_path_factory, corpus) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def pretrained(local_files) -> Path:
-    """A tiny random Llama folder with an instruction tokenizer, as save_pretrained writes a downloaded one."""
+    """A tiny random Llama folder with an instruction tokenizer, as save_pretrained writes a downloaded one, converted
+    to low-rank DINT as the DINT configs' comments do it (convert copies the tokenizer in)."""
     needs_transformers()
     from hf_helpers import instruct_tokenizer, saved_tiny_model
 
-    folder = local_files["folder"] / "llama"
-    tokenizer = instruct_tokenizer(folder, chat_template=False)
-    saved_tiny_model("llama", folder, vocab=len(tokenizer))
-    return folder
+    llama, dint = local_files["folder"] / "llama", local_files["folder"] / "llama-lowrank-dint"
+    tokenizer = instruct_tokenizer(llama, chat_template=False)
+    saved_tiny_model("llama", llama, vocab=len(tokenizer))
+    assert command_line(["convert", "--pretrained", str(llama), "--to", "lowrank_dint", "--rank", "2",
+                         "--out", str(dint)]) == 0
+    return dint
 
 
 def local_settings(settings: dict, local_files: dict[str, Path], request) -> dict[str, str]:
@@ -134,12 +144,13 @@ def with_settings(settings: dict, dotted: dict[str, str]) -> dict:
     return settings
 
 
-@pytest.mark.parametrize("files", SHIPPED, ids=NAMES)
+@pytest.mark.parametrize("files", **named(SHIPPED))
 def test_the_command_line_parses_every_setting_of_a_shipped_config(files, local_files, request, capsys):
     settings = merged(files)
     if uses_hugging_face(settings):
         needs_transformers()
     local = local_settings(settings, local_files, request)
+    capsys.readouterr()  # what building the local files printed
     with pytest.raises(SystemExit) as done:
         command_line(["fit", *config_args(files, local), "--print_config"])
     assert done.value.code in (0, None)
@@ -164,7 +175,7 @@ FEW_STEPS = ["--trainer.max_steps=3", "--trainer.limit_val_batches=1", "--traine
 ON_CPU = [files for files in SHIPPED if merged(files)["trainer"].get("accelerator") != "gpu"]
 
 
-@pytest.mark.parametrize("files", ON_CPU, ids=["+".join(path.stem for path in files) for files in ON_CPU])
+@pytest.mark.parametrize("files", **named(ON_CPU))
 def test_a_shipped_cpu_config_trains_a_few_steps(files, local_files, request, tmp_path):
     settings = merged(files)
     if uses_hugging_face(settings):
