@@ -1,10 +1,11 @@
+import importlib
 import inspect
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-# Tests never need the hub (DESIGN §11). Set before anything imports huggingface_hub or datasets, which read it at
+# Tests never need the hub. Set before anything imports huggingface_hub or datasets, which read it at
 # import: without it a name that is neither a file nor a local dataset is looked up online, about 23 s of retries
 # on a machine without network, and a different error wherever the hub answers.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -19,6 +20,32 @@ REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 # Every test that reads ../shared carries this mark: a clone without the shared data skips them.
 needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not beside this clone")
+
+# Set by `make test` (as is CI=true on CI services): there every optional dependency is installed, so a test that
+# cannot import one fails instead of skipping, and a broken install cannot pass by running fewer tests.
+REQUIRE_OPTIONAL = "LIT_GROWATTN_REQUIRE_OPTIONAL"
+
+
+def optional_dependencies_required() -> bool:
+    return os.environ.get(REQUIRE_OPTIONAL, "") not in ("", "0") or os.environ.get("CI", "").lower() == "true"
+
+
+def needs_module(name: str, extra: str):
+    """The optional module `name` (installed by the package's `extra`), imported: without it the calling test, or
+    the whole test file when called at its top, is skipped, or fails where optional dependencies are required."""
+    if not optional_dependencies_required():
+        return pytest.importorskip(name, reason=f"{name} is not installed (the {extra} extra)")
+    try:
+        return importlib.import_module(name)
+    except ImportError as error:
+        why = str(error)
+    pytest.fail(f"{name} cannot be imported ({why}), and {REQUIRE_OPTIONAL} or CI=true requires every optional "
+                f"dependency: install the {extra} extra, pip install -e '.[dev,{extra}]'", pytrace=False)
+
+
+def needs_transformers():
+    """transformers, for the Hugging Face tests (lit_growattn.hf, tests/hf_helpers.py); see needs_module."""
+    return needs_module("transformers", extra="hf")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -4,6 +4,7 @@ import pytest
 
 from lit_growattn.data.arithmetic import ArithmeticDataModule, exact_answer_accuracy, extract_answer, make_rows
 
+from conftest import needs_transformers
 from hf_helpers import instruct_tokenizer
 
 
@@ -28,6 +29,7 @@ def test_exact_answer_accuracy():
 
 
 def test_arithmetic_module_reads_generated_rows(tmp_path):
+    needs_transformers()
     instruct_tokenizer(tmp_path / "tok", chat_template=False)
     dm = ArithmeticDataModule(str(tmp_path / "tok"), num_examples=40, val_size=8, cache_dir=str(tmp_path / "c"))
     dm.prepare_data()

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from lit_growattn.growth import GroupedGrowth
 from lit_growattn.growth.stats import Moments
 
+from conftest import needs_transformers
+
 F64 = torch.float64
 EPS = torch.finfo(F64).eps
 
@@ -111,7 +113,7 @@ def test_gqa_gains_add_up_to_the_prediction_of_growing_and_score_is_the_whole_di
 
 
 def test_rotary_gqa_column_gains_are_the_first_order_change_of_appending_nope_columns(tmp_path):
-    pytest.importorskip("transformers")
+    needs_transformers()
     from test_hf_growth import _growths, _loss, _model_and_batch
 
     model, ids = _model_and_batch(tmp_path, "llama")

@@ -9,7 +9,7 @@ from lit_growattn import AutoSchedule, GrowAttentionCallback
 from lit_growattn.cli import main
 from lit_growattn.settings import StatisticsSettings
 
-from conftest import REPO
+from conftest import REPO, needs_transformers
 
 CB = "--trainer.callbacks.init_args"
 SMALL_RECALL = ["--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64"]
@@ -155,6 +155,7 @@ def test_a_failed_start_leaves_no_folder_it_created(tmp_path, monkeypatch, logge
 
 
 def test_rotary_dim_on_qwen3_says_it_is_refused_for_the_model_type():
+    needs_transformers()
     from hf_helpers import tiny_config
     from lit_growattn.hf import HFCausalLM
 

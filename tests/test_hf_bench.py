@@ -5,11 +5,9 @@ import os
 import subprocess
 import sys
 
-import pytest
+from conftest import REPO, needs_transformers
 
-from conftest import REPO
-
-pytest.importorskip("transformers")
+needs_transformers()
 
 
 def test_bench_hf_quick_prints_every_figure():

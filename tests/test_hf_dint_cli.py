@@ -9,16 +9,15 @@ import os
 import subprocess
 import sys
 
-import pytest
+from conftest import REPO, needs_transformers, scalar_tags
 
-pytest.importorskip("transformers")
+needs_transformers()
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from lit_growattn.data.arithmetic import make_rows, write_jsonl  # noqa: E402
 
-from conftest import REPO, scalar_tags  # noqa: E402
 from hf_helpers import instruct_tokenizer, saved_tiny_model  # noqa: E402
 
 TINY = REPO / "configs" / "hf_llama_dint_sft_tiny.yaml"

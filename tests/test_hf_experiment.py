@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import sys
 
-import pytest
+from conftest import REPO, needs_transformers
 
-pytest.importorskip("transformers")
-
-from conftest import REPO  # noqa: E402
+needs_transformers()
 
 sys.path.insert(0, str(REPO / "scripts"))
 import hf_experiment  # noqa: E402

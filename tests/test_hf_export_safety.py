@@ -17,13 +17,14 @@ import time
 
 import pytest
 
-pytest.importorskip("transformers")
+from conftest import REPO, needs_transformers
+
+needs_transformers()
 
 import torch  # noqa: E402
 
 from lit_growattn.__main__ import main as command_line  # noqa: E402
 
-from conftest import REPO  # noqa: E402
 from hf_helpers import TEXT, VOCAB, load, saved_tiny_model, saved_tokenizer  # noqa: E402
 
 

@@ -10,12 +10,13 @@ import sys
 
 import pytest
 
-pytest.importorskip("transformers")
+from conftest import REPO, needs_transformers
+
+needs_transformers()
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from conftest import REPO  # noqa: E402
 from hf_helpers import saved_tiny_model, saved_tokenizer  # noqa: E402
 
 CONFIG = REPO / "configs" / "hf_llama_grow.yaml"

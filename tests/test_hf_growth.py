@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
+from conftest import needs_transformers
+
+needs_transformers()
 
 import torch  # noqa: E402
 

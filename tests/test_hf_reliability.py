@@ -10,7 +10,9 @@ import warnings
 
 import pytest
 
-pytest.importorskip("transformers")
+from conftest import REPO, needs_transformers
+
+needs_transformers()
 
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
@@ -19,7 +21,6 @@ from lit_growattn.__main__ import main as command_line  # noqa: E402
 from lit_growattn.cli import main  # noqa: E402
 from lit_growattn.hf import HFCausalLM  # noqa: E402
 
-from conftest import REPO  # noqa: E402
 from hf_helpers import saved_tiny_model, saved_tokenizer, tiny_config  # noqa: E402
 
 CONFIG = str(REPO / "configs" / "hf_llama_grow.yaml")

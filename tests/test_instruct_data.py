@@ -6,7 +6,9 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from conftest import needs_transformers
+
+needs_transformers()
 
 from lit_growattn.data.instruct import PLAIN_TEMPLATE, InstructDataModule  # noqa: E402
 

@@ -7,12 +7,13 @@ import re
 
 import pytest
 
-pytest.importorskip("transformers")
+from conftest import REPO, needs_transformers
+
+needs_transformers()
 
 from lit_growattn.__main__ import main as command_line  # noqa: E402
 from lit_growattn.data.instruct import InstructDataModule  # noqa: E402
 
-from conftest import REPO  # noqa: E402
 from hf_helpers import instruct_tokenizer, saved_tiny_model  # noqa: E402
 
 GOOD = [json.dumps({"problem": f"What is {i} + 1?", "generated_solution": f"{i} + 1 = {i + 1}."}).encode()

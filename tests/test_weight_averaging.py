@@ -17,7 +17,7 @@ from lit_growattn.lightning_private import averaged_model
 from lit_growattn.settings import GrowthSettings, StatisticsSettings
 
 from callback_helpers import params, recall_data, tiny_module, trainer
-from conftest import REPO
+from conftest import REPO, needs_transformers
 
 # recall_grow.yaml, small: 5 batches an epoch, growths at the starts of epochs 1 and 2 (steps 5 and 10).
 RECALL = [
@@ -206,7 +206,7 @@ def test_layers_per_event_above_the_growing_layers_is_refused_naming_them(tmp_pa
 
 
 def test_ema_follows_the_growth_of_a_hugging_face_model(tmp_path):
-    pytest.importorskip("transformers")
+    needs_transformers()
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.\n" * 150)
     cli = main([
