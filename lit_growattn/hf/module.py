@@ -209,7 +209,9 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         datamodule = self.trainer.datamodule
         if getattr(datamodule, "tokenizer_source", None) is not None:
             self._check_tokenizer(datamodule.tokenizer, datamodule.tokenizer_source)
-            self.hparams["tokenizer"] = datamodule.tokenizer_source
+            source = datamodule.tokenizer_source
+            # A local path is recorded absolute: export and a resumed run may start in another working directory.
+            self.hparams["tokenizer"] = os.path.abspath(source) if os.path.exists(source) else source
 
     def _check_tokenizer(self, tokenizer, source: str) -> None:
         """The data's tokenizer must be the pretrained folder's (when the folder has one): the embeddings' rows are
