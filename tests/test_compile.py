@@ -44,7 +44,7 @@ def test_compiled_growth_run_equals_eager_with_bounded_recompiles(tmp_path, tiny
         old = tuple(slice(0, size) for size in initial[name].shape)  # a grown tensor's columns from before the growth
         # Every parameter moved far beyond the tolerance (measured ≥ 1.2e-2), so equal ones are equal training.
         assert (want[old] - initial[name]).abs().max() > 100 * tolerance, name
-        torch.testing.assert_close(got, want, rtol=0, atol=tolerance, msg=name)
+        torch.testing.assert_close(got, want, rtol=0, atol=tolerance, msg=lambda m: f"{name}: {m}")
 
 
 def test_more_graphs_than_the_bound_fail_loudly(monkeypatch):
