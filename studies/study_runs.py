@@ -1,4 +1,5 @@
-"""One training run of the studies (scripts/experiments.py, scripts/capacity_study.py), and their results merged."""
+"""One training run of the studies (growth_pays/experiments.py, capacity/capacity_study.py, hf_growth/hf_experiment.py),
+and their results merged."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import lightning as L
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]  # studies/ sits in the repository's root
 sys.path.insert(0, str(REPO))
 
 from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402

@@ -1,4 +1,4 @@
-"""`scripts/experiments.py --capacity --text FILE`: does the automatic schedule find a small query/key width that
+"""`studies/growth_pays/experiments.py --capacity --text FILE`: does the automatic schedule find a small query/key width that
 matches full attention? Six rows on the text task, equal total steps (the growth study's setting):
 
     static d_head 16 | static d_head 2 | auto from d_head 1 (configs/text_auto.yaml) |
@@ -9,8 +9,9 @@ The fourth and fifth rows take the sizes of the auto run of the same seed, so th
 `--only "static d_head N"` runs a static model at any other width too (e.g. 15 and 17: how far a one-column change
 moves the loss on a seed, the noise the per-seed comparison with static 16 stands in), and `"static d_head [6, 10]"`
 one width per layer.
-Corpora other than Tiny Shakespeare: `python scripts/corpora.py DIR` (Python stdlib sources, /usr/share/doc).
-Writes docs/experiments_capacity.{md,json} and its plots: d_head per layer against steps, loss against K-cache size.
+Corpora other than Tiny Shakespeare: `python studies/capacity/corpora.py DIR` (Python stdlib sources, /usr/share/doc).
+Writes OUT/experiments_capacity.{md,json} and its plots (d_head per layer against steps, loss against K-cache size);
+OUT is --out, by default studies/capacity.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Corpora any machine has without a download, for the capacity study (docs/experiments_capacity.md):
+"""Corpora any machine has without a download, for the capacity study (studies/capacity/README.md):
 
-    python scripts/corpora.py OUT_DIR      # writes OUT_DIR/{pystdlib,usrdoc}.txt, prints their sizes
+    python studies/capacity/corpora.py OUT_DIR     # writes OUT_DIR/{pystdlib,usrdoc}.txt, prints their sizes
 
 - pystdlib: the running Python's standard library `.py` sources (sorted relative paths, tests and site-packages
   left out), concatenated, first CAP bytes. Code: a corpus whose statistics differ from prose.
 - usrdoc: the Debian changelogs and READMEs under /usr/share/doc (sorted paths, .gz decompressed), first CAP
   bytes. English written by many hands; its content depends on the packages installed on the machine.
-Tiny Shakespeare (../shared/data/tinyshakespeare.txt) is the third. Both files are rebuilt byte-identically on
+Tiny Shakespeare (Karpathy's char-rnn tinyshakespeare.txt, 1,115,394 bytes) is the third. Both files are rebuilt byte-identically on
 the same machine; they are not committed.
 """
 

@@ -1,18 +1,19 @@
 """Does growing d_head pay? Static small vs static large vs growth (each method and mode, and baselines).
 
-    python scripts/experiments.py                          # fused-pair recall (built in), 3 seeds
-    python scripts/experiments.py --text ../shared/data/tinyshakespeare.txt
-    python scripts/experiments.py --quick                  # a smoke run: 1 seed, a few steps, 3 runs
-    python scripts/experiments.py --attention              # mha vs diff vs dint vs lowrank_dint (static),
+    python studies/growth_pays/experiments.py              # fused-pair recall (built in), 3 seeds
+    python studies/growth_pays/experiments.py --text tinyshakespeare.txt
+    python studies/growth_pays/experiments.py --quick      # a smoke run: 1 seed, a few steps, 3 runs
+    python studies/growth_pays/experiments.py --attention  # mha vs diff vs dint vs lowrank_dint (static),
                                                            # at about equal parameter count
-    python scripts/experiments.py --capacity --text …      # the automatic schedule against static and
-                                                           # shrunk widths (scripts/capacity_study.py)
+    python studies/growth_pays/experiments.py --capacity --text …  # the automatic schedule against static and
+                                                    # shrunk widths (studies/capacity/capacity_study.py)
 
 Every run is the project's own CLI config (configs/recall_grow.yaml or configs/text_grow.yaml) with
 overrides, trained in this process; static runs keep the config's callbacks except growth (the attention
-analysis of text_grow.yaml included). Writes docs/experiments_<task>.md (the table, also printed), the results
-as docs/experiments_<task>.json (each run with its task, every validation set and the attention entropy) and
-docs/experiments_<task>_loss_vs_flops.png, docs/experiments_<task>_d_head.png.
+analysis of text_grow.yaml included). Writes OUT/experiments_<task>.md (the table, also printed), the results
+as OUT/experiments_<task>.json (each run with its task, every validation set and the attention entropy) and
+OUT/experiments_<task>_loss_vs_flops.png, OUT/experiments_<task>_d_head.png; OUT is --out, by default this
+folder (studies/capacity with --capacity).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,7 +30,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from study_runs import REPO, merge, run  # noqa: E402 - study_runs puts the repository on the path
+STUDIES = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(STUDIES))  # study_runs, shared with the other studies
+
+from study_runs import merge, run  # noqa: E402 - study_runs puts the repository on the path
 
 from lit_growattn import growth  # noqa: E402
 
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attention", action="store_true", help="compare attention variants instead of growth")
     parser.add_argument("--capacity", action="store_true", help="the automatic schedule against static and shrunk "
                         "widths (needs --text; --only picks among its rows)")
-    parser.add_argument("--out", default=str(REPO / "docs"))
+    parser.add_argument("--out", help="folder for the results (default: the study's own folder)")
     parser.add_argument("--from-json", nargs="+", help="re-render the table and plots from the results JSONs of "
                         "earlier runs, merged run by run (e.g. parallel invocations with different --only); pass "
                         "the same --text/--override as those runs so that the table's header names them")
@@ -172,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if args.capacity:
-        import capacity_study  # its own file, beside this one: the study has rows of its own
+        sys.path.insert(0, str(STUDIES / "capacity"))  # the capacity study's rows, in its own folder
+        import capacity_study
+
+        args.out = args.out or str(STUDIES / "capacity")
 
         return capacity_study.main(args, parser)
     task = "text" if args.text else "recall"
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         seeds, runs = seeds[:1], dict(list(runs.items())[:3])
         common += ["--trainer.max_epochs=3", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2",
                    "--trainer.callbacks.init_args.statistics.batches=2"]
-    out = Path(args.out)
+    out = Path(args.out or Path(__file__).resolve().parent)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, list[dict]] = {}
     if args.from_json:

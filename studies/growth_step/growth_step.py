@@ -1,8 +1,8 @@
-"""The growth step on text: does a step along ΔM pay, and which part of growth does? (docs/growth_step.md)
+"""The growth step on text: does a step along ΔM pay, and which part of growth does? (README.md beside this file)
 
-    python scripts/growth_step.py probe --text ../shared/data/tinyshakespeare.txt        # L(α), noise → JSON
-    python scripts/growth_step.py train --text … --runs 'grow natural/append α=0 + Q/K reset' --out runs.jsonl
-    python scripts/growth_step.py report --probes probe_*.json --runs runs.jsonl         # tables, figures
+    python studies/growth_step/growth_step.py probe --text tinyshakespeare.txt --out probe.json  # L(α), noise
+    python studies/growth_step/growth_step.py train --text … --runs 'grow natural/append α=0 + Q/K reset' --out runs.jsonl
+    python studies/growth_step/growth_step.py report --probes probe_*.json --runs runs.jsonl   # tables, figures
 
 `probe` trains configs/text_grow.yaml (the experiments setting: 5 epochs of 150 steps; growing with
 natural/replace on the old grid 0, 1/16 … 1, as the config shipped when it was measured) and, at the start of
@@ -25,7 +25,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from step_study import GROW_EPOCHS, REPO, STATIC, FINE_GRID, build, grow_args, held_out, mean_loss
+from step_study import GROW_EPOCHS, HERE, STATIC, FINE_GRID, build, grow_args, held_out, mean_loss
 from step_study_probe import probe
 from step_study_report import report, runs_table  # noqa: F401 - runs_table: the table of `train` runs
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     rp = sub.add_parser("report", help="tables (printed) and figures in --out from probe JSONs and run JSON lines")
     rp.add_argument("--probes", nargs="+", type=Path, required=True)
     rp.add_argument("--runs", nargs="*", type=Path, default=[])
-    rp.add_argument("--out", type=Path, default=REPO / "docs")
+    rp.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.command == "report":

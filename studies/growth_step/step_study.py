@@ -1,4 +1,4 @@
-"""The setting of the growth-step study (scripts/growth_step.py): the config, the growth epochs, the statistics
+"""The setting of the growth-step study (growth_step.py): the config, the growth epochs, the statistics
 window, and building a run of it through the project's CLI."""
 
 from __future__ import annotations
@@ -8,13 +8,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
 from lit_growattn.cli import main as cli_main  # noqa: E402
 
 CONFIG = "configs/text_grow.yaml"
-SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # as docs/experiments_text.md
+SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # as studies/growth_pays' text runs
 GROW_EPOCHS = (1, 2)
 HELD_OUT_BATCHES = 8
 FINE_GRID = [0.0] + [2.0**-k for k in range(9)]  # 1 … 1/256: on text the best step lies at 1/256 … 1/32

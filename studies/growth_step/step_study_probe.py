@@ -1,4 +1,4 @@
-"""`scripts/growth_step.py probe`: L(α) and the noise of the statistics at real growth events, measured on a copy
+"""`growth_step.py probe`: L(α) and the noise of the statistics at real growth events, measured on a copy
 of the model at the start of each growth epoch, before the callback grows it."""
 
 from __future__ import annotations

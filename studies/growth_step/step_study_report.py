@@ -1,4 +1,4 @@
-"""`scripts/growth_step.py report`: the tables (printed) and figures of docs/growth_step.md from the probe JSONs
+"""`growth_step.py report`: the tables (printed) and figures of this study's README.md from the probe JSONs
 and the run JSON lines."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from step_study import GROW_EPOCHS, GRIDS, KEPT, REPO, WINDOW
+from step_study import GROW_EPOCHS, GRIDS, HERE, KEPT, WINDOW
 
 from lit_growattn import growth  # step_study has put the repository on the path
 
@@ -111,7 +111,7 @@ TABLE_ORDER = [
 
 
 def reused(path: Path, names: list[str]) -> list[dict]:
-    """Rows of scripts/experiments.py's JSON (seeds 0, 1, … in order) in this script's format (no held-out loss
+    """Rows of studies/growth_pays/experiments.py's JSON (seeds 0, 1, … in order) in this script's format (no held-out loss
     around the events)."""
     rows = json.loads(path.read_text())
     return [{"run": f"{name} ({path.name})", "seed": seed, "final": r["final"]["loss"], "event_loss": None,
@@ -202,7 +202,7 @@ def plot_noise(events: list[dict], path: Path) -> None:
 def report(probes: list[Path], runs: list[Path], out: Path) -> None:
     events = [e for p in probes for e in json.loads(p.read_text())]
     results = [json.loads(line) for p in runs for line in p.read_text().splitlines() if line.strip()]
-    results += reused(REPO / "docs/experiments_text.json", ["static d_head 2", "static d_head 16"])
+    results += reused(HERE.parent / "growth_pays" / "experiments_text.json", ["static d_head 2", "static d_head 16"])
     (out / "growth_step.json").write_text(json.dumps({"probe": events, "runs": results}))
     plot_steps(events, out / "growth_step_loss_vs_alpha.png")
     plot_noise(events, out / "growth_step_noise.png")

@@ -7,8 +7,8 @@ byte tokenizer) on a text file, four runs per seed, the same steps for all:
     grow fixed     from small, +2 NoPE columns at epochs 1 and 2 (AtEpochs): 4 rotary + 4 NoPE = 8 at the end
     grow auto      from small, AutoSchedule (a check every `--check-every` steps, its default bar)
 
-    python scripts/hf_experiment.py --text ../shared/data/tinyshakespeare.txt            # 3 seeds, docs/hf_experiment.*
-    python scripts/hf_experiment.py --text FILE --seeds 0 --override --trainer.max_epochs=1   # a smoke run
+    python studies/hf_growth/hf_experiment.py --text tinyshakespeare.txt        # 3 seeds, hf_experiment.* here
+    python studies/hf_growth/hf_experiment.py --text FILE --seeds 0 --override --trainer.max_epochs=1   # a smoke run
 
 After each run, on `--probe-batches` validation batches, with "extra columns" the query/key columns a small model
 lacks (static full: the 4 rotary columns of the frequency pairs rotary_dim=4 drops; grown: the NoPE columns): the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from itertools import islice
 from pathlib import Path
@@ -31,7 +32,9 @@ import lightning as L
 import torch
 import yaml
 
-from study_runs import REPO, run  # noqa: E402 - study_runs puts the repository on the path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # studies/: study_runs, shared with the other studies
+
+from study_runs import run  # noqa: E402 - study_runs puts the repository on the path
 
 from lit_growattn.hf.entropy import layer_entropies  # noqa: E402
 from lit_growattn.hf.growable import rotary_columns  # noqa: E402
@@ -147,12 +150,12 @@ def table(results: dict[str, list[dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--text", help="a text file (e.g. ../shared/data/tinyshakespeare.txt)")
+    parser.add_argument("--text", help="a text file (e.g. tinyshakespeare.txt)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", help="run names to keep")
     parser.add_argument("--check-every", type=int, default=100, help="AutoSchedule's steps between checks")
     parser.add_argument("--probe-batches", type=int, default=4)
-    parser.add_argument("--out", default=str(REPO / "docs"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides for every run")
     parser.add_argument("--from-json", help="re-render the tables from an earlier run's hf_experiment.json (pass "
                         "that run's --text and --override, which the header names)")

@@ -5,8 +5,9 @@ Per run: instruction validation loss, exact-answer accuracy (greedy generation o
 entropy per layer before and after fine-tuning on the same batches, and the Shakespeare validation loss after
 fine-tuning (what the fine-tune cost the original domain; logged as val/shakespeare/loss).
 
-    nice -n 10 env OMP_NUM_THREADS=1 PYTHONPATH=. python scripts/seed001_repro.py --out runs/seed001
-writes runs/seed001/results.json; docs/seed001.md reports it. --quick runs a few steps of everything (smoke test).
+    nice -n 10 env OMP_NUM_THREADS=1 PYTHONPATH=. python studies/seed001/seed001_repro.py \
+        --text tinyshakespeare.txt --out runs/seed001
+writes runs/seed001/results.json; README.md beside this file reports it. --quick runs a few steps of everything (smoke test).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from lit_growattn.data.instruct import prompt_ids  # noqa: E402
 from lit_growattn.hf import DintSettings, HFCausalLM, convert_to_dint  # noqa: E402
 from lit_growattn.hf.entropy import AttentionEntropyCallback, layer_entropies  # noqa: E402
 
-SHAKESPEARE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare.txt"
 MODEL = dict(model_type="llama", hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=24, max_position_embeddings=256, tie_word_embeddings=True)
 BATCH = 16
@@ -81,9 +81,9 @@ def accuracy(model, tokenizer, problems: list[tuple[str, str]], max_new_tokens: 
     return exact_answer_accuracy(generations, [answer for _, answer in problems])
 
 
-def pretrain(out: Path, tokenizer_dir: Path, steps: int) -> tuple[Path, float]:
+def pretrain(out: Path, text: Path, tokenizer_dir: Path, steps: int) -> tuple[Path, float]:
     folder = out / "pretrained"
-    data = TextDataModule(path=str(SHAKESPEARE), tokenizer=str(tokenizer_dir / "tokenizer.json"), block_size=128,
+    data = TextDataModule(path=str(text), tokenizer=str(tokenizer_dir / "tokenizer.json"), block_size=128,
                           batch_size=BATCH, samples_per_epoch=steps * BATCH, cache_dir=str(out / "cache"))
     torch.manual_seed(0)
     module = HFCausalLM(config=dict(MODEL, vocab_size=data.vocab_size), growable=False, warmup_steps=50,
@@ -147,6 +147,7 @@ def table(runs: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/seed001")
+    parser.add_argument("--text", help="Tiny Shakespeare (tinyshakespeare.txt), the pretraining text")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--pretrain_steps", type=int, default=400)
     parser.add_argument("--finetune_steps", type=int, default=250)
@@ -167,14 +168,16 @@ def main() -> None:
         tokenizer_dir, pretrained, held_out = base / "tokenizer", base / "pretrained", base / "shakespeare_val.txt"
         pretrain_loss = json.loads((base / "results.json").read_text())["pretrain_val_loss"]
     else:
-        text = SHAKESPEARE.read_text()
+        if args.text is None:
+            parser.error("pretraining needs the Tiny Shakespeare text: --text tinyshakespeare.txt (or --from_run DIR)")
+        text = Path(args.text).read_text()
         held_out = out / "shakespeare_val.txt"
         held_out.write_text(text[int(len(text) * 0.9):])  # TextDataModule's default held-out tenth
         sample = text[: int(len(text) * 0.9)] + "".join(r["problem"] + "\n" + r["generated_solution"] + "\n"
                                                         for r in make_rows(2000, seed=99))
         tokenizer_dir = out / "tokenizer"
         make_tokenizer(tokenizer_dir, sample, 512)
-        pretrained, pretrain_loss = pretrain(out, tokenizer_dir, args.pretrain_steps)
+        pretrained, pretrain_loss = pretrain(out, Path(args.text), tokenizer_dir, args.pretrain_steps)
     runs = []
     for seed in args.seeds:
         for variant in VARIANTS:
