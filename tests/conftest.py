@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Tests never need the hub (DESIGN §11). Set before anything imports huggingface_hub or datasets, which read it at
+# Tests never need the hub. Set before anything imports huggingface_hub or datasets, which read it at
 # import: without it a name that is neither a file nor a local dataset is looked up online, about 23 s of retries
 # on a machine without network, and a different error wherever the hub answers.
 os.environ["HF_HUB_OFFLINE"] = "1"
