@@ -113,6 +113,12 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
     share = f"{sum(found) / 32:.0%}"  # of static 16's two layers
     assert f"| 0 | {found} | – | {auto['final']['loss']:.3f} | {share} | – | {shrunk['final']['loss']:.3f} | – |" in table
     assert (out / "experiments_capacity_d_head.png").exists() and (out / "experiments_capacity_loss_vs_kcache.png").exists()
+    sys.path.insert(0, str(REPO / "studies" / "capacity"))
+    import summary  # the study's compact results.json is collected from these JSONs
+
+    collected = summary.collect([f"2layer:tiny={out / 'experiments_capacity.json'}"])["2layer"]["tiny"]["0"]
+    assert collected["auto from d_head 1"]["d_head"] == found
+    assert collected["auto from d_head 1"]["growths"][0] == [auto["events"][0]["step"], auto["events"][0]["d_head"]]
 
     with pytest.raises(SystemExit):
         experiments.main(["--capacity", "--text", str(corpus), "--only", "static at the auto sizes", "--out", str(out)])

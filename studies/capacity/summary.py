@@ -1,12 +1,15 @@
 """The capacity study's table and plot, from results.json (the current rule's runs, seeds 0–5, both model sizes):
 
     python studies/capacity/summary.py     # prints the table, writes loss_vs_kcache.png beside this file
+    python studies/capacity/summary.py --collect 2layer:usrdoc=OUT/experiments_capacity.json …  # results.json first
 
-Each loss is compared with static d_head 16 of the same model size, corpus and seed (in % above it).
+`--collect SIZE:CORPUS=FILE …` rebuilds results.json from the capacity runs' JSONs (finals only, growths as
+[step, d_head]). Each loss is compared with static d_head 16 of the same model size, corpus and seed (in % above it).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -69,7 +72,43 @@ def plot(found: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+ROWS = ("static d_head 16", "static d_head 8", "auto from d_head 1", "static at the auto sizes")
+WHAT = ("final validation loss (750 steps) per model size, corpus and seed (seeds 0-5); the automatic schedule's run "
+        "from d_head 1 with the widths it found and each growth as [step, d_head per layer after it]")
+
+
+def growths(events: list[dict]) -> list[list]:
+    """[step, d_head after] for each check that changed the widths (the checks that grew nothing left out)."""
+    out, before = [], None
+    for event in events:
+        if event["d_head"] != before:
+            out.append([event["step"], event["d_head"]])
+            before = event["d_head"]
+    return out
+
+
+def collect(sources: list[str]) -> dict:
+    """SIZE:CORPUS=FILE (a capacity run's experiments_capacity.json) → results.json's runs."""
+    runs: dict = {}
+    for source in sources:
+        cell, path = source.split("=", 1)
+        size, corpus = cell.split(":")
+        study = json.loads(Path(path).read_text())
+        for name in ROWS:
+            for run in study.get(name, []):  # a row not run in that invocation
+                seeds = runs.setdefault(size, {}).setdefault(corpus, {}).setdefault(str(run["seed"]), {})
+                loss = round(run["final"]["loss"], 5)
+                seeds[name] = ({"loss": loss, "d_head": run["final"]["d_head"], "growths": growths(run["events"])}
+                               if name == "auto from d_head 1" else loss)
+    return runs
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--collect", nargs="+", metavar="SIZE:CORPUS=FILE", help="rebuild results.json first")
+    args = parser.parse_args()
+    if args.collect:
+        (HERE / "results.json").write_text(json.dumps({"what": WHAT, "runs": collect(args.collect)}))
     found = rows(json.loads((HERE / "results.json").read_text())["runs"])
     print(table(found))
     plot(found, HERE / "loss_vs_kcache.png")
