@@ -63,9 +63,10 @@ def hide_library_noise() -> None:
 
     # Lightning's own pytree helper calls `isinstance(treespec, LeafSpec)`, which torch 2.13 deprecates: the
     # FutureWarning names no code of the user's or ours, and the fix is Lightning's.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
-    # Advertising for Lightning's cloud services ("💡 Tip: … install litlogger / litmodels") at INFO level; Lightning
-    # has no switch for it, and lowering the logger's level would hide its useful lines (devices, limits) too.
+    leaf_spec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    warnings.filterwarnings("ignore", message=leaf_spec, category=FutureWarning)
+    # Advertising for Lightning's cloud services ("💡 Tip: … install litlogger / litmodels") at INFO level;
+    # Lightning has no switch for it, and raising the logger's level would hide its useful lines (devices, limits).
     rank_zero.log.addFilter(lambda record: not record.getMessage().startswith("💡 Tip:"))
 
 
