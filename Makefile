@@ -23,13 +23,13 @@ TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	LIT_GROWATTN_REQUIRE_OPTIONAL=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
 
-# `make bench BENCH_ARGS=` runs the full preset; `make experiments ARGS="--text ../shared/data/tinyshakespeare.txt"`.
+# `make bench BENCH_ARGS=` runs the full preset; `make experiments ARGS="--text tinyshakespeare.txt"`.
 BENCH_ARGS ?= --quick
 bench: $(VENV)/.installed
 	$(PY) scripts/bench.py $(BENCH_ARGS)
 
 experiments: $(VENV)/.installed
-	$(PY) scripts/experiments.py $(ARGS)
+	$(PY) studies/growth_pays/experiments.py $(ARGS)
 
 # The wheels a bare GPU machine lacks (Python 3.12 with torch, lightning, transformers 5.17 and the rest of its own
 # list, no package index: docs/gpu.md), at the versions the tests ran with when set. scripts/gpu/check.sh installs them.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
 
 DEBUG_ENV = "LIT_GROWATTN_DEBUG"
 
@@ -55,6 +56,20 @@ def short_report(error: BaseException) -> str:
     return "\n".join(lines)
 
 
+def hide_library_noise() -> None:
+    """Two messages Lightning prints on every fit that a user of this command can do nothing about; after
+    Lightning is imported (the tips' logger is the one Lightning installs then)."""
+    from lightning_utilities.core import rank_zero
+
+    # Lightning's own pytree helper calls `isinstance(treespec, LeafSpec)`, which torch 2.13 deprecates: the
+    # FutureWarning names no code of the user's or ours, and the fix is Lightning's.
+    leaf_spec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    warnings.filterwarnings("ignore", message=leaf_spec, category=FutureWarning)
+    # Advertising for Lightning's cloud services ("💡 Tip: … install litlogger / litmodels") at INFO level;
+    # Lightning has no switch for it, and raising the logger's level would hide its useful lines (devices, limits).
+    rank_zero.log.addFilter(lambda record: not record.getMessage().startswith("💡 Tip:"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
@@ -69,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from lit_growattn.cli import main as cli
 
+            hide_library_noise()
             cli(argv)  # None: LightningCLI reads sys.argv itself (and does not warn about it)
     except Exception as error:  # noqa: BLE001 - the command line's last resort; SystemExit passes through
         if os.environ.get(DEBUG_ENV, "") not in ("", "0"):

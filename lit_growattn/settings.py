@@ -45,7 +45,7 @@ class GrowthSettings:
         temperature: keep the learnable temperature τ | rescale it by √(d/d′) at each growth.
         truncation: the metric of the truncated SVD of the growth: euclidean | whitened (by the input covariance).
         new_second_moment: Adam second moments of new columns: mean (of the old ones; zero moments with a large
-            step count would give new columns a larger effective learning rate, docs/experiments.md "Adam's second
+            step count would give new columns a larger effective learning rate, studies/growth_pays/README.md "Adam's second
             moments for new columns") | zero.
     """
 

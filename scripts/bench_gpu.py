@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="bench_gpu.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes (on CPU without a GPU): checks the command")
     parser.add_argument("--compile", action="store_true", help="models with compile: true")
-    # docs/bench_gpu.json is scripts/gpu/check.sh's result, of which this benchmark is one step (docs/gpu.md).
+    # scripts/results/bench_gpu.json is scripts/gpu/check.sh's result, of which this benchmark is one step (docs/gpu.md).
     parser.add_argument("--out", default=None, help="also write the JSON to this file")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()

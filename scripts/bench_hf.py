@@ -6,9 +6,9 @@
 2. stats_step_cost_ratio: a step of the converted model with statistics capture on every layer and the captured
    pairs folded into FormStats, as the callback does ÷ a normal step of the converted model (≤ 1.5 wanted), for
    capture `explicit` (the score map's gradient, what capture=auto picks on CPU) and `extend` (the queries'
-   zero-extension, DESIGN §4).
+   zero-extension, docs/design.md §4).
 
-Timing rules (DESIGN §8): warm-up excluded, the variants interleaved in rotating order, per-repeat ratios, medians.
+Timing rules (docs/design.md §9): warm-up excluded, the variants interleaved in rotating order, per-repeat ratios, medians.
 
     HF_HUB_OFFLINE=1 python scripts/bench_hf.py [--quick] [--threads 1]
 """

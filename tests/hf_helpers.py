@@ -1,5 +1,5 @@
-"""Offline Hugging Face fixtures (DESIGN §11): tiny random configs saved and loaded back like a downloaded model, and
-a byte-level BPE tokenizer trained in memory, with or without a chat template."""
+"""Offline Hugging Face fixtures (the tests never reach the hub): tiny random configs saved and loaded back like a
+downloaded model, and a byte-level BPE tokenizer trained in memory, with or without a chat template."""
 
 from __future__ import annotations
 

@@ -82,6 +82,20 @@ def test_unknown_attention_fails_before_training(tmp_path, tiny_cli_args):
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
+def test_a_fit_through_python_m_prints_no_library_deprecation_and_no_advertising(tmp_path, tiny_cli_args):
+    """Lightning's LeafSpec FutureWarning (torch 2.13) and its "💡 Tip" for litlogger/litmodels are hidden at the
+    command line (lit_growattn/__main__.py); Lightning's other lines and our own warnings still show."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lit_growattn", "fit", "--config", str(REPO / "configs/mqar.yaml"), *tiny_cli_args],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert "GPU available" in output  # Lightning's lines at the same level as the tip are kept
+    assert "LeafSpec" not in output and "FutureWarning" not in output
+    assert "Tip" not in output and "litlogger" not in output and "litmodels" not in output
+
+
 def test_print_config_through_python_m():
     out = subprocess.run(
         [sys.executable, "-m", "lit_growattn", "fit", "--config", str(REPO / "configs/mqar.yaml"), "--print_config"],

@@ -1,4 +1,4 @@
-"""scripts/experiments.py: the smoke run writes its table, results and plots; results of parallel invocations merge."""
+"""studies/growth_pays/experiments.py: the smoke run writes its table, results and plots; results of parallel invocations merge."""
 
 import json
 import os
@@ -9,14 +9,14 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "studies" / "growth_pays"))
 import experiments  # noqa: E402
 
 
 def test_quick_run_writes_table_json_and_plots(tmp_path):
     # The timeout only guards against a hang; --quick trains 3 tiny runs.
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "experiments.py"), "--quick", "--out", str(tmp_path)],
+        [sys.executable, str(REPO / "studies" / "growth_pays" / "experiments.py"), "--quick", "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -113,6 +113,12 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
     share = f"{sum(found) / 32:.0%}"  # of static 16's two layers
     assert f"| 0 | {found} | – | {auto['final']['loss']:.3f} | {share} | – | {shrunk['final']['loss']:.3f} | – |" in table
     assert (out / "experiments_capacity_d_head.png").exists() and (out / "experiments_capacity_loss_vs_kcache.png").exists()
+    sys.path.insert(0, str(REPO / "studies" / "capacity"))
+    import summary  # the study's compact results.json is collected from these JSONs
+
+    collected = summary.collect([f"2layer:tiny={out / 'experiments_capacity.json'}"])["2layer"]["tiny"]["0"]
+    assert collected["auto from d_head 1"]["d_head"] == found
+    assert collected["auto from d_head 1"]["growths"][0] == [auto["events"][0]["step"], auto["events"][0]["d_head"]]
 
     with pytest.raises(SystemExit):
         experiments.main(["--capacity", "--text", str(corpus), "--only", "static at the auto sizes", "--out", str(out)])
@@ -120,3 +126,16 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
     with pytest.raises(SystemExit):
         experiments.main(["--capacity", "--text", str(corpus), "--only", "static d_head sixteen", "--out", str(out)])
     assert "unknown capacity rows ['static d_head sixteen']" in capsys.readouterr().err
+
+
+def test_the_capacity_studys_summary_counts_its_recorded_runs(tmp_path):
+    sys.path.insert(0, str(REPO / "studies" / "capacity"))
+    import summary
+
+    found = summary.rows(json.loads((REPO / "studies" / "capacity" / "results.json").read_text())["runs"])
+    assert len(found) == 36  # 2 model sizes × 3 corpora × 6 seeds
+    assert sum(r["auto"] <= 1 for r in found) == 30  # within 1 % of static d_head 16, as the study reports
+    assert max(r["k_cache"] for r in found) <= 0.5
+    assert "| 2layer | usrdoc | +0.8 %, +3.6 % | 4 of 6 |" in summary.table(found)
+    summary.plot(found, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""scripts/growth_step.py: its training runs (held-out loss around events, Q/K Adam reset) and their table."""
+"""studies/growth_step/growth_step.py: its training runs (held-out loss around events, Q/K Adam reset) and their table."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from callback_helpers import recall_data, tiny_module, trainer
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "studies" / "growth_step"))
 import growth_step  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def test_train_runs_record_event_losses_and_render_the_table(tmp_path):
     tiny = ["--trainer.max_epochs=3", "--trainer.limit_train_batches=6", "--trainer.limit_val_batches=2",
             "--trainer.callbacks.init_args.statistics.batches=2", "--data.init_args.batch_size=8"]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "growth_step.py"), "train", "--text", str(REPO / "README.md"),
+        [sys.executable, str(REPO / "studies" / "growth_step" / "growth_step.py"), "train", "--text", str(REPO / "README.md"),
          "--runs", "grow natural/append α=0 + Q/K reset", "--seeds", "0", "--out", str(out),
          *[f"--override={o}" for o in tiny]],
         cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},

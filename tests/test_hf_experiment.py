@@ -1,4 +1,4 @@
-"""scripts/hf_experiment.py (issue 21's small experiment): a smoke run writes its table and results, the small
+"""studies/hf_growth/hf_experiment.py (issue 21's small experiment): a smoke run writes its table and results, the small
 models start at 4 rotary columns with v at head_dim, growth appends NoPE columns, and the probe measures them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from conftest import REPO, needs_transformers
 
 needs_transformers()
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "studies" / "hf_growth"))
 import hf_experiment  # noqa: E402
 
 

@@ -61,8 +61,11 @@ def test_the_package_has_no_import_cycle():
     assert cycles(REPO / "lit_growattn", "lit_growattn") == []
 
 
-def test_the_scripts_have_no_import_cycle():
+def test_the_scripts_and_studies_have_no_import_cycle():
     assert cycles(REPO / "scripts", None) == []
+    for study in (REPO / "studies").iterdir():
+        if study.is_dir():  # each study's folder with the modules it shares with the others
+            assert cycles(study, None) == []
 
 
 def test_the_check_finds_a_cycle(tmp_path):

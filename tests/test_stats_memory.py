@@ -17,7 +17,7 @@ class _Form:
 
 
 def test_llama_1b_estimate_and_the_fix_it_names():
-    # Llama-3.2-1B: 16 layers, 32 heads, e = 2048 (DESIGN §11: 8.6 GB of N in float32, plus C̄).
+    # Llama-3.2-1B: 16 layers, 32 heads, e = 2048 (docs/hf.md, "Statistics memory": 8.6 GB of N in float32, plus C̄).
     forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(16)]
     line = check_statistics_memory(forms, list(range(16)), None, "natural", None)
     assert line.startswith("growth statistics: 8.86 GB per rank (16 of 16 layers per window × 32 heads")

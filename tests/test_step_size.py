@@ -88,7 +88,7 @@ def test_quadratic_rule_refuses_what_it_cannot_fit(kwargs):
 
 
 def test_text_config_steps_below_the_old_grid_and_appends(tmp_path, tiny_cli_args):
-    """On text the loss of a growth has its minimum at α ≈ 1/256 … 1/32 (docs/growth_step.md): the shipped config
+    """On text the loss of a growth has its minimum at α ≈ 1/256 … 1/32 (studies/growth_step/README.md): the shipped config
     must be able to take such a step, keep α = 0 available, and append (replace's edge was its Adam reset)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)

@@ -3,7 +3,7 @@
 Each key-value pair is ONE token, key·num_values + value, so recall needs no induction head: a query token
 (one per key) must attend to the pair token holding its key, and the value is read from that token.
 The query/key form then has to separate `num_keys` keys by their scores; a rank-d form can place at most
-d keys orthogonally, so a small static d_head stays clearly below a large one (docs/experiments.md, "Where d_k matters").
+d keys orthogonally, so a small static d_head stays clearly below a large one (studies/growth_pays/README.md, "Where d_k matters").
 Without attention the readout has to decode the value from a bag of all pairs, which fails once the pairs
 outnumber what the embedding can superpose.
 

@@ -1,6 +1,6 @@
 """How much memory the statistics of a growth window hold, and which layers an event grows when the statistics
-of all layers at once would not fit (DESIGN §11: it grows as layers × heads × e′²; Llama-3.2-1B, 16 layers × 32 heads
-× 2048², needs about 8.6 GB of N in float32).
+of all layers at once would not fit (docs/hf.md, "Statistics memory": it grows as layers × heads × e′²; Llama-3.2-1B,
+16 layers × 32 heads × 2048², needs about 8.6 GB of N in float32).
 
 The window keeps per growing form C̄ (e′²) and N (h·e′²), plus C⁺NC⁺ (h·e′²) for method `pinv`, in float32.
 With `layers_per_event = k` each event grows k layers in turn (round-robin over the events) from its own window,

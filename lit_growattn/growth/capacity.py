@@ -32,11 +32,11 @@ Forms whose query heads share keys (GQA) or carry rotary columns (`grouped.Group
 per group of heads: column j is the group's shared K column with one Q part per head, its gain summed over the
 group's heads; rotary columns count in `existing` as they act at relative position 0.
 
-Those bars see what the direction wants, not whether the width suffices (docs/design.md §11). So a layer that the
-bars would grow (`wanted`) grows only when it has no width to spare: removing its least-used query/key component
-(`key_components`: the i-th rank-one part of M, projected out of the keys' inputs) must raise the loss on the kept
-batches by at least `spare_below` of what removing an average component does (`gated`). Measured, not first order,
-and again a ratio of two loss changes on the same batches.
+Those bars see what the direction wants, not whether the width suffices (studies/capacity/README.md, "How the
+rule decides"). So a layer that the bars would grow (`wanted`) grows only when it has no width to spare: removing
+its least-used query/key component (`key_components`: the i-th rank-one part of M, projected out of the keys'
+inputs) must raise the loss on the kept batches by at least `spare_below` of what removing an average component does
+(`gated`). Measured, not first order, and again a ratio of two loss changes on the same batches.
 """
 
 from __future__ import annotations

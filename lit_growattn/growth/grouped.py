@@ -1,4 +1,4 @@
-"""Growth of forms whose keys are shared (GQA) or whose leading columns are rotary (RoPE): DESIGN §11.
+"""Growth of forms whose keys are shared (GQA) or whose leading columns are rotary (RoPE); docs/hf.md, "Growth".
 
 Shapes: H query heads, KV key heads, group size g = H/KV (query head j uses key head j // g), input size e′,
 head size d = r + nope (the first r columns rotary). M_j = τ_j W_Qj W_K(j//g)ᵀ counts every column as it acts at

@@ -8,7 +8,7 @@ installed with a full-rank factorisation (head size e′), and truncates only wi
 Step rules: `grid` takes the best of the fixed candidates. `quadratic` fits the 1-D model of the loss decrease
 d(α) = s·α − c·α², with the slope s from the first-order prediction (−⟨N̄, M′ − M⟩ per unit α) and the
 curvature c from the measured decreases at the candidates, and adds its minimiser α* = s/2c as one more
-candidate between the grid's points (on text no better than the default grid down to 1/256, docs/growth_step.md).
+candidate between the grid's points (on text no better than the default grid down to 1/256, studies/growth_step/README.md).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def candidate_steps(k_max: int = 8, include_zero: bool = True) -> list[float]:
     """[0,] 1, 1/2, …, 2^-k_max: 0 keeps the function (the growth can never raise the loss it is rated on).
 
     Down to 1/256 by default: on text the loss of the growth has its minimum at α ≈ 1/256 … 1/32 and is already
-    above L(0) at 1/16 (docs/growth_step.md), so a grid that stops at 1/16 never takes a step there.
+    above L(0) at 1/16 (studies/growth_step/README.md), so a grid that stops at 1/16 never takes a step there.
     """
     return [0.0] * include_zero + [2.0**-k for k in range(k_max + 1)]
 
@@ -55,7 +55,7 @@ def quadratic_step(slope: float, alphas: Sequence[float], decreases: Sequence[fl
 
     slope s: first-order decrease per unit α; alphas, decreases: the measured L(0) − L(α) at each α. c is the
     least-squares fit of s·α_i − d_i = c·α_i² over the α_i up to the one with the largest decrease: past it the
-    loss climbs far faster than a quadratic (measured on text, docs/growth_step.md), and those points would
+    loss climbs far faster than a quadratic (measured on text, studies/growth_step/README.md), and those points would
     drag α* down. α = 0 and non-finite decreases are ignored. No descent (s ≤ 0) gives 0; no curvature seen
     (c ≤ 0: the decrease keeps up with the slope, no model to extrapolate with) gives the best measured α.
     """

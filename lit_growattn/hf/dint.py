@@ -1,4 +1,4 @@
-"""DINT and low-rank DINT attention for Llama-family Hugging Face models (seed 001, DESIGN §1, §4, §7, §11).
+"""DINT and low-rank DINT attention for Llama-family Hugging Face models (seed 001; docs/seed001.md).
 
 Per layer, with H query heads, KV key/value heads and head size d (GQA: query head j uses key head j // (H/KV)):
 
@@ -12,9 +12,9 @@ Per layer, with H query heads, KV key/value heads and head size d (GQA: query he
   Q1 and K1, K2 one per key/value head; for Qwen3 they pass through RMSNorms of their own (weight 1 when built),
   as Q1 and K1 pass through q_norm and k_norm.
 - d₂ = d · d2_ratio. `d2_ratio_for_init` derives it from the init above: a low-rank product has 1/3 of a full
-  map's variance, each of Q2 and K2 loses that, the scores 1/9, so d₂ = d/9 (DESIGN §1; the seed's d/81 is
+  map's variance, each of Q2 and K2 loses that, the scores 1/9, so d₂ = d/9 (the seed's d/81 is
   wrong); a full map gets d₂ = d; behind an RMSNorm (Qwen3) the scale is the norm's, d₂ = d.
-- A3 (DESIGN §4) is causal: row i of A3 is the mean of the rows ≤ i of A1 *in the same document*, so A3·V is the
+- A3 is causal: row i of A3 is the mean of the rows ≤ i of A1 *in the same document*, so A3·V is the
   running mean of A1·V restarted at every document start: where position_ids is 0 (packing, and generate's
   left padding) and where the attention mask lets a row see no earlier key (a packed or padded 4-D mask).
 - Both maps run in one call of the model's attention interface (sdpa, eager, flash…): queries [Q1 | Q2] as 2H

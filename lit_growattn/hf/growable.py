@@ -1,6 +1,6 @@
 """Growable attention for Hugging Face causal LMs: a subclass of the native attention class (so `isinstance`
 checks and output capture still see it) with the same forward signature, still dispatching through
-transformers' attention interface (DESIGN §11).
+transformers' attention interface (docs/hf.md, "Conversion").
 
 Per layer, with H query heads, KV key/value heads (GQA: query head j uses key head j // (H/KV)), input size
 e′ (= hidden + 1 when q/k have a bias: the bias is the last row, as in `attention.qk`):
@@ -10,7 +10,7 @@ columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_d
 which are one bilinear form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave
 it exact. The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface
 gets scaling = 1. The value projection keeps its width: q/k width is independent of v width.
-Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (DESIGN §4):
+Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (docs/design.md §4):
 `extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
 its gradient (cheaper on CPU; the callback's capture=auto picks it there).
 """
@@ -135,7 +135,7 @@ class GrowableAttention(FormShape, nn.Module):
 
     def attend(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float, **kwargs):
         """Through the configured attention interface with scaling 1; with statistics capture on, the queries'
-        zero-extension (`extend`) or an explicit score map whose gradient is recorded (`explicit`), DESIGN §4."""
+        zero-extension (`extend`) or an explicit score map whose gradient is recorded (`explicit`), docs/design.md §4."""
         capturing = self.capture is not None and torch.is_grad_enabled()
         if capturing and k.shape[2] != x.shape[1]:
             raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")

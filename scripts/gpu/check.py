@@ -8,6 +8,7 @@
 Writes DIR/bench_gpu.json (the environment, each step's status, seconds and figures, and the checks) and
 DIR/gpu_check.log (all that the steps printed); DIR defaults to $OUT. A step that fails or outruns its time box is
 recorded as such, and the next step runs. The exit code is 1 when a step did not finish or a check failed.
+A GPU's result is committed as scripts/results/bench_gpu.json, beside the CPU benchmarks' (docs/gpu.md).
 """
 
 from __future__ import annotations

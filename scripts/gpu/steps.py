@@ -19,7 +19,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here downloads; without it a bad path is looked up online
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))  # bench_gpu, bench_common, seed001_repro; they put REPO on the path
+sys.path.insert(0, str(REPO / "scripts"))  # bench_gpu, bench_common; they put REPO on the path
+sys.path.insert(0, str(REPO / "studies" / "seed001"))  # seed001_repro: its tiny Llama and tokenizer
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
