@@ -1,4 +1,5 @@
-"""GrowAttentionCallback's settings besides the schedule, in three groups, each with its defaults here only.
+"""GrowAttentionCallback's settings besides the schedule, in three groups, with their defaults and allowed values:
+the one place a setting is defined (the growth choices come from `growth.choices`, a leaf this module reads).
 
 In a LightningCLI config they are nested under the callback's init_args:
 
@@ -15,9 +16,13 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from lit_growattn import growth
-from lit_growattn.growing.window import CAPTURES, Capture
+from lit_growattn.contract import CaptureMode
+
+Capture = Literal["auto", CaptureMode]  # how statistics steps get G·X′ (auto: chosen by the device)
+CAPTURES: tuple[str, ...] = get_args(Capture)
 
 
 def _per_layer(value: int | list[int] | None) -> list[int | None]:

@@ -37,9 +37,23 @@ def imported(tree: ast.AST, known: dict[str, Path]) -> set[str]:
     return found & set(known)
 
 
-def cycles(root: Path, package: str | None) -> list[list[str]]:
+def import_graph(root: Path, package: str | None) -> dict[str, set[str]]:
     known = module_names(root, package)
-    graph = {name: imported(ast.parse(path.read_text()), known) - {name} for name, path in known.items()}
+    return {name: imported(ast.parse(path.read_text()), known) - {name} for name, path in known.items()}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module that importing `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def cycles(root: Path, package: str | None) -> list[list[str]]:
+    graph = import_graph(root, package)
     found, state = [], {}  # state: 1 on the current path, 2 done
 
     def walk(name: str, path: list[str]) -> None:
@@ -71,3 +85,19 @@ def test_the_check_finds_a_cycle(tmp_path):
     (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
     (tmp_path / "d.py").write_text("import c\n")
     assert cycles(tmp_path, None) == [["a", "b", "a"]]
+
+
+def test_the_settings_import_nothing_above_them():
+    """The settings are the one place of every default and allowed value: the training machinery reads them,
+    never the other way round."""
+    above = ("lit_growattn.growing", "lit_growattn.callbacks")
+    imported_by_settings = reachable(import_graph(REPO / "lit_growattn", "lit_growattn"), "lit_growattn.settings")
+    assert not {m for m in imported_by_settings if m.startswith(above)}
+
+
+def test_reachable_follows_imports_through_other_modules(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    import c\n")
+    (tmp_path / "c.py").write_text("")
+    (tmp_path / "d.py").write_text("import a\n")
+    assert reachable(import_graph(tmp_path, None), "a") == {"b", "c"}
