@@ -15,7 +15,7 @@ from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, MODES, TEMPERATURES, check_choice
+from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, check_choice
 from lit_growattn.growth.factorize import FormGrowth, Growth
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for
 from lit_growattn.growth.stats import FormStats
@@ -38,11 +38,8 @@ class GrowthPlan:
         line_search: str = "low_rank",
         generator: torch.Generator | None = None,
     ):
-        check_choice("mode", mode, MODES)
-        check_choice("temperature", temperature, TEMPERATURES)
+        # mode and temperature are checked by each form's `grow`, a baseline's full-rank trial (a replace) too.
         check_choice("line_search", line_search, LINE_SEARCHES)
-        if line_search == "full_rank" and any(f.method in BASELINES for f in forms.values()):
-            raise ValueError("the full-rank line search needs a direction; baselines have none")
         self.forms, self.d_new = dict(forms), dict(d_new)
         self.mode, self.temperature, self.line_search, self.generator = mode, temperature, line_search, generator
         self._memo: dict[tuple, Growth] = {}
