@@ -1,5 +1,11 @@
-"""No import cycles, in the package or among the scripts: the graph of every import statement (lazy ones inside
-functions included; `if TYPE_CHECKING:` blocks left out, they never run) has no cycle."""
+"""The import rules, read from the source with ast: no import cycle in the package or among the scripts, and the
+settings import nothing above them.
+
+The graph holds every import statement, lazy ones inside functions and those under `if TYPE_CHECKING:` included: a
+cycle of type-only imports still means two modules that each need the other. Left out: the parent packages that
+importing `a.b` runs first (every module would then sit in a cycle with the package's `__init__`, which gathers the
+public names).
+"""
 
 import ast
 from pathlib import Path
@@ -22,18 +28,12 @@ def imported(tree: ast.AST, known: dict[str, Path]) -> set[str]:
     """The known modules that a module's import statements name (`from a import b` names `a.b` when that is a module)."""
     found: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
                          for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
     return found & set(known)
 
 
@@ -82,9 +82,10 @@ def test_the_scripts_have_no_import_cycle():
 def test_the_check_finds_a_cycle(tmp_path):
     (tmp_path / "a.py").write_text("import b\n")
     (tmp_path / "b.py").write_text("def f():\n    from a import g\n")
-    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import d\n")
     (tmp_path / "d.py").write_text("import c\n")
-    assert cycles(tmp_path, None) == [["a", "b", "a"]]
+    (tmp_path / "e.py").write_text("import a\n")
+    assert cycles(tmp_path, None) == [["a", "b", "a"], ["c", "d", "c"]]
 
 
 def test_the_settings_import_nothing_above_them():

@@ -24,7 +24,8 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention.sdpa import SdpaPad, causal_attention
+from lit_growattn.attention.sdpa import causal_attention
+from lit_growattn.config import SdpaPad
 from lit_growattn.contract import CaptureMode
 
 
