@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
-from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, check_choice
 from lit_growattn.growth.factorize import FormGrowth, Growth
+from lit_growattn.growth.form import FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for
 from lit_growattn.growth.stats import FormStats
 
@@ -130,24 +130,16 @@ class GrowthPlan:
         return self._memo[key]
 
 
-class Weights(NamedTuple):
-    """A form's query/key weights to rate (install, evaluate, restore), not a growth to keep."""
-
-    w_q: Tensor
-    w_k: Tensor
-    log_tau: Tensor
-
-
 @contextmanager
-def installed(forms: Mapping[str, object], grown: Mapping[str, Growth | Weights] | None) -> Iterator[None]:
+def installed(forms: Mapping[str, object], grown: Mapping[str, FormWeights] | None) -> Iterator[None]:
     """Inside the block, every form named in `grown` holds its candidate growth (None: the forms as they are); on
     exit every form of `forms` (name → form with w_q, w_k, log_tau and set_weights) gets its own parameters back,
     the same objects, also after an error: for rating candidates, not for installing the chosen one."""
-    originals = {name: (form.w_q, form.w_k, form.log_tau) for name, form in forms.items()}
+    originals = {name: FormWeights.of(form) for name, form in forms.items()}
     try:
-        for name, growth in (grown or {}).items():
-            forms[name].set_weights(growth.w_q, growth.w_k, growth.log_tau)
+        for name, weights in (grown or {}).items():
+            weights.install(forms[name])
         yield
     finally:
-        for name, (w_q, w_k, log_tau) in originals.items():
-            forms[name].w_q, forms[name].w_k, forms[name].log_tau = w_q, w_k, log_tau
+        for name, weights in originals.items():
+            forms[name].w_q, forms[name].w_k, forms[name].log_tau = weights.w_q, weights.w_k, weights.log_tau
