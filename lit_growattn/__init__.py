@@ -4,19 +4,12 @@
     trainer = lightning.Trainer(callbacks=[GrowAttentionCallback(AtEpochs([2, 4]), GrowthSettings(columns=2))])
 """
 
-import importlib.util
-
 from lit_growattn.callbacks import GrowAttentionCallback
 from lit_growattn.config import GPTConfig
 from lit_growattn.growing.schedule import AtEpochs, AtSteps, AutoSchedule, GrowthSchedule
 from lit_growattn.model import GPT
 from lit_growattn.module import GrowAttentionLM
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
-
-if importlib.util.find_spec("transformers") is not None:  # the `hf` extra: grown model folders load by Auto classes
-    from lit_growattn.hf.export import register
-
-    register()
 
 __all__ = [
     "AtEpochs",

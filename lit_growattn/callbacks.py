@@ -63,6 +63,8 @@ class GrowAttentionCallback(Callback):
         if not isinstance(schedule, GrowthSchedule):
             raise TypeError(f"schedule must be AtEpochs([...]), AtSteps([...]) or AutoSchedule(...) from lit_growattn, "
                             f"got {schedule!r}")
+        growth.check_schedule(schedule.kind, type(schedule).__name__)
+        step_search.check_method(growth)
         self.schedule, self.settings, self.statistics, self.search = schedule, growth, statistics, step_search
         self.line_search_batches = step_search.kept_batches(statistics)
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-from lit_growattn.attention import attention_class
-from lit_growattn.attention.sdpa import SDPA_PADS
+SdpaPad = Literal["auto", "on", "off"]  # pad attention head sizes for the fused SDPA kernels (attention/sdpa.py)
+SDPA_PADS: tuple[str, ...] = get_args(SdpaPad)
 
 
 @dataclass
@@ -20,12 +20,11 @@ class GPTConfig:
     d_v: int | None = None  # value head size; None → n_embd // n_head
     bias: bool = False
     dropout: float = 0.0
-    attention: str = "mha"
+    attention: str = "mha"  # a name in the attention registry, checked where the model is built (model.GPT)
     attention_args: dict[str, Any] = field(default_factory=dict)  # extra arguments of the attention variant
-    sdpa_pad: str = "auto"  # pad attention head sizes for the fused SDPA kernels: auto | on | off
+    sdpa_pad: SdpaPad = "auto"
 
     def __post_init__(self) -> None:
-        attention_class(self.attention)  # unknown names fail here, listing the registered ones
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -39,7 +39,12 @@ class ScoreMap(Protocol):
 
 @runtime_checkable
 class GrowableForm(ScoreMap, Protocol):
-    """A query/key bilinear form M_j = τ_j W_Qj W_K(g(j))ᵀ that growth widens (see the module docstring for shapes)."""
+    """A query/key bilinear form M_j = τ_j W_Qj W_K(g(j))ᵀ that growth widens (see the module docstring for shapes).
+
+    Its w_q, w_k and log_tau are the fields of `lit_growattn.growth.FormWeights`, the one type of a form's weights
+    (what growth computes and `set_weights` takes); inheriting `lit_growattn.growth.FormShape` gives n_head,
+    n_kv_head and d_head, as QKForm and the Hugging Face GrowableAttention do.
+    """
 
     w_q: Tensor  # (n_head, e′, d_head)
     w_k: Tensor  # (n_kv_head, e′, d_head)

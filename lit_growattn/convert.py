@@ -181,7 +181,8 @@ def _convert_pretrained(parser: argparse.ArgumentParser, args: argparse.Namespac
     command = ["python", "-m", "lit_growattn", "fit", "--config", "<run config>", "--model=lit_growattn.hf.HFCausalLM",
                "--model.init_args.config=null", f"--model.init_args.pretrained={out}", "--model.init_args.growable=false"]
     command += [f"--data.init_args.tokenizer={out}"] if has_tokenizer else []
-    print(f"wrote {out} ({args.to} of {args.pretrained}; load it after `import lit_growattn`, see {out / 'README.md'});\n"
+    print(f"wrote {out} ({args.to} of {args.pretrained}; load it after `import lit_growattn.hf`, see "
+          f"{out / 'README.md'});\n"
           "fine-tune with a run config that has no growth callback (a DINT model does not grow), e.g. "
           "configs/hf_llama_dint_sft.yaml:\n  " + shlex.join(command).replace("'<run config>'", "<run config>")
           + ("" if has_tokenizer else f"\n  {args.pretrained} has no tokenizer: add --data.init_args.tokenizer=<the "

@@ -40,6 +40,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        # Checked here rather than in GPTConfig, which the attention variants read: unknown names fail before any
+        # layer is built, listing the registered ones.
+        attention_class(cfg.attention)
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)

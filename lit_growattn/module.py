@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
-from lit_growattn.attention.sdpa import SdpaPad
+from lit_growattn.config import SdpaPad
 from lit_growattn.checkpoint import load_weights, resize_to_checkpoint
 from lit_growattn.config import GPTConfig
 from lit_growattn.contract import NamedForm

@@ -1,4 +1,5 @@
-"""GrowAttentionCallback's settings besides the schedule, in three groups, each with its defaults here only.
+"""GrowAttentionCallback's settings besides the schedule, in three groups, with their defaults and allowed values:
+the one place a setting is defined (the growth choices come from `growth.choices`, a leaf this module reads).
 
 In a LightningCLI config they are nested under the callback's init_args:
 
@@ -15,9 +16,14 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from lit_growattn import growth
-from lit_growattn.growing.window import CAPTURES, Capture
+from lit_growattn.contract import CaptureMode
+
+Capture = Literal["auto", CaptureMode]  # how statistics steps get G·X′ (auto: chosen by the device)
+CAPTURES: tuple[str, ...] = get_args(Capture)
+ScheduleKind = Literal["fixed", "auto"]  # growth at listed points (AtEpochs, AtSteps) | as AutoSchedule decides
 
 
 def _per_layer(value: int | list[int] | None) -> list[int | None]:
@@ -86,6 +92,22 @@ class GrowthSettings:
         growth.sizing_method(self.method, self.size_by, name="growth.size_by")  # a direction, only with a baseline
         if self.method in growth.BASELINES and self.mode != "append":
             raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
+
+    def check_schedule(self, kind: ScheduleKind, name: str) -> None:
+        """Refuses the settings that a schedule of this kind (`name`: its class) cannot apply; with the checks in
+        `__post_init__`, every rule on the number of new columns that does not need the model."""
+        if kind == "auto":
+            if self.mode != "append":
+                raise ValueError(f"{name} sizes each layer from the gains of appended columns, and replace would also "
+                                 "refactor the layers it leaves as they are: use growth.mode='append'")
+            for setting, use in [("columns", "growth.max_columns to cap it"), ("rank_threshold", f"{name}.threshold")]:
+                if getattr(self, setting) is not None:
+                    raise ValueError(f"{name} chooses each layer's growth from its statistics: leave growth.{setting} "
+                                     f"out (use {use})")
+        elif self.max_columns is not None and self.rank_threshold is None:
+            raise ValueError(f"growth.max_columns caps a count chosen from the statistics, and {name} grows by "
+                             "growth.columns: set growth.rank_threshold to choose the count, or use growth.columns for "
+                             "a fixed one")
 
     def count(self, layer: int) -> int | None:
         """The fixed new columns of `layer` at an event (None: chosen from the spectrum, up to `cap(layer)`)."""
@@ -174,6 +196,11 @@ class StepSearch:
     def candidates(self) -> list[float]:
         """The candidates, sorted, each once."""
         return sorted(set(self.alphas if self.alphas is not None else growth.candidate_steps()))
+
+    def check_method(self, growth_settings: GrowthSettings) -> None:
+        if self.line_search == "full_rank" and growth_settings.method in growth.BASELINES:
+            raise ValueError(f"step_search.line_search='full_rank' rates M + αΔM along a direction, and method "
+                             f"{growth_settings.method!r} adds random columns without one: use line_search='low_rank'")
 
     def kept_batches(self, statistics: StatisticsSettings) -> int:
         kept = self.batches if self.batches is not None else min(2, statistics.batches)

@@ -154,9 +154,10 @@ def test_auto_resumes_from_any_step_with_the_same_decisions(auto_run, tmp_path, 
     (lambda: AutoSchedule(first_check=0), "first_check is the optimizer step of the first check"),
     (lambda: AutoSchedule(threshold=-1.0), "threshold is a positive ratio"),
     (lambda: AutoSchedule(agreement=1.5), "agreement is a share"),
-    (lambda: AutoSchedule().bind(GrowthSettings(rank_threshold=0.5), [0], [1]), "leave growth.rank_threshold out"),
-    (lambda: AutoSchedule().bind(GrowthSettings(columns=2), [0], [1]), "leave growth.columns out"),
-    (lambda: AutoSchedule().bind(GrowthSettings(mode="replace"), [0], [1]), "use growth.mode='append'"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(rank_threshold=0.5)),
+     "leave growth.rank_threshold out"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(columns=2)), "leave growth.columns out"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(mode="replace")), "use growth.mode='append'"),
 ])
 def test_bad_auto_settings_fail_with_message(build, message):
     with pytest.raises(ValueError, match=message):

@@ -221,6 +221,11 @@ def test_replace_resets_the_rotated_tensors(tmp_path, monkeypatch):
         (lambda: StatisticsSettings(layers_per_step=0), "layers_per_step must be positive"),
         (lambda: GrowthSettings(columns=2, rank_threshold=0.1), "growth.columns is a fixed count"),
         (lambda: GrowthSettings(columns=2, max_columns=3), "growth.max_columns caps a chosen count"),
+        (lambda: GrowAttentionCallback(AtEpochs([1]), GrowthSettings(max_columns=3)),
+         "growth.max_columns caps a count chosen from the statistics, and AtEpochs grows by growth.columns"),
+        (lambda: GrowAttentionCallback(AtEpochs([1]), GrowthSettings(method="random"),
+                                       step_search=StepSearch(line_search="full_rank")),
+         "method 'random' adds random columns without one: use line_search='low_rank'"),
     ],
 )
 def test_bad_callback_arguments_fail_with_message(build, message):

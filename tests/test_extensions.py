@@ -12,6 +12,7 @@ from lit_growattn.__main__ import main as command_line
 from lit_growattn.attention import ATTENTIONS, register_attention
 from lit_growattn.attention.mha import MultiHeadAttention
 from lit_growattn.config import GPTConfig
+from lit_growattn.model import GPT
 
 from conftest import REPO
 
@@ -46,7 +47,7 @@ def test_a_toy_direction_and_variant_from_outside_the_package_grow_through_the_c
 
 def test_without_the_extension_the_names_are_refused_with_the_registered_ones():
     with pytest.raises(ValueError, match=r"unknown attention 'toy_unregistered'; registered attentions: .*mha.*extensions"):
-        GPTConfig(attention="toy_unregistered")
+        GPT(GPTConfig(attention="toy_unregistered"))
     with pytest.raises(ValueError, match=r"method must be one of natural, gradient, pinv, random, zero; got 'toy_s"):
         growth.check_choice("method", "toy_sign", growth.METHODS)
 

@@ -11,6 +11,7 @@ from lit_growattn.growth import (
     DIRECTIONS,
     FormGrowth,
     FormStats,
+    FormWeights,
     Growth,
     GrowthPlan,
     candidate_steps,
@@ -372,6 +373,21 @@ def test_plan_on_a_gpt_keeps_the_logits_at_zero_step():
             f.set_weights(grown.w_q, grown.w_k, grown.log_tau)
         assert model.head_sizes() == [5, 5]
         assert torch.allclose(model(idx), before, rtol=0, atol=1e-10)
+
+
+def test_the_form_its_growth_and_the_grown_weights_read_one_shape():
+    """A form, its FormGrowth (float64 copies) and the Growth it yields read head counts and sizes off (w_q, w_k,
+    log_tau) alike, and a Growth installs as the FormWeights it is."""
+    p = Problem(bias=True)  # e′ = 8 + 1
+    g = p.growth("natural")
+    grown = g.grow(0.5, 4)
+    assert isinstance(grown, FormWeights)
+    form = p.form
+    sizes = lambda f: (f.n_head, f.n_kv_head, f.e_in, f.d_head)  # noqa: E731
+    assert sizes(g) == sizes(form) == (2, 2, 9, 2)
+    assert (grown.n_head, grown.n_kv_head, grown.e_in, grown.d_head) == (2, 2, 9, 4)
+    grown.install(form)
+    assert form.d_head == 4 and torch.equal(form.w_q, grown.w_q) and torch.equal(form.tau, grown.tau)
 
 
 def test_installed_holds_a_candidate_inside_the_block_and_restores_the_same_parameters():

@@ -1,17 +1,21 @@
 """Export: a grown model round-trips save_pretrained → AutoModelForCausalLM.from_pretrained (after `import
-lit_growattn`), an ungrown one exports as its original architecture; equal logits and greedy generation."""
+lit_growattn.hf`), an ungrown one exports as its original architecture; equal logits and greedy generation."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from conftest import needs_transformers
+from conftest import REPO, needs_transformers
 
 needs_transformers()
 
 import torch  # noqa: E402
 
-import lit_growattn  # noqa: E402, F401  (registers the grown model types)
+import lit_growattn.hf  # noqa: E402, F401  (registers the grown model types)
 from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
 from lit_growattn.hf import make_growable  # noqa: E402
 from lit_growattn.hf.export import export  # noqa: E402
@@ -69,6 +73,41 @@ def test_qwen3_with_per_head_temperatures_keeps_the_growable_form(tmp_path):
     _perturb(model, grow_by=0)
     assert export(model, tmp_path / "out") == "growattn_qwen3"
     _same_model(model.eval(), load(tmp_path / "out"))
+
+
+LOADS_AFTER_IMPORT = """
+import sys
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+import lit_growattn
+print("AFTER lit_growattn:", sorted(m for m in sys.modules if m.startswith("lit_growattn.hf")),
+      "growattn_llama" in CONFIG_MAPPING)
+import lit_growattn.hf
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+print("LOADED:", type(model).__name__)
+with torch.no_grad():
+    torch.save(model(torch.arange(12)[None] % 96).logits, sys.argv[2])
+"""
+
+
+def test_import_lit_growattn_leaves_transformers_alone_and_the_hf_import_loads_an_export(tmp_path):
+    """In a fresh process: `import lit_growattn` imports nothing of lit_growattn.hf and registers no model type;
+    after `import lit_growattn.hf`, the exported folder loads as a downloaded model does (no remote code)."""
+    model = _growable(tmp_path, "llama")
+    _perturb(model, grow_by=2)
+    assert export(model, tmp_path / "out") == "growattn_llama"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    child = subprocess.run([sys.executable, "-c", LOADS_AFTER_IMPORT, str(tmp_path / "out"), str(tmp_path / "l.pt")],
+                           env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert "AFTER lit_growattn: [] False" in child.stdout
+    assert "LOADED: GrowAttnLlamaForCausalLM" in child.stdout
+    with torch.no_grad():
+        expected = model.eval()(torch.arange(12)[None] % 96).logits
+    torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected, rtol=0, atol=1e-5)
 
 
 def test_exported_grown_folder_continues_training_from_its_sizes(tmp_path):

@@ -255,7 +255,7 @@ def test_the_fine_tune_command_that_convert_prints_runs(model, tmp_path, cli):
     folder, _ = model
     done = cli("convert", "--pretrained", folder, "--to", "lowrank_dint", "--rank", "2", "--out", tmp_path / "dint")
     assert done.returncode == 0, done.stderr
-    assert "import lit_growattn" in (tmp_path / "dint" / "README.md").read_text()
+    assert "import lit_growattn.hf" in (tmp_path / "dint" / "README.md").read_text()
     (command,) = [line.strip() for line in done.stdout.splitlines() if line.strip().startswith("python -m lit_growattn fit")]
     args = shlex.split(command.replace("<run config>", str(REPO / "configs" / "hf_llama_dint_sft_tiny.yaml")))[3:]
     rows = write_jsonl(tmp_path / "rows.jsonl", make_rows(24, seed=0))
@@ -287,8 +287,8 @@ def test_a_grown_export_says_how_to_load_it_and_loads_without_the_import(model, 
     folder, ckpt = model
     done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "grown")
     assert done.returncode == 0, done.stderr
-    assert "model type growattn_llama" in done.stdout and "load it after `import lit_growattn`" in done.stdout
-    assert "import lit_growattn" in (tmp_path / "grown" / "README.md").read_text()
+    assert "model type growattn_llama" in done.stdout and "load it after `import lit_growattn.hf`" in done.stdout
+    assert "import lit_growattn.hf" in (tmp_path / "grown" / "README.md").read_text()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     child = subprocess.run([sys.executable, "-c", LOADS_WITHOUT_IMPORT, str(tmp_path / "grown"), str(tmp_path / "l.pt")],

@@ -1,5 +1,11 @@
-"""No import cycles, in the package or among the scripts: the graph of every import statement (lazy ones inside
-functions included; `if TYPE_CHECKING:` blocks left out, they never run) has no cycle."""
+"""The import rules, read from the source with ast: no import cycle in the package or among the scripts, and the
+settings import nothing above them.
+
+The graph holds every import statement, lazy ones inside functions and those under `if TYPE_CHECKING:` included: a
+cycle of type-only imports still means two modules that each need the other. Left out: the parent packages that
+importing `a.b` runs first (every module would then sit in a cycle with the package's `__init__`, which gathers the
+public names).
+"""
 
 import ast
 from pathlib import Path
@@ -22,24 +28,32 @@ def imported(tree: ast.AST, known: dict[str, Path]) -> set[str]:
     """The known modules that a module's import statements name (`from a import b` names `a.b` when that is a module)."""
     found: set[str] = set()
 
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
                          for alias in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
     return found & set(known)
 
 
-def cycles(root: Path, package: str | None) -> list[list[str]]:
+def import_graph(root: Path, package: str | None) -> dict[str, set[str]]:
     known = module_names(root, package)
-    graph = {name: imported(ast.parse(path.read_text()), known) - {name} for name, path in known.items()}
+    return {name: imported(ast.parse(path.read_text()), known) - {name} for name, path in known.items()}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module that importing `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def cycles(root: Path, package: str | None) -> list[list[str]]:
+    graph = import_graph(root, package)
     found, state = [], {}  # state: 1 on the current path, 2 done
 
     def walk(name: str, path: list[str]) -> None:
@@ -71,6 +85,23 @@ def test_the_scripts_and_studies_have_no_import_cycle():
 def test_the_check_finds_a_cycle(tmp_path):
     (tmp_path / "a.py").write_text("import b\n")
     (tmp_path / "b.py").write_text("def f():\n    from a import g\n")
-    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import d\n")
     (tmp_path / "d.py").write_text("import c\n")
-    assert cycles(tmp_path, None) == [["a", "b", "a"]]
+    (tmp_path / "e.py").write_text("import a\n")
+    assert cycles(tmp_path, None) == [["a", "b", "a"], ["c", "d", "c"]]
+
+
+def test_the_settings_import_nothing_above_them():
+    """The settings are the one place of every default and allowed value: the training machinery reads them,
+    never the other way round."""
+    above = ("lit_growattn.growing", "lit_growattn.callbacks")
+    imported_by_settings = reachable(import_graph(REPO / "lit_growattn", "lit_growattn"), "lit_growattn.settings")
+    assert not {m for m in imported_by_settings if m.startswith(above)}
+
+
+def test_reachable_follows_imports_through_other_modules(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    import c\n")
+    (tmp_path / "c.py").write_text("")
+    (tmp_path / "d.py").write_text("import a\n")
+    assert reachable(import_graph(tmp_path, None), "a") == {"b", "c"}

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from lit_growattn.attention.dint import DenoisedAttention
 from lit_growattn.attention.qk import augment, causal_scores
 from lit_growattn.attention.registry import register_attention
-from lit_growattn.attention.sdpa import SdpaPad, causal_attention
+from lit_growattn.attention.sdpa import causal_attention
+from lit_growattn.config import SdpaPad
 
 if TYPE_CHECKING:  # the config names the variants; they only need its type
     from lit_growattn.config import GPTConfig

@@ -24,8 +24,10 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention.sdpa import SdpaPad, causal_attention
+from lit_growattn.attention.sdpa import causal_attention
+from lit_growattn.config import SdpaPad
 from lit_growattn.contract import CaptureMode
+from lit_growattn.growth.form import FormShape
 
 
 def augment(x: Tensor, bias: bool) -> Tensor:
@@ -46,31 +48,6 @@ def causal_scores(q: Tensor, k: Tensor) -> Tensor:
     s = q @ k.transpose(-1, -2)
     # In place: the product's backward needs q and k, not s, and a second (b, h, s, s) map is what costs here.
     return s.masked_fill_(_future(s.shape[-1], s.device), float("-inf"))
-
-
-class FormShape:
-    """Head counts, head size and temperature read off the form's tensors, so they follow every growth:
-    w_q (n_head, e′, d_head), w_k (n_kv_head, e′, d_head), log_tau (n_head,)."""
-
-    w_q: Tensor
-    w_k: Tensor
-    log_tau: Tensor
-
-    @property
-    def n_head(self) -> int:
-        return self.w_q.shape[0]
-
-    @property
-    def n_kv_head(self) -> int:
-        return self.w_k.shape[0]
-
-    @property
-    def d_head(self) -> int:
-        return self.w_q.shape[-1]
-
-    @property
-    def tau(self) -> Tensor:
-        return self.log_tau.exp()
 
 
 class QKForm(FormShape, nn.Module):

@@ -12,14 +12,12 @@ Flash rounds head sizes up to 32/64 internally anyway, so the padding costs litt
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-SdpaPad = Literal["auto", "on", "off"]
-SDPA_PADS: tuple[str, ...] = get_args(SdpaPad)
+from lit_growattn.config import SdpaPad
+
 FLASH_MAX_WIDTH = 256  # CUDA flash attention's largest head size
 FUSED_MULTIPLE = 8  # memory-efficient and cuDNN attention: head sizes in multiples of 8
 

@@ -22,10 +22,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lit_growattn.checkpoint import resize_to_checkpoint
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import Carry
+from lit_growattn.growth import FORM_TENSORS, Carry
 from lit_growattn.lightning_private import averaged_model, callback_scheduler, pruned_tensors
 
-GROWN = ("w_q", "w_k", "log_tau")  # the tensors `set_weights` replaces
 
 SEARCH = ("its search trains and then restores the model, optimizer and schedulers it saved before, which a growth "
           "inside the search replaces with others of other shapes; search without GrowAttentionCallback and put the "
@@ -57,7 +56,7 @@ def check_callbacks(trainer: L.Trainer, grower: Callback, forms: NamedForms) -> 
             growable = {form: form_name for _, form_name, form in forms}  # modules hash by identity
             pruned = pruned_tensors(callback, trainer.lightning_module)
             if hit := [f"{growable[module]}.{tensor}" for module, tensor in pruned
-                       if module in growable and tensor in GROWN]:
+                       if module in growable and tensor in FORM_TENSORS]:
                 raise ValueError(
                     f"ModelPruning prunes {hit}, which grow: pruning re-parametrises a tensor (a mask beside "
                     "`<name>_orig`) and keeps a copy of its first values (lottery ticket), and neither follows a "
@@ -78,7 +77,7 @@ def callback_schedulers(trainer: L.Trainer) -> list[LRScheduler]:
 def grow_averaged(trainer: L.Trainer, forms: NamedForms, before: dict[str, dict[str, Tensor]],
                   carries: dict[str, Carry]) -> None:
     """Grows the averaged copies as the live `forms` just grew. `before`: each form's tensors before the growth (by
-    form name, then `GROWN` name); `carries`: the growth's Carry per parameter name (`{form}.{tensor}`)."""
+    form name, then `FORM_TENSORS` name); `carries`: the growth's Carry per parameter name (`{form}.{tensor}`)."""
     for copy in averaged_copies(trainer):
         own = {named.name: named.form for named in copy.growable_forms()}
         for _, name, form in forms:
@@ -86,7 +85,7 @@ def grow_averaged(trainer: L.Trainer, forms: NamedForms, before: dict[str, dict[
             target.set_weights(**{
                 tensor: follow(getattr(target, tensor), before[name][tensor], getattr(form, tensor),
                                carries[f"{name}.{tensor}"])
-                for tensor in GROWN})
+                for tensor in FORM_TENSORS})
         copy.record_head_sizes()
 
 

@@ -23,7 +23,7 @@ from lit_growattn.growth.capacity import (CapacityRule, Decision, decide, gated,
                                           without_key_direction)
 from lit_growattn.settings import GrowthSettings, StepSearch
 
-LossOf = Callable[[Sequence[dict[str, growth.Growth | growth.Weights] | None]], Tensor]
+LossOf = Callable[[Sequence[dict[str, growth.FormWeights] | None]], Tensor]
 
 
 @dataclass(frozen=True)
@@ -207,8 +207,8 @@ def component_costs(forms: NamedForms, layer: int, loss_of: LossOf, current: Ten
     keys = {name: key_components(form.w_q.detach(), form.w_k.detach(), form.log_tau.detach())
             for name, form in named.items()}
     d_head = next(iter(named.values())).w_q.shape[-1]
-    without = [{name: growth.Weights(form.w_q.detach(), without_key_direction(form.w_k.detach(), keys[name][:, i]),
-                                     form.log_tau.detach()) for name, form in named.items()} for i in range(d_head)]
+    without = [{name: growth.FormWeights(form.w_q.detach(), without_key_direction(form.w_k.detach(), keys[name][:, i]),
+                                         form.log_tau.detach()) for name, form in named.items()} for i in range(d_head)]
     return (loss_of(without) - current[0]).tolist()
 
 

@@ -1,8 +1,9 @@
 """When growth events happen, read from the trainer's counters alone (never from which hook ran).
 
 The schedule is one object, chosen in a config by its class: `AtEpochs`, `AtSteps` or `AutoSchedule`. Each checks
-its own settings when built, what the other settings and the model must be for it in `bind`, and the run's
-length in `check_run`; the callback never asks which kind it has.
+its own settings when built (the growth settings are checked against its `kind` by
+`GrowthSettings.check_schedule`), learns the model's growing layers in `bind`, and checks the run's length in
+`check_run`; the callback never asks which kind it has.
 
 A growth point is an epoch start (`AtEpochs`) or an optimizer step (`AtSteps`, as `trainer.global_step`). The
 event happens at the first training-batch start at or after its point where no accumulation window is open. Its
@@ -22,12 +23,10 @@ import abc
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from lit_growattn.growth.capacity import CapacityRule, loss_fall
-
-if TYPE_CHECKING:
-    from lit_growattn.settings import GrowthSettings
+from lit_growattn.settings import GrowthSettings, ScheduleKind
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ class GrowthSchedule(abc.ABC):
     """When the callback grows: a list of growth points in advance, or a rule that decides as training goes."""
 
     unit: Literal["epoch", "step"]
-    kind: Literal["fixed", "auto"]  # kept in checkpoints: a run resumes with the kind it was written by
+    kind: ScheduleKind  # kept in checkpoints: a run resumes with the kind it was written by
     capacity: CapacityRule | None = None  # the rule that sizes each growth from its statistics (None: the settings do)
 
     @abc.abstractmethod
@@ -81,7 +80,8 @@ class GrowthSchedule(abc.ABC):
         """The next point without an event in the history (None: no more growth)."""
 
     def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
-        """Refuses growth settings that do not apply to this schedule; learns the growing layers and their sizes."""
+        """Learns the growing layers and their sizes (the settings were checked against the schedule's kind when the
+        callback was built: `GrowthSettings.check_schedule`)."""
 
     def check_run(self, trainer, stats_batches: int) -> None:
         """At train start, before any work: refuses a run too short for the schedule (`trainer`: its counters)."""
@@ -116,12 +116,6 @@ class _FixedSchedule(GrowthSchedule):
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         done = {event["event"] for event in history}
         return next((p for p in self.points if p.name not in done), None)
-
-    def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
-        if settings.max_columns is not None and settings.rank_threshold is None:
-            raise ValueError(f"growth.max_columns caps a count chosen from the statistics, and {type(self).__name__} "
-                             "grows by growth.columns: set growth.rank_threshold to choose the count, or use "
-                             "growth.columns for a fixed one")
 
     def check_run(self, trainer, stats_batches: int) -> None:
         end = trainer.max_epochs if self.unit == "epoch" else trainer.max_steps
@@ -218,13 +212,6 @@ class AutoSchedule(GrowthSchedule):
         self.end: int | None = None
 
     def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
-        if settings.mode != "append":
-            raise ValueError("AutoSchedule sizes each layer from the gains of appended columns, and replace would also "
-                             "refactor the layers it leaves as they are: use growth.mode='append'")
-        for name, use in [("columns", "growth.max_columns to cap it"), ("rank_threshold", "AutoSchedule.threshold")]:
-            if getattr(settings, name) is not None:
-                raise ValueError(f"AutoSchedule chooses each layer's growth from its statistics: leave growth.{name} "
-                                 f"out (use {use})")
         self.layers, self.max_d_head, self.start_sizes = layers, settings.max_d_head, start_sizes
 
     def check_run(self, trainer, stats_batches: int) -> None:

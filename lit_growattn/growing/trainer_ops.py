@@ -13,9 +13,9 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lit_growattn.growing.averaging import GROWN, callback_schedulers, grow_averaged
+from lit_growattn.growing.averaging import callback_schedulers, grow_averaged
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import Carry, Growth, installed
+from lit_growattn.growth import FORM_TENSORS, Carry, Growth, installed
 from lit_growattn.optim_state import carry_state, snapshot_state
 
 
@@ -67,8 +67,8 @@ def install_growth(
     def resize() -> dict[str, Carry]:
         carries, before = {}, {}
         for _, name, form in forms:
-            before[name] = {tensor: getattr(form, tensor) for tensor in GROWN}
-            form.set_weights(grown[name].w_q, grown[name].w_k, grown[name].log_tau)
+            before[name] = {tensor: getattr(form, tensor) for tensor in FORM_TENSORS}
+            grown[name].install(form)
             carries |= {f"{name}.{param}": carry for param, carry in grown[name].carries.items()}
         grow_averaged(trainer, forms, before, carries)
         return carries

@@ -6,7 +6,7 @@ Lightning-free: a `strategy` here is anything with `reduce(t, reduce_op="sum")` 
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -14,9 +14,8 @@ from torch import Tensor
 
 from lit_growattn import growth
 from lit_growattn.contract import CaptureMode, NamedForm
+from lit_growattn.settings import Capture
 
-Capture = Literal["auto", CaptureMode]
-CAPTURES: tuple[str, ...] = get_args(Capture)
 NamedForms = list[NamedForm]
 
 

@@ -2,6 +2,7 @@
 
 stats      FormStats: mergeable sums C, N (and C⁺NC⁺ for pinv) of one form; one flat buffer for all forms.
 solvers    directions ΔM by method name (gradient, natural, pinv; @register_direction adds one) and their normalisation.
+form       FormWeights: a form's (w_q, w_k, log_tau), the one type of them; FormShape: sizes read off them.
 factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | append), sign check, Adam carry-over.
 grouped    GroupedGrowth: the same for forms with shared keys (GQA) or rotary columns; growth_for picks the class.
 choices    the allowed values of every setting (one Literal each; the methods come from the registry).
@@ -17,8 +18,9 @@ from lit_growattn.growth.choices import (
     LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, sizing_method
+from lit_growattn.growth.form import FORM_TENSORS, FormShape, FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for
-from lit_growattn.growth.plan import GrowthPlan, Weights, installed
+from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
 from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
@@ -37,12 +39,14 @@ __all__ = [
     "check_choice",
     "Carry",
     "DIRECTIONS",
+    "FORM_TENSORS",
     "FormGrowth",
+    "FormShape",
+    "FormWeights",
     "FormStats",
     "GroupedGrowth",
     "Growth",
     "GrowthPlan",
-    "Weights",
     "LINE_SEARCHES",
     "METHODS",
     "MODES",

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, METHODS, MODES, TEMPERATURES, TRUNCATIONS, check_choice
+from lit_growattn.growth.form import FormShape, FormWeights
 from lit_growattn.growth.linalg import column_basis, factored_score_energy, project_out, psd_sqrt
 from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import Moments
@@ -48,8 +49,8 @@ class Carry:
 
 
 @dataclass
-class Growth:
-    """One form grown: new parameters plus what the caller logs and needs for the optimizer.
+class Growth(FormWeights):
+    """One form grown: its new weights plus what the caller logs and needs for the optimizer.
 
     w_q, w_k (h, e′, d_new) and log_tau (h,) in the form's dtype and device; carries per parameter name;
     predicted_decrease = −⟨N̄, M′ − M⟩ summed over heads (first order); discarded_energy (h,) = ‖Z − M′‖²_F
@@ -59,9 +60,6 @@ class Growth:
     (`gradient` after a sign fallback).
     """
 
-    w_q: Tensor
-    w_k: Tensor
-    log_tau: Tensor
     carries: dict[str, Carry]
     predicted_decrease: float
     discarded_energy: Tensor
@@ -83,7 +81,7 @@ def sizing_method(method: str, size_by: str | None, name: str = "size_by") -> st
     return size_by
 
 
-class FormGrowth:
+class FormGrowth(FormShape):
     """The α-independent part of growing one form, computed once and reused for every step-size candidate.
 
     w_q, w_k (h, e′, d), log_tau (h,): the form's current parameters; moments: `FormStats.means()`;
@@ -118,18 +116,6 @@ class FormGrowth:
     def from_form(cls, form, moments: Moments, method: str = "natural", **kwargs) -> FormGrowth:
         """From a QKForm-like object (attributes w_q, w_k, log_tau)."""
         return cls(form.w_q, form.w_k, form.log_tau, moments, method, **kwargs)
-
-    @property
-    def n_head(self) -> int:
-        return self.w_q.shape[0]
-
-    @property
-    def e_in(self) -> int:
-        return self.w_q.shape[1]
-
-    @property
-    def d_head(self) -> int:
-        return self.w_q.shape[2]
 
     def direction(self, method: str) -> Tensor:
         """Normalised ΔM (h, e′, e′) of a direction method (see `solvers.direction`)."""

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, METHODS, MODES, TEMPERATURES, TRUNCATIONS, check_choice
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, FormGrowth, Growth, sizing_method
+from lit_growattn.growth.form import FormShape
 from lit_growattn.growth.linalg import column_basis, factored_score_energy, project_out, psd_sqrt
 from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import Moments
@@ -67,7 +68,7 @@ def growth_for(form, moments: Moments, method: str = "natural", **kwargs) -> For
     return GroupedGrowth(form.w_q, form.w_k, form.log_tau, moments, method, rotary=form.rotary, **kwargs)
 
 
-class GroupedGrowth:
+class GroupedGrowth(FormShape):
     """The α-independent part of growing one grouped form (API of `factorize.FormGrowth`).
 
     w_q (H, e′, d), w_k (KV, e′, d), log_tau (H,); moments with n (H, e′, e′); rotary: leading rotary columns.
@@ -86,10 +87,6 @@ class GroupedGrowth:
         self._roots = psd_sqrt(moments.c, rcond) if truncation == "whitened" else None
         self._directions: dict[str, Tensor] = {}
         self._bottlenecks: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
-
-    n_head = property(lambda self: self.w_q.shape[0])
-    e_in = property(lambda self: self.w_q.shape[1])
-    d_head = property(lambda self: self.w_q.shape[2])
 
     def keys_per_head(self, w: Tensor) -> Tensor:
         return w.repeat_interleave(self.group, 0)

@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Hashable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Callable, Hashable, Iterator, Mapping, Sequence
 
 import torch
-from torch import Tensor
 
-from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, MODES, TEMPERATURES, check_choice
+from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, check_choice
 from lit_growattn.growth.factorize import FormGrowth, Growth
+from lit_growattn.growth.form import FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for
 from lit_growattn.growth.stats import FormStats
 
@@ -38,11 +38,8 @@ class GrowthPlan:
         line_search: str = "low_rank",
         generator: torch.Generator | None = None,
     ):
-        check_choice("mode", mode, MODES)
-        check_choice("temperature", temperature, TEMPERATURES)
+        # mode and temperature are checked by each form's `grow`, a baseline's full-rank trial (a replace) too.
         check_choice("line_search", line_search, LINE_SEARCHES)
-        if line_search == "full_rank" and any(f.method in BASELINES for f in forms.values()):
-            raise ValueError("the full-rank line search needs a direction; baselines have none")
         self.forms, self.d_new = dict(forms), dict(d_new)
         self.mode, self.temperature, self.line_search, self.generator = mode, temperature, line_search, generator
         self._memo: dict[tuple, Growth] = {}
@@ -133,24 +130,16 @@ class GrowthPlan:
         return self._memo[key]
 
 
-class Weights(NamedTuple):
-    """A form's query/key weights to rate (install, evaluate, restore), not a growth to keep."""
-
-    w_q: Tensor
-    w_k: Tensor
-    log_tau: Tensor
-
-
 @contextmanager
-def installed(forms: Mapping[str, object], grown: Mapping[str, Growth | Weights] | None) -> Iterator[None]:
+def installed(forms: Mapping[str, object], grown: Mapping[str, FormWeights] | None) -> Iterator[None]:
     """Inside the block, every form named in `grown` holds its candidate growth (None: the forms as they are); on
     exit every form of `forms` (name → form with w_q, w_k, log_tau and set_weights) gets its own parameters back,
     the same objects, also after an error: for rating candidates, not for installing the chosen one."""
-    originals = {name: (form.w_q, form.w_k, form.log_tau) for name, form in forms.items()}
+    originals = {name: FormWeights.of(form) for name, form in forms.items()}
     try:
-        for name, growth in (grown or {}).items():
-            forms[name].set_weights(growth.w_q, growth.w_k, growth.log_tau)
+        for name, weights in (grown or {}).items():
+            weights.install(forms[name])
         yield
     finally:
-        for name, (w_q, w_k, log_tau) in originals.items():
-            forms[name].w_q, forms[name].w_k, forms[name].log_tau = w_q, w_k, log_tau
+        for name, weights in originals.items():
+            forms[name].w_q, forms[name].w_k, forms[name].log_tau = weights.w_q, weights.w_k, weights.log_tau

@@ -1,14 +1,13 @@
 """Export of a growable Hugging Face model as a `save_pretrained` folder that `AutoModelForCausalLM.from_pretrained`
-loads back after `import lit_growattn` (no remote code; `hf.loading` adds a README.md saying so, and a loader for
-`trust_remote_code=True` that only imports lit_growattn).
+loads back after `import lit_growattn.hf` (no remote code; `hf.loading` adds a README.md saying so, and a loader for
+`trust_remote_code=True` that only imports lit_growattn.hf).
 
 - Expressible natively (every layer at its rotary/original width, and for Qwen3 one temperature per layer, since
   its q_norm is scale-invariant): the original architecture, with τ_j/scaling folded into head j's query rows, so
   that the native `scaling` gives back τ_j. Any transformers install loads it.
 - Otherwise (grown): model_type `growattn_<type>` (e.g. growattn_llama), a registered subclass of the original
   config with `qk_head_sizes` (and `qk_rotary`, the rotary columns) per layer, whose model class builds the original
-  model, makes its attention growable and sizes it. `register()` (run by `import lit_growattn` when transformers is
-  installed) registers all five.
+  model, makes its attention growable and sizes it. `register()` (run by `import lit_growattn.hf`) registers all five.
 """
 
 from __future__ import annotations
@@ -130,7 +129,7 @@ def register() -> None:
 
 
 def registered_here(model_type: str) -> bool:
-    """True for the model types that only `import lit_growattn` makes known to transformers."""
+    """True for the model types that only `import lit_growattn.hf` makes known to transformers."""
     return model_type.startswith((PREFIX, "dint_"))
 
 
@@ -226,7 +225,7 @@ def main(argv: list[str]) -> None:
         tokens = "no tokenizer files: the model was trained on raw bytes (token ids 0–255, the bytes of UTF-8 text)"
     else:
         tokens = f"no tokenizer files ({tokenizer} has none)" if tokenizer else "no tokenizer (the checkpoint names none)"
-    loading = (f"; load it after `import lit_growattn`, or with trust_remote_code=True ({out / 'README.md'})"
+    loading = (f"; load it after `import lit_growattn.hf`, or with trust_remote_code=True ({out / 'README.md'})"
                if registered_here(written) else "")
     sizes = f", query/key head sizes {module.head_sizes()}" if module.head_sizes() else ""  # none: DINT, not growable
     print(f"wrote {out}: model type {written}{sizes}, {tokens}{loading}")

@@ -22,7 +22,8 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention.qk import FormShape, augment, causal_scores
+from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.growth.form import FormShape
 from lit_growattn.hf.surgery import generated_class, native_subclass, replace_attention
 
 _CLASSES: dict[str, type[nn.Module]] = {}

@@ -1,0 +1,61 @@
+"""A query/key form's weights, the one type of them: W_Q (n_head, e′, d_head), W_K (n_kv_head, e′, d_head) and
+log τ (n_head,) (shapes: `lit_growattn.contract`).
+
+FormShape reads head counts and sizes off the three tensors, so they follow every growth: the attention modules
+(parameters), the growths' float64 copies and FormWeights (values) all take it. FormWeights is a form's weights as
+values: a candidate to rate or a growth to install (`factorize.Growth` is one, with what it carries besides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+class FormShape:
+    """Head counts, input size, head size and temperature read off w_q, w_k and log_tau."""
+
+    w_q: Tensor
+    w_k: Tensor
+    log_tau: Tensor
+
+    @property
+    def n_head(self) -> int:
+        return self.w_q.shape[0]
+
+    @property
+    def n_kv_head(self) -> int:
+        return self.w_k.shape[0]
+
+    @property
+    def e_in(self) -> int:
+        return self.w_q.shape[1]
+
+    @property
+    def d_head(self) -> int:
+        return self.w_q.shape[-1]
+
+    @property
+    def tau(self) -> Tensor:
+        return self.log_tau.exp()
+
+
+@dataclass
+class FormWeights(FormShape):
+    w_q: Tensor
+    w_k: Tensor
+    log_tau: Tensor
+
+    @classmethod
+    def of(cls, form: FormShape) -> FormWeights:
+        """The weights a form holds now (the same tensors, not copies)."""
+        return cls(form.w_q, form.w_k, form.log_tau)
+
+    def install(self, form) -> None:
+        """Puts these weights in `form` (anything with `set_weights(w_q, w_k, log_tau)`, as the contract asks)."""
+        form.set_weights(self.w_q, self.w_k, self.log_tau)
+
+
+FORM_TENSORS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(FormWeights))  # what `set_weights` replaces
