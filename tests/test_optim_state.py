@@ -9,12 +9,12 @@ from lit_growattn.growth import Carry
 from lit_growattn.optim_state import carry_state, snapshot_state
 
 
-def stepped(module: nn.Module, amsgrad: bool = False) -> torch.optim.AdamW:
+def stepped(module: nn.Module, amsgrad: bool = False, in_features: int | None = None) -> torch.optim.AdamW:
     """An AdamW that has taken two steps on `module`, so every state entry is non-zero."""
     torch.manual_seed(0)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2, amsgrad=amsgrad)
     for _ in range(2):
-        module(torch.randn(4, module.in_features)).square().sum().backward()
+        module(torch.randn(4, in_features or module.in_features)).square().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
     return optimizer
@@ -81,6 +81,34 @@ def test_parameters_without_old_state_are_left_alone():
     new_optimizer = torch.optim.AdamW(new.parameters(), lr=1e-2)
     carry_state({}, new_optimizer, new, {"weight": Carry((slice(0, 2),))})
     assert len(new_optimizer.state) == 0
+
+
+def test_every_parameter_is_visited_whatever_comes_before_it():
+    """A parameter without old state, then one without a carry, then a carried one: each gets its own treatment."""
+    old = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3))
+    old_state = snapshot_state(stepped(old, in_features=2), old)
+    del old_state["0.weight"]  # e.g. a parameter the old optimizer never stepped
+    new = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 3))
+    new_optimizer = torch.optim.AdamW(new.parameters(), lr=1e-2)
+    carry_state(old_state, new_optimizer, new, {"1.weight": Carry((slice(None), slice(None)), first_scale=2.0)})
+    assert new[0].weight not in new_optimizer.state
+    assert new_optimizer.state[new[0].bias] is old_state["0.bias"]
+    torch.testing.assert_close(new_optimizer.state[new[1].weight]["exp_avg"], 2.0 * old_state["1.weight"]["exp_avg"])
+    assert new_optimizer.state[new[1].bias] is old_state["1.bias"]
+
+
+def test_grown_state_keeps_its_dtype_and_is_contiguous():
+    """The state's own dtype (not the parameter's), and a contiguous layout even for a transposed parameter."""
+    old = nn.Linear(3, 2)
+    old_state = snapshot_state(stepped(old), old)
+    new = nn.Linear(3, 4)
+    new.weight = nn.Parameter(torch.zeros(3, 4, dtype=torch.float64).t())  # (4, 3), not contiguous
+    new_optimizer = torch.optim.AdamW(new.parameters(), lr=1e-2)
+    carry_state(old_state, new_optimizer, new, {"weight": Carry((slice(0, 2),))})
+    for key in ("exp_avg", "exp_avg_sq"):
+        grown = new_optimizer.state[new.weight][key]
+        assert grown.shape == (4, 3) and grown.dtype == torch.float32 and grown.is_contiguous()
+        torch.testing.assert_close(grown[:2], old_state["weight"][key])
 
 
 def test_unknown_second_moment_policy_refused():

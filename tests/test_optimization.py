@@ -3,6 +3,7 @@ chosen steps, the parameter groups, the bias row's decoupled weight decay, and t
 module configures."""
 
 import copy
+import functools
 import math
 
 import pytest
@@ -45,6 +46,7 @@ def test_total_within_the_warmup_decays_in_one_step():
     """A run shorter than its warmup (total ≤ warmup) still has a schedule: one step of cosine after the warmup."""
     assert lr_factor(4, warmup=4, total=2, floor=0.2, shape="cosine") == 1.0
     assert lr_factor(5, warmup=4, total=2, floor=0.2, shape="cosine") == pytest.approx(0.2, rel=1e-12)
+    assert lr_factor(6, warmup=4, total=2, floor=0.2, shape="cosine") == pytest.approx(0.2, rel=1e-12)
 
 
 def tiny(**kwargs) -> GrowAttentionLM:
@@ -66,11 +68,12 @@ def test_weight_decay_only_on_matrices_without_a_bias_row():
     bias_rows = {id(p) for p in module._bias_row_parameters()}
     assert bias_rows  # bias=True: W_Q and W_K end in a bias row
     assert "weight_decay" not in decay and no_decay["weight_decay"] == 0.0
-    assert all(p.ndim >= 2 and id(p) not in bias_rows for p in decay["params"])
-    assert bias_rows <= {id(p) for p in no_decay["params"]}
-    assert any(p.ndim == 1 for p in no_decay["params"])  # norms' gains, temperatures
     trainable = [p for p in module.parameters() if p.requires_grad]
-    assert len(decay["params"]) + len(no_decay["params"]) == len(trainable)
+    matrices = [id(p) for p in trainable if p.ndim >= 2 and id(p) not in bias_rows]
+    assert any(p.ndim == 2 and id(p) in matrices for p in trainable)  # the embedding, the MLP: 2-D weights decay
+    assert [id(p) for p in decay["params"]] == matrices
+    assert [id(p) for p in no_decay["params"]] == [id(p) for p in trainable if id(p) not in matrices]
+    assert any(p.ndim == 1 for p in no_decay["params"])  # norms' gains, temperatures
 
 
 def test_frozen_parameters_are_in_no_group():
@@ -133,12 +136,15 @@ def test_given_optimizer_and_scheduler_are_used():
 
 
 def test_deep_copy_shares_the_factories():
-    def optimizer(params):
-        return torch.optim.SGD(params, lr=0.1)
-
-    module = tiny(optimizer=optimizer)
+    """Lightning's weight averaging deep-copies the module: the factories (objects the CLI builds, which may hold
+    what cannot be copied) are shared, everything else is copied, and references to the module lead to the copy."""
+    module = tiny(optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                  scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1))
+    module.loop_back = [module]  # a reference to the module from inside its own state
     copied = copy.deepcopy(module)
-    assert copied is not module and copied.optimizer_factory is optimizer
+    assert copied is not module and type(copied) is type(module)
+    assert copied.optimizer_factory is module.optimizer_factory
     assert copied.scheduler_factory is module.scheduler_factory
-    first = next(module.parameters())
-    assert next(copied.parameters()) is not first and torch.equal(next(copied.parameters()), first)
+    assert copied.loop_back[0] is copied
+    for original, twin in zip(module.parameters(), copied.parameters(), strict=True):
+        assert twin is not original and torch.equal(twin, original)
