@@ -27,8 +27,7 @@ test: $(VENV)/.installed
 MUTANT_WORKERS ?= 2
 MUTANTS ?=
 mutants: $(VENV)/.installed
-	$(VENV)/bin/mutmut run --max-children $(MUTANT_WORKERS) $(MUTANTS)
-	$(VENV)/bin/mutmut results
+	$(PY) scripts/mutants.py --workers $(MUTANT_WORKERS) $(MUTANTS)
 
 # `make bench BENCH_ARGS=` runs the full preset; `make experiments ARGS="--text ../shared/data/tinyshakespeare.txt"`.
 BENCH_ARGS ?= --quick
