@@ -20,7 +20,7 @@ from lit_growattn.growth import (
     loss_rounding,
     register_direction,
 )
-from lit_growattn.growth.factorize import FAN_IN_FLOOR
+from lit_growattn.growth.factorize import FAN_IN_FLOOR, sizing_method
 from lit_growattn.growth.linalg import psd_sqrt
 
 F64 = torch.float64
@@ -281,15 +281,32 @@ def ascent():
     del DIRECTIONS["ascent"]
 
 
-def test_a_direction_that_ascends_falls_back_to_the_gradient(ascent):
+@pytest.mark.parametrize("mode, temperature", [("append", "keep"), ("replace", "rescale")])
+def test_a_direction_that_ascends_falls_back_to_the_gradient(ascent, mode, temperature):
     p = Problem()
     fg = p.growth(ascent)
-    kept = fg.grow(0.0, 4)  # α = 0 changes nothing: no sign to check
+    kept = fg.grow(0.0, 4, mode=mode, temperature=temperature)  # α = 0 changes nothing: no sign to check
     assert (kept.method, kept.fell_back) == (ascent, False)
-    grown = fg.grow(0.5, 4)
+    grown = fg.grow(0.5, 4, mode=mode, temperature=temperature)
     assert (grown.method, grown.fell_back) == ("gradient", True)
     assert grown.predicted_decrease > 0
-    torch.testing.assert_close(grown.w_q, p.growth("gradient").grow(0.5, 4).w_q, rtol=0, atol=0)
+    gradient = p.growth("gradient").grow(0.5, 4, mode=mode, temperature=temperature)
+    for name in ("w_q", "w_k", "log_tau"):
+        torch.testing.assert_close(getattr(grown, name), getattr(gradient, name), rtol=0, atol=0)
+
+
+def test_a_direction_that_predicts_no_decrease_falls_back_too():
+    register_direction("standstill")(lambda moments, rcond: torch.zeros_like(moments.n))
+    try:
+        grown = Problem().growth("standstill").grow(0.5, 4)
+    finally:
+        del DIRECTIONS["standstill"]
+    assert (grown.method, grown.fell_back) == ("gradient", True)
+    p = Problem()
+    moments = p.stats("pinv").means()
+    flat = moments._replace(n=torch.zeros_like(moments.n))
+    itself = FormGrowth.from_form(p.form, flat, "gradient").grow(0.5, 4)  # the gradient has nothing to fall back to
+    assert (itself.method, itself.fell_back, itself.predicted_decrease) == ("gradient", False, 0.0)
 
 
 def test_gains_accept_a_float32_n():
@@ -377,6 +394,47 @@ def test_whitened_append_is_orthogonal_to_the_old_columns_in_the_data_metric():
         overlap = (root @ new).mT @ (root @ old)
         assert overlap.abs().max() < 1e-10 * (root @ new).norm() * (root @ old).norm()
         assert (new.mT @ old).abs().max() > 1e-6  # not orthogonal in the plain metric: the test can tell
+
+
+def test_form_growth_defaults_and_refusals():
+    p = Problem()
+    moments = p.stats("pinv").means()
+    assert FormGrowth(p.form.w_q, p.form.w_k, p.form.log_tau, moments).method == "natural"
+    assert FormGrowth.from_form(p.form, moments).method == "natural"
+    with pytest.raises(ValueError, match="^method must be one of .*; got 'newton'"):
+        FormGrowth.from_form(p.form, moments, "newton")
+    with pytest.raises(ValueError, match="^truncation must be one of euclidean, whitened; got 'spectral'$"):
+        FormGrowth.from_form(p.form, moments, truncation="spectral")
+
+
+def test_sizing_method_of_directions_and_baselines():
+    assert sizing_method("natural", None) == "natural" and sizing_method("random", None) == "gradient"
+    assert sizing_method("random", "pinv") == "pinv" and sizing_method("natural", "natural") == "natural"
+    message = ("^size_by='gradient' only applies to the baselines \\('random', 'zero'\\): method 'natural' is sized by its "
+               "own direction; leave size_by out$")
+    with pytest.raises(ValueError, match=message):
+        sizing_method("natural", "gradient")
+    with pytest.raises(ValueError, match="^size_by must be one of .*; got 'newton'"):
+        sizing_method("random", "newton")
+
+
+def test_growth_of_a_float32_form_is_float32():
+    p = Problem()
+    moments = p.stats("pinv").means()
+    form = p.form.float()
+    grown = FormGrowth.from_form(form, moments).grow(0.5, 4)
+    assert grown.w_q.dtype == grown.w_k.dtype == grown.log_tau.dtype == torch.float32
+    assert grown.alpha == 0.5
+
+
+def test_direction_uses_the_forms_rcond():
+    p = Problem(s=5)  # C̄ of low rank: the cut-off changes the natural direction
+    moments = p.stats("pinv").means()
+    coarse = FormGrowth.from_form(p.form, moments, rcond=0.3).direction("natural")
+    raw = DIRECTIONS["natural"](moments, 0.3)
+    torch.testing.assert_close(coarse / coarse.norm(), raw / raw.norm(), rtol=0, atol=1e-10)
+    fine = FormGrowth.from_form(p.form, moments).direction("natural")
+    assert (coarse / coarse.norm() - fine / fine.norm()).abs().max() > 1e-3
 
 
 # -- descent and step size ------------------------------------------------------------------------
