@@ -323,11 +323,12 @@ def test_dynamic_rank_is_the_largest_count_of_any_head():
         assert fg.rank(share, 12) == max(1, min(count, 10))
 
 
-@pytest.mark.parametrize("mode", ["replace", "append"])
-def test_discarded_energy_is_each_heads_residual(mode):
-    """‖Z − M′‖² per head, Z = M + αΔM (euclidean truncation: the coordinates are M's own)."""
-    fg, alpha = Problem(h=3).growth("natural"), 0.5
-    grown = fg.grow(alpha, 4, mode=mode)
+@pytest.mark.parametrize("mode, b, s, d_new", [("replace", 4, 12, 4), ("append", 4, 12, 4), ("append", 1, 5, 8)])
+def test_discarded_energy_is_each_heads_residual(mode, b, s, d_new):
+    """‖Z − M′‖² per head, Z = M + αΔM (euclidean truncation: the coordinates are M's own); the last case appends
+    vanishing bottleneck pairs too (five inputs), which add nothing to M′."""
+    fg, alpha = Problem(h=3, b=b, s=s).growth("natural"), 0.5
+    grown = fg.grow(alpha, d_new, mode=mode)
     residual = (fg.m + alpha * fg.direction(grown.method) - bilinear(grown)).square().sum((-2, -1))
     torch.testing.assert_close(grown.discarded_energy, residual, rtol=1e-8, atol=1e-12)
 
