@@ -22,6 +22,7 @@ from lit_growattn.growth import (
 )
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, sizing_method
 from lit_growattn.growth.linalg import psd_sqrt
+from lit_growattn.growth.solvers import direction
 
 F64 = torch.float64
 GROWING = ["gradient", "natural", "pinv", "zero"]  # every method that keeps the function at α = 0
@@ -436,6 +437,16 @@ def test_direction_uses_the_forms_rcond():
     torch.testing.assert_close(coarse / coarse.norm(), raw / raw.norm(), rtol=0, atol=1e-10)
     fine = FormGrowth.from_form(p.form, moments).direction("natural")
     assert (coarse / coarse.norm() - fine / fine.norm()).abs().max() > 1e-3
+
+
+def test_direction_defaults_and_degenerate_sides():
+    mo = Problem(s=5).stats().means()  # C̄ of low rank: the natural direction depends on the cut-off
+    raw = DIRECTIONS["natural"](mo, 1e-6)
+    assert torch.equal(direction("natural", mo, torch.tensor(0.0, dtype=F64)), raw)  # M = 0: left unscaled
+    energy = torch.tensor(2.0, dtype=F64)
+    torch.testing.assert_close(direction("natural", mo, energy), direction("natural", mo, energy, 1e-6), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="^method 'newton' has no direction; directions: natural, gradient, pinv"):
+        direction("newton", mo, energy)
 
 
 # -- descent and step size ------------------------------------------------------------------------
