@@ -37,3 +37,6 @@ def test_registered_names_read_their_registries_as_they_are_now():
     assert list(names) == ["a", "c", "b"] and len(names) == 3 and "c" in names and "d" not in names
     with pytest.raises(ValueError, match="^x must be one of a, c, b; got 'd'$"):  # no hint unless one is given
         growth.check_choice("x", "d", names)
+    hinted = growth.choices.RegisteredNames(registry, hint="register more with f")
+    with pytest.raises(ValueError, match="^x must be one of a, c; got 'd' \\(register more with f\\)$"):
+        growth.check_choice("x", "d", hinted)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from lit_growattn.attention.qk import QKForm
 from lit_growattn.growth import FormStats, NonFiniteStatistics, flatten_stats, unflatten_stats
-from lit_growattn.growth.linalg import psd_pinv, psd_sqrt
+from lit_growattn.growth.linalg import column_basis, psd_pinv, psd_sqrt
 
 F64 = torch.float64
 B, S, E, H, D, DV = 4, 11, 7, 3, 2, 5
@@ -156,16 +156,33 @@ def filled(method="gradient", rcond=1e-6, seed=0):
     return stats
 
 
-def test_means_refuse_empty_and_non_finite_sums():
+def test_defaults_and_means_of_the_sums():
+    stats = FormStats(H, E)
+    assert stats.pinv_sum is None and stats.rcond == 1e-6 and stats.c_sum.dtype == torch.float32
+    filled_stats, (x, _) = filled(), inputs()
+    xa = make_form(False).augment(x)
+    torch.testing.assert_close(filled_stats.means().c, torch.einsum("bse,bsf->ef", xa, xa) / B)  # C̄: per instance
+
+
+@pytest.mark.parametrize("emptied", ["weight", "instances"])
+def test_means_refuse_empty_and_non_finite_sums(emptied):
     stats = filled()
     state = stats.state_dict()
-    state["weight"].zero_()  # instances counted, but no weight: nothing to divide by
+    state[emptied].zero_()  # one count without the other: nothing to divide by
     stats.load_state_dict(state)
     with pytest.raises(ValueError, match="^no statistics were accumulated$"):
         stats.means()
-    stats.n_sum[0, 0, 0] = float("nan")
-    with pytest.raises(NonFiniteStatistics, match="^non-finite values in the summed statistics: n_sum$"):
+    stats.n_sum[0, 0, 0] = stats.c_sum[0, 0] = float("nan")
+    with pytest.raises(NonFiniteStatistics, match="^non-finite values in the summed statistics: c_sum, n_sum$"):
         stats.means()
+
+
+def test_finite_check_sums_in_float64():
+    """Two float32 values near the float32 maximum: finite, though their float32 sum would overflow."""
+    stats = FormStats(H, E)
+    stats.update(torch.zeros(1, 2, E), torch.zeros(1, H, 2, E))
+    stats.c_sum[0, 0] = stats.c_sum[1, 1] = 3e38
+    assert stats.means().c[0, 0] == pytest.approx(3e38)
 
 
 def test_difference_undoes_the_sum_and_mismatches_are_refused():
@@ -213,3 +230,15 @@ def test_psd_pinv_and_roots_of_singular_and_zero_matrices():
     torch.testing.assert_close(inverse_root, torch.diag(torch.tensor([1.0, 1.0, 0.5], dtype=F64)))
     with pytest.raises(ValueError, match="^cannot whiten with a zero input covariance$"):
         psd_sqrt(torch.zeros(3, 3, dtype=F64), 1e-6)
+    small = torch.diag(torch.tensor([0.25, 0.5], dtype=F64))  # λ_max < 1 is no reason to refuse
+    torch.testing.assert_close(psd_sqrt(small, 1e-6)[0], small.sqrt())
+
+
+def test_column_basis_drops_the_columns_below_round_off():
+    """The cut-off is max(e, d) · ε · σ_max of each matrix: a σ of 1e-14 is noise beside 1e3, not beside 1."""
+    eye = torch.eye(2, dtype=F64)
+    loud_and_faint = torch.diag(torch.tensor([1e3, 1e-14], dtype=F64))
+    assert torch.equal(column_basis(loud_and_faint).abs(), torch.diag(torch.tensor([1.0, 0.0], dtype=F64)))
+    assert torch.equal(column_basis(torch.zeros(3, 2, dtype=F64)), torch.zeros(3, 2, dtype=F64))
+    many = torch.diag(torch.tensor([1.0, 1e-14], dtype=F64)).expand(50, 2, 2)  # 50 heads: the head count is no size
+    torch.testing.assert_close(column_basis(many).abs(), eye.expand(50, 2, 2), rtol=0, atol=1e-12)
