@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build is enough for the demo and the tests; users with a GPU install their own torch first.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test bench experiments gpu-wheels clean
+.PHONY: demo test mutants bench experiments gpu-wheels clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,13 @@ demo: $(VENV)/.installed
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
 	LIT_GROWATTN_REQUIRE_OPTIONAL=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
+
+# Mutation testing of the core (docs/testing.md): tens of minutes, so neither in `make test` nor in CI.
+# `make mutants MUTANTS='lit_growattn.optimization.*'` runs one module's mutants (mutmut's names, globs allowed).
+MUTANT_WORKERS ?= 2
+MUTANTS ?=
+mutants: $(VENV)/.installed
+	$(PY) scripts/mutants.py --workers $(MUTANT_WORKERS) $(MUTANTS)
 
 # `make bench BENCH_ARGS=` runs the full preset; `make experiments ARGS="--text tinyshakespeare.txt"`.
 BENCH_ARGS ?= --quick

@@ -1,5 +1,7 @@
 """One source for each set of allowed values, and the small public pieces built on it."""
 
+import pytest
+
 from lit_growattn import growth
 from lit_growattn.__main__ import main as command_line
 from lit_growattn.config import GPTConfig
@@ -26,3 +28,15 @@ def test_named_qk_forms_gives_layer_name_and_form():
     assert [(layer, name) for layer, name, _ in named] == [
         (0, "blocks.0.attn.qk"), (0, "blocks.0.attn.qk2"), (1, "blocks.1.attn.qk"), (1, "blocks.1.attn.qk2")]
     assert [form for _, _, form in named] == [f for forms in gpt.qk_forms() for f in forms]
+
+
+def test_registered_names_read_their_registries_as_they_are_now():
+    registry = {"a": 1}
+    names = growth.choices.RegisteredNames(registry, ("b",))
+    registry["c"] = 2
+    assert list(names) == ["a", "c", "b"] and len(names) == 3 and "c" in names and "d" not in names
+    with pytest.raises(ValueError, match="^x must be one of a, c, b; got 'd'$"):  # no hint unless one is given
+        growth.check_choice("x", "d", names)
+    hinted = growth.choices.RegisteredNames(registry, hint="register more with f")
+    with pytest.raises(ValueError, match="^x must be one of a, c; got 'd' \\(register more with f\\)$"):
+        growth.check_choice("x", "d", hinted)

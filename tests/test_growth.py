@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from lit_growattn.attention.qk import QKForm
 from lit_growattn.growth import (
     DIRECTIONS,
+    Carry,
     FormGrowth,
     FormStats,
     FormWeights,
@@ -18,7 +19,11 @@ from lit_growattn.growth import (
     choose_step,
     installed,
     loss_rounding,
+    register_direction,
 )
+from lit_growattn.growth.factorize import FAN_IN_FLOOR, sizing_method
+from lit_growattn.growth.linalg import psd_sqrt
+from lit_growattn.growth.solvers import direction
 
 F64 = torch.float64
 GROWING = ["gradient", "natural", "pinv", "zero"]  # every method that keeps the function at α = 0
@@ -236,6 +241,213 @@ def test_a_baseline_is_sized_by_the_direction_it_names_and_keeps_its_random_colu
     torch.testing.assert_close(p.growth("random").column_gains(), p.growth("gradient").column_gains())  # the default
     grown = sized.grow(0.0, 6, generator=torch.Generator().manual_seed(0))
     assert grown.w_q[..., 2:].abs().min() > 0 and grown.w_k[..., 2:].abs().min() > 0  # random pairs, not zero fan-in
+
+
+def test_grow_refuses_bad_arguments_with_messages():
+    fg = Problem().growth("natural")  # d_head 2, e′ 8
+    cases = [
+        (dict(mode="insert"), "mode must be one of append, replace; got 'insert'"),
+        (dict(temperature="warm"), "temperature must be one of keep, rescale; got 'warm'"),
+        (dict(alpha=-0.5), "step size α must be ≥ 0, got -0.5"),
+        (dict(d_new=1), "d_new=1 must lie between the current d_head 2 and e′ = 8"),
+        (dict(d_new=9), "d_new=9 must lie between the current d_head 2 and e′ = 8"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            fg.grow(**{"alpha": 0.5, "d_new": 4, **kwargs})
+    with pytest.raises(ValueError, match="^baseline 'random' only appends columns; use mode='append'$"):
+        Problem().growth("random").grow(0.0, 4, mode="replace")
+
+
+def test_growth_to_the_same_head_size_refactorises():
+    fg = Problem().growth("natural")
+    grown = fg.grow(0.0, 2, mode="replace")
+    assert grown.w_q.shape[-1] == 2
+    torch.testing.assert_close(bilinear(grown), fg.m, rtol=0, atol=1e-10)
+
+
+def test_baseline_columns_come_from_the_generator_alone():
+    fg = Problem().growth("random")
+    draws = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        draws.append(fg.grow(0.0, 4, generator=torch.Generator().manual_seed(0)).w_q)
+    assert torch.equal(draws[0], draws[1])
+
+
+@pytest.fixture
+def ascent():
+    """A registered direction that raises the loss to first order (+N̄), removed afterwards."""
+    register_direction("ascent")(lambda moments, rcond: moments.n)
+    yield "ascent"
+    del DIRECTIONS["ascent"]
+
+
+@pytest.mark.parametrize("mode, temperature", [("append", "keep"), ("replace", "rescale")])
+def test_a_direction_that_ascends_falls_back_to_the_gradient(ascent, mode, temperature):
+    p = Problem()
+    fg = p.growth(ascent)
+    kept = fg.grow(0.0, 4, mode=mode, temperature=temperature)  # α = 0 changes nothing: no sign to check
+    assert (kept.method, kept.fell_back) == (ascent, False)
+    grown = fg.grow(0.5, 4, mode=mode, temperature=temperature)
+    assert (grown.method, grown.fell_back) == ("gradient", True)
+    assert grown.predicted_decrease > 0
+    gradient = p.growth("gradient").grow(0.5, 4, mode=mode, temperature=temperature)
+    for name in ("w_q", "w_k", "log_tau"):
+        torch.testing.assert_close(getattr(grown, name), getattr(gradient, name), rtol=0, atol=0)
+
+
+def test_a_direction_that_predicts_no_decrease_falls_back_too():
+    register_direction("standstill")(lambda moments, rcond: torch.zeros_like(moments.n))
+    try:
+        grown = Problem().growth("standstill").grow(0.5, 4)
+    finally:
+        del DIRECTIONS["standstill"]
+    assert (grown.method, grown.fell_back) == ("gradient", True)
+    p = Problem()
+    moments = p.stats("pinv").means()
+    flat = moments._replace(n=torch.zeros_like(moments.n))
+    itself = FormGrowth.from_form(p.form, flat, "gradient").grow(0.5, 4)  # the gradient has nothing to fall back to
+    assert (itself.method, itself.fell_back, itself.predicted_decrease) == ("gradient", False, 0.0)
+
+
+def test_gains_accept_a_float32_n():
+    fg = Problem().growth("natural")
+    gains = fg.column_gains()
+    torch.testing.assert_close(fg.column_gains(fg.moments.n.float()), gains, rtol=1e-5, atol=1e-6 * gains.abs().max())
+
+
+def test_dynamic_rank_is_the_largest_count_of_any_head():
+    fg = Problem(e=12, h=3).growth("natural")
+    s = fg.bottleneck("natural")[1]
+    for share in (0.5, 0.2, 0.05):
+        count = max(int((row > share * s.max()).sum()) for row in s)
+        assert fg.rank(share, 12) == max(1, min(count, 10))
+
+
+@pytest.mark.parametrize("mode, b, s, d_new", [("replace", 4, 12, 4), ("append", 4, 12, 4), ("append", 1, 5, 8)])
+def test_discarded_energy_is_each_heads_residual(mode, b, s, d_new):
+    """‖Z − M′‖² per head, Z = M + αΔM (euclidean truncation: the coordinates are M's own); the last case appends
+    vanishing bottleneck pairs too (five inputs), which add nothing to M′."""
+    fg, alpha = Problem(h=3, b=b, s=s).growth("natural"), 0.5
+    grown = fg.grow(alpha, d_new, mode=mode)
+    residual = (fg.m + alpha * fg.direction(grown.method) - bilinear(grown)).square().sum((-2, -1))
+    torch.testing.assert_close(grown.discarded_energy, residual, rtol=1e-8, atol=1e-12)
+
+
+def test_replace_at_zero_step_takes_the_bottleneck_pairs_for_its_new_columns():
+    """At α = 0, M has rank d: the d_new − d trailing pairs vanish, and each head's new Q columns become zero fan-in
+    columns of its bottleneck pairs 0, 1, …; their K columns and σ are zero."""
+    fg = Problem(h=3).growth("natural")
+    grown = fg.grow(0.0, 5, mode="replace")
+    u, s, _, _ = fg.bottleneck("natural")
+    sigma = s[:, :3].clamp_min(FAN_IN_FLOOR * s[:, :1])
+    expected_q = u[:, :, :3] * (sigma / fg.log_tau.exp()[:, None]).sqrt().unsqueeze(1)
+    torch.testing.assert_close(grown.w_q[..., 2:], expected_q, rtol=1e-8, atol=1e-12)
+    assert (grown.w_k[..., 2:] == 0).all()
+    assert (grown.spectrum[:, 2:] == 0).all() and (grown.spectrum[:, :2] > 0).all()
+
+
+def test_append_at_zero_step_adds_zero_fan_in_columns_with_a_floor():
+    """α = 0: every new pair is zero fan-in (K columns zero), Q columns u_j (max(σ_j, floor·σ_0) / τ′)^½ of the
+    bottleneck pairs in order; the trailing pairs of a rank-deficient bottleneck take the floor. τ′ ≠ 1 (rescale)."""
+    fg = Problem(h=3, b=1, s=5).growth("natural")
+    grown = fg.grow(0.0, 8, mode="append", temperature="rescale")
+    u, s, _, _ = fg.bottleneck("natural")
+    assert (s[:, 4:] < FAN_IN_FLOOR * s[:, :1]).all()  # five LayerNorm inputs: rank ≤ 4 left once M's span is out
+    sigma = s[:, :6].clamp_min(FAN_IN_FLOOR * s[:, :1])
+    expected_q = u[:, :, :6] * (sigma / grown.log_tau.exp()[:, None]).sqrt().unsqueeze(1)
+    torch.testing.assert_close(grown.w_q[..., 2:], expected_q, rtol=1e-8, atol=1e-12)
+    assert (grown.w_k[..., 2:] == 0).all()
+
+
+def test_growth_carries_say_what_each_tensor_keeps():
+    fg = Problem().growth("natural")
+    replaced = fg.grow(0.5, 4, mode="replace").carries
+    assert replaced == {"w_q": Carry(None), "w_k": Carry(None), "log_tau": Carry((slice(None),))}
+    appended = fg.grow(0.5, 4, mode="append", temperature="rescale").carries
+    c = 2 ** 0.25  # (d_new / d)^¼
+    assert set(appended) == {"w_q", "w_k", "log_tau"} and appended["log_tau"] == Carry((slice(None),))
+    for name in ("w_q", "w_k"):
+        carry = appended[name]
+        assert carry.old_index[2].indices(4) == (0, 2, 1)  # the first d = 2 columns of the grown tensor
+        assert carry.first_scale == pytest.approx(1 / c) and carry.second_scale == pytest.approx(1 / c**2)
+
+
+def test_baseline_columns_are_float64_normal_draws_at_each_heads_scale():
+    fg = Problem(h=3).growth("random")
+    grown = fg.grow(0.0, 5, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    noise_q, noise_k = (torch.randn(3, 8, 3, generator=g, dtype=F64) for _ in range(2))
+    rms = lambda w: w.square().mean((1, 2), keepdim=True).sqrt()  # noqa: E731
+    torch.testing.assert_close(grown.w_q[..., 2:], noise_q * rms(fg.w_q), rtol=1e-12, atol=0)
+    torch.testing.assert_close(grown.w_k[..., 2:], noise_k * rms(fg.w_k), rtol=1e-12, atol=0)
+    assert grown.spectrum.shape == (3, 0) and torch.equal(grown.discarded_energy, torch.zeros(3, dtype=F64))
+    zero = Problem(h=3).growth("zero").grow(0.0, 5, generator=torch.Generator().manual_seed(0))
+    assert (zero.w_k[..., 2:] == 0).all() and zero.w_q[..., 2:].abs().min() > 0
+
+
+def test_whitened_append_is_orthogonal_to_the_old_columns_in_the_data_metric():
+    """In whitened coordinates (C̄^½, its eigenvalues clamped as `psd_sqrt` does) the new columns are orthogonal to
+    the old ones (likewise K)."""
+    fg = Problem(s=21).growth("natural", "whitened")
+    grown = fg.grow(0.5, 5, mode="append")
+    root = psd_sqrt(fg.moments.c, fg.rcond)[0]
+    for new, old in ((grown.w_q[..., 2:], fg.w_q), (grown.w_k[..., 2:], fg.w_k)):
+        overlap = (root @ new).mT @ (root @ old)
+        assert overlap.abs().max() < 1e-10 * (root @ new).norm() * (root @ old).norm()
+        assert (new.mT @ old).abs().max() > 1e-6  # not orthogonal in the plain metric: the test can tell
+
+
+def test_form_growth_defaults_and_refusals():
+    p = Problem()
+    moments = p.stats("pinv").means()
+    assert FormGrowth(p.form.w_q, p.form.w_k, p.form.log_tau, moments).method == "natural"
+    assert FormGrowth.from_form(p.form, moments).method == "natural"
+    with pytest.raises(ValueError, match="^method must be one of .*; got 'newton'"):
+        FormGrowth.from_form(p.form, moments, "newton")
+    with pytest.raises(ValueError, match="^truncation must be one of euclidean, whitened; got 'spectral'$"):
+        FormGrowth.from_form(p.form, moments, truncation="spectral")
+
+
+def test_sizing_method_of_directions_and_baselines():
+    assert sizing_method("natural", None) == "natural" and sizing_method("random", None) == "gradient"
+    assert sizing_method("random", "pinv") == "pinv" and sizing_method("natural", "natural") == "natural"
+    message = ("^size_by='gradient' only applies to the baselines \\('random', 'zero'\\): method 'natural' is sized by its "
+               "own direction; leave size_by out$")
+    with pytest.raises(ValueError, match=message):
+        sizing_method("natural", "gradient")
+    with pytest.raises(ValueError, match="^size_by must be one of .*; got 'newton'"):
+        sizing_method("random", "newton")
+
+
+def test_growth_of_a_float32_form_is_float32():
+    p = Problem()
+    moments = p.stats("pinv").means()
+    form = p.form.float()
+    grown = FormGrowth.from_form(form, moments).grow(0.5, 4)
+    assert grown.w_q.dtype == grown.w_k.dtype == grown.log_tau.dtype == torch.float32
+    assert grown.alpha == 0.5
+
+
+def test_direction_uses_the_forms_rcond():
+    p = Problem(s=5)  # C̄ of low rank: the cut-off changes the natural direction
+    moments = p.stats("pinv").means()
+    coarse = FormGrowth.from_form(p.form, moments, rcond=0.3).direction("natural")
+    raw = DIRECTIONS["natural"](moments, 0.3)
+    torch.testing.assert_close(coarse / coarse.norm(), raw / raw.norm(), rtol=0, atol=1e-10)
+    fine = FormGrowth.from_form(p.form, moments).direction("natural")
+    assert (coarse / coarse.norm() - fine / fine.norm()).abs().max() > 1e-3
+
+
+def test_direction_defaults_and_degenerate_sides():
+    mo = Problem(s=5).stats().means()  # C̄ of low rank: the natural direction depends on the cut-off
+    raw = DIRECTIONS["natural"](mo, 1e-6)
+    assert torch.equal(direction("natural", mo, torch.tensor(0.0, dtype=F64)), raw)  # M = 0: left unscaled
+    energy = torch.tensor(2.0, dtype=F64)
+    torch.testing.assert_close(direction("natural", mo, energy), direction("natural", mo, energy, 1e-6), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="^method 'newton' has no direction; directions: natural, gradient, pinv"):
+        direction("newton", mo, energy)
 
 
 # -- descent and step size ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from lit_growattn.growth.factorize import FAN_IN_FLOOR
 from lit_growattn.growth.shrink import shrink_form
 
 
@@ -73,3 +74,21 @@ def test_keeps_dtype_and_refuses_bad_sizes():
     for bad in (0, 5):
         with pytest.raises(ValueError, match="between 1 and 4"):
             shrink_form(w_q, w_k, log_tau, bad)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 10.0])  # the largest σ below and above 1
+def test_vanishing_pairs_get_the_floor_of_the_largest_singular_value(scale):
+    """Zero fan-in Q columns u_j (floor · σ_max / τ)^½; a zero form uses σ_max = 1, so its Q columns are not zero."""
+    w_q, w_k, log_tau = form(d=4)
+    w_q = w_q * scale
+    w_q[..., 1:] = 0
+    new_q, _, _ = shrink_form(w_q, w_k, log_tau, 3)
+    tau = log_tau.exp()
+    u, s, _ = torch.linalg.svd(bilinear(w_q, w_k, log_tau))
+    floor = (FAN_IN_FLOOR * s[:, :1] / tau[:, None]).sqrt().unsqueeze(1)
+    torch.testing.assert_close(new_q[..., 1:].abs(), (u[:, :, 1:3] * floor).abs(), rtol=1e-8, atol=1e-14)
+
+    zero_q, zero_k, discarded = shrink_form(torch.zeros_like(w_q), w_k, log_tau, 2)
+    assert (zero_k == 0).all() and torch.equal(discarded, torch.zeros(3, dtype=torch.float64))
+    norms = zero_q.norm(dim=1)
+    torch.testing.assert_close(norms, (FAN_IN_FLOOR / tau[:, None]).sqrt().expand(3, 2), rtol=1e-10, atol=0)

@@ -1,17 +1,49 @@
 """The quadratic step rule: float64 references, and the callback path that uses it."""
 
+import math
+
 import lightning as L
 import pytest
 import torch
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.cli import main
-from lit_growattn.growth import quadratic_step
+from lit_growattn.growth import candidate_steps, choose_step, loss_rounding, quadratic_step
 
 from conftest import REPO
 from callback_helpers import recall_data, tiny_module, trainer
 
 F64 = torch.float64
+F32_EPS = torch.finfo(torch.float32).eps
+
+
+def test_default_candidates_reach_down_to_one_256th():
+    assert candidate_steps() == [0.0] + [2.0**-k for k in range(9)]
+    assert candidate_steps(2, include_zero=False) == [1.0, 0.5, 0.25]
+
+
+@pytest.mark.parametrize("terms, factor", [(None, 1.0), (0, 1.0), (1, 1.0), (4, 2.0)])
+def test_loss_rounding_is_root_terms_epsilons_of_the_loss(terms, factor):
+    args = () if terms is None else (terms,)
+    assert loss_rounding(-1.5, torch.float32, *args) == factor * F32_EPS * 1.5
+
+
+def test_choose_step_tolerates_one_rounding_by_default():
+    """A float32 gap of 2ε at 1.5: more than one rounding (1.5ε, the default `terms=1`), less than two (2.1ε)."""
+    losses = torch.tensor([1.5 + 2 * F32_EPS, 1.5], dtype=torch.float32)
+    assert choose_step(losses, [0.0, 1.0]) == 1
+    assert choose_step(losses, [0.0, 1.0], terms=2) == 0
+
+
+def test_choose_step_compares_python_floats_in_float64():
+    """A gap that float32 would round away is a real one between float64 losses."""
+    assert choose_step([1.0, 1.0 - 1e-10], [0.0, 1.0]) == 1
+
+
+def test_choose_step_takes_minus_infinity_and_refuses_a_length_mismatch():
+    assert choose_step([1.0, -math.inf, 0.5], [0.0, 1.0, 0.5]) == 1
+    with pytest.raises(ValueError, match="^3 losses for 2 step sizes$"):
+        choose_step([1.0, 0.5, 0.2], [0.0, 1.0])
 
 
 def test_quadratic_step_recovers_the_minimiser_of_an_exact_quadratic():
@@ -45,12 +77,18 @@ def test_quadratic_step_matches_float64_least_squares(seed):
 
 def test_quadratic_step_edge_cases():
     assert quadratic_step(-0.1, [0.0, 0.5], [0.0, 0.01]) == 0.0  # no descent predicted
+    assert quadratic_step(0.0, [0.5], [0.01]) == 0.0  # nor here
+    assert quadratic_step(0.1, [0.25, 0.5], [0.025, 0.05]) == 0.5  # exactly linear (c = 0): the best measured α
+    assert quadratic_step(0.1, [1.0, 2.0], [0.1, 0.2]) == 1.0  # capped at max_alpha = 1 by default
+    assert quadratic_step(1.0, [0.25, 0.5], [0.2375, 0.45]) == 1.0  # c = 0.2: α* = 2.5 is past it too
     assert quadratic_step(0.1, [0.25, 0.5], [0.03, 0.06]) == 0.5  # decrease keeps up: no curvature, best measured α
     assert quadratic_step(0.1, [0.25, 0.5], [0.03, 0.06], max_alpha=0.25) == 0.25
     assert quadratic_step(0.1, [0.5, 1.0], [float("nan"), 0.1 - 0.2]) == pytest.approx(0.25)  # NaN ignored
     assert quadratic_step(0.1, [0.5, 1.0], [-0.1, -0.5]) == pytest.approx(0.1 / (2 * 0.6))  # all worse: refine below the least bad
-    with pytest.raises(ValueError, match="at one step size α > 0"):
+    with pytest.raises(ValueError, match="^the quadratic step needs the loss at one step size α > 0 at least$"):
         quadratic_step(0.1, [0.0], [0.0])
+    with pytest.raises(ValueError, match="^max_alpha must be positive, got 0$"):
+        quadratic_step(0.1, [0.5], [0.01], max_alpha=0)
     with pytest.raises(ValueError, match="2 decreases for 3 step sizes"):
         quadratic_step(0.1, [0.1, 0.2, 0.3], [0.0, 0.0])
 
