@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
+from lit_growattn.__main__ import main as command_line  # noqa: E402
 from lit_growattn.attention import ATTENTIONS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,3 +113,20 @@ def run_command(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
            "LIT_GROWATTN_DEBUG": "", "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "lit_growattn", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd or REPO, env=env, timeout=300)
+
+
+class Done:
+    """What `python -m lit_growattn ARGS` returned and printed, run in this process."""
+
+    def __init__(self, args, capsys):
+        capsys.readouterr()
+        self.returncode = command_line([str(a) for a in args])
+        out = capsys.readouterr()
+        self.stdout, self.stderr = out.out, out.err
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`cli(*args)` runs `python -m lit_growattn ARGS` in this process (short error reports, as a user sees them)."""
+    monkeypatch.delenv("LIT_GROWATTN_DEBUG", raising=False)
+    return lambda *args: Done(args, capsys)

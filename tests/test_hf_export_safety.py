@@ -23,25 +23,7 @@ needs_transformers()
 
 import torch  # noqa: E402
 
-from lit_growattn.__main__ import main as command_line  # noqa: E402
-
 from hf_helpers import TEXT, VOCAB, load, saved_tiny_model, saved_tokenizer  # noqa: E402
-
-
-class Done:
-    """What `python -m lit_growattn ARGS` returned and printed, run in this process."""
-
-    def __init__(self, args, capsys):
-        capsys.readouterr()
-        self.returncode = command_line([str(a) for a in args])
-        out = capsys.readouterr()
-        self.stdout, self.stderr = out.out, out.err
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    monkeypatch.delenv("LIT_GROWATTN_DEBUG", raising=False)
-    return lambda *args: Done(args, capsys)
 
 
 def refused(done: Done, *phrases) -> str:

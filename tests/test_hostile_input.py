@@ -14,21 +14,6 @@ from lit_growattn.__main__ import main as command_line
 from conftest import REPO, run_command
 
 
-class Done:
-    """What `python -m lit_growattn ARGS` returned and printed, run in this process."""
-
-    def __init__(self, args, capsys):
-        capsys.readouterr()
-        self.returncode = command_line([str(a) for a in args])
-        out = capsys.readouterr()
-        self.stdout, self.stderr = out.out, out.err
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    monkeypatch.delenv("LIT_GROWATTN_DEBUG", raising=False)
-    return lambda *args: Done(args, capsys)
-
 RECALL = ["fit", "--config", REPO / "configs/recall_grow.yaml", "--trainer.enable_progress_bar=false",
           "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
           "--data.init_args.num_train_examples=256", "--data.init_args.num_val_examples=64"]

@@ -144,12 +144,18 @@ def with_settings(settings: dict, dotted: dict[str, str]) -> dict:
     return settings
 
 
-@pytest.mark.parametrize("files", **named(SHIPPED))
-def test_the_command_line_parses_every_setting_of_a_shipped_config(files, local_files, request, capsys):
+def prepared(files, local_files, request) -> tuple[dict, dict]:
+    """The config's merged settings and the local files that replace its paths (skipping without transformers where
+    it needs it)."""
     settings = merged(files)
     if uses_hugging_face(settings):
         needs_transformers()
-    local = local_settings(settings, local_files, request)
+    return settings, local_settings(settings, local_files, request)
+
+
+@pytest.mark.parametrize("files", **named(SHIPPED))
+def test_the_command_line_parses_every_setting_of_a_shipped_config(files, local_files, request, capsys):
+    settings, local = prepared(files, local_files, request)
     capsys.readouterr()  # what building the local files printed
     with pytest.raises(SystemExit) as done:
         command_line(["fit", *config_args(files, local), "--print_config"])
@@ -177,10 +183,7 @@ ON_CPU = [files for files in SHIPPED if merged(files)["trainer"].get("accelerato
 
 @pytest.mark.parametrize("files", **named(ON_CPU))
 def test_a_shipped_cpu_config_trains_a_few_steps(files, local_files, request, tmp_path):
-    settings = merged(files)
-    if uses_hugging_face(settings):
-        needs_transformers()
-    local = local_settings(settings, local_files, request)
+    _, local = prepared(files, local_files, request)
     assert command_line(["fit", *config_args(files, local), *FEW_STEPS,
                          f"--trainer.logger.init_args.save_dir={tmp_path}"]) == 0
     losses = logged(tmp_path, "train/loss")
