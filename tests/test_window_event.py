@@ -390,3 +390,20 @@ def test_non_finite_statistics_change_nothing():
     with pytest.raises(growth.NonFiniteStatistics):
         event.run([(0, "form", p.form)], [stats], seed=0)
     assert installs == [] and p.form.d_head == 2
+
+
+def test_the_automatic_schedule_sizes_from_the_halves_and_rates_the_current_loss_once():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    half = FormStats.from_state_dict({k: v / 2 for k, v in stats.state_dict().items()})
+    calls, installs = [], []
+    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p, calls),
+                        install=installs.append, broadcast=lambda obj: obj,
+                        capacity=CapacityRule(ratio=1e-9, agreement=1e-9, spare_below=0.0))
+    record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
+    [decision] = record["decisions"]
+    assert decision["layer"] == 0 and decision["columns"] > 0
+    assert installs[0]["form"].w_q.shape[-1] == 2 + decision["columns"]
+    # The current loss is measured once, first; the step-size search reuses it instead of a forward of None.
+    assert calls[0] == [None] and all(c is not None for call in calls[1:] for c in call)
+    assert record["loss_before"] == pytest.approx(p.loss().item(), rel=1e-12)
