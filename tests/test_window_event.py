@@ -231,7 +231,9 @@ def test_a_window_saved_by_two_ranks_resumes_each_rank_with_its_own_sums():
         for got, want in zip(resumed.stats, window.stats):
             torch.testing.assert_close(got.n_sum, factor * want.n_sum, rtol=1e-12, atol=0)
         assert [int(b["ids"]) for b in resumed.kept] == [k + 100 * rank for k in range(2)]
-    with pytest.raises(RuntimeError, match="by 2 ranks.*cannot be split over 3: resume it with 2 ranks"):
+    with pytest.raises(RuntimeError, match=r"^this checkpoint was taken inside the statistics window of growth "
+                                           r"'e1' by 2 ranks, each holding its own partial sums, and cannot be split over 3: resume it with 2 ranks "
+                                           r"\(devices × num_nodes\), or from a checkpoint taken outside the window$"):
         StatsWindow("gradient").load_state_dict(state, rank=0, world=3)
 
 
@@ -252,8 +254,11 @@ def test_a_window_resumed_under_other_settings_is_refused():
     window.check_resumed({"batches": 1})  # no window open
     window_step(window, forms, 0, {0})
     window.check_resumed(dict(WITH))
-    with pytest.raises(ValueError, match=r"growth 'e1', which began with other settings: batches=4 in the checkpoint "
-                                         r"but 2 now\. .*resume with batches=4, or from a checkpoint taken outside"):
+    with pytest.raises(ValueError, match=r"^this checkpoint was taken inside the statistics window of growth 'e1', "
+                                         r"which began with other settings: batches=4 in the checkpoint but 2 now\. "
+                                         r"Going on would mix two windows' statistics and choose another step size "
+                                         r"than the uninterrupted run: resume with batches=4, or from a checkpoint "
+                                         r"taken outside the window \(before it began, or after the growth\)$"):
         window.check_resumed({**WITH, "batches": 2})
     with pytest.raises(ValueError, match="batches=4 in the checkpoint but 2 now, accumulate_grad_batches=1 in the "
                                          "checkpoint but None now.*resume with batches=4 and accumulate_grad_batches=1"):
@@ -376,7 +381,7 @@ def test_the_automatic_schedule_needs_the_halves():
     p = Problem(e=8, h=2, d=2)
     event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=rated_by(p), install=lambda g: None,
                         broadcast=lambda obj: obj, capacity=CapacityRule(ratio=1e-9))
-    with pytest.raises(ValueError, match="decides from the two halves of the window: pass `half`"):
+    with pytest.raises(ValueError, match="^the automatic schedule decides from the two halves of the window: pass `half`$"):
         event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)
 
 
