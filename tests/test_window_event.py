@@ -1,0 +1,414 @@
+"""StatsWindow (the statistics window) and GrowthEvent.run (one growth) on hand-built forms, float64, no Lightning:
+the sums a window folds against FormStats fed directly, a resumed window against an uninterrupted one, and the
+growth an event installs against the plan it was chosen from."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_growattn import growth
+from lit_growattn.attention.qk import QKForm
+from lit_growattn.growing.event import GrowthEvent, StepChoice, plan_growth
+from lit_growattn.growing.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
+from lit_growattn.growth import FormStats, installed
+from lit_growattn.growth.capacity import CapacityRule
+from lit_growattn.settings import GrowthSettings, StepSearch
+from test_growth import F64, Problem
+
+E, H, D, DV, S = 6, 2, 2, 3, 9
+WITH = {"batches": 4, "accumulate_grad_batches": 1}  # the settings a window is gathered with
+
+
+def make_forms(dtype=F64):
+    torch.manual_seed(0)
+    return [(layer, f"layer{layer}", QKForm(E, H, D).to(dtype)) for layer in range(2)]
+
+
+def micro_batch(k, dtype=F64):
+    g = torch.Generator().manual_seed(100 + k)
+    return (F.layer_norm(torch.randn(2, S, E, generator=g, dtype=dtype), (E,)),
+            torch.randn(2, H, S, DV, generator=g, dtype=dtype))
+
+
+def backward(forms, k):
+    x, v = micro_batch(k, forms[0][2].w_q.dtype)
+    sum(form.attend(x, v).sin().mean() for _, _, form in forms).backward()
+
+
+def captured_reference(k, layer, weight):
+    """The pairs of micro-batch `k` for form `layer`, captured on a fresh copy outside any window."""
+    form = make_forms()[layer][2]
+    form.capture = "explicit"
+    backward([(layer, "", form)], k)
+    return [(xa, gx, weight) for xa, gx in form.take_captured()]
+
+
+def reference_stats(pairs, method="gradient"):
+    st = FormStats.empty_like(make_forms()[0][2], method, dtype=F64)
+    for xa, gx, w in pairs:
+        st.update(xa, gx, w)
+    return st
+
+
+def window_step(window, forms, k, active, weight=0.5, event="e1", keep=None, grad_scale=None):
+    window.begin_step(event, forms, active, "explicit", WITH, keep=keep)
+    backward(forms, k)
+    fold_captured(forms, window.stats, weight, grad_scale, window.half)
+    window.end_step(forms)
+
+
+def assert_stats_equal(a, b):
+    for key in ("c_sum", "n_sum", "instances", "weight"):
+        torch.testing.assert_close(getattr(a, key), getattr(b, key), rtol=1e-12, atol=1e-14)
+
+
+class Ranks:
+    """Two ranks: the other one holds `other` times this rank's values (so sums are (1 + other)×) and its kept
+    batches are this rank's + 100."""
+
+    def __init__(self, other=2.0):
+        self.other, self.reduced = other, 0
+
+    def reduce(self, t, reduce_op):
+        assert reduce_op == "sum"
+        self.reduced += 1
+        return t * (1 + self.other)
+
+    def all_gather(self, t):
+        return torch.stack([t, t * self.other if t.is_floating_point() else t + 100])
+
+
+def test_capture_mode_and_round_robin():
+    assert capture_mode("auto", torch.device("cpu")) == "explicit"
+    assert capture_mode("auto", torch.device("cuda")) == "extend"
+    assert capture_mode("extend", torch.device("cpu")) == "extend"
+    assert [layers_in_turn([3, 5, 7], 2, step) for step in range(3)] == [{3, 5}, {7, 3}, {5, 7}]
+    assert layers_in_turn([3, 5, 7], 1, 4) == {5}
+
+
+def test_window_sums_the_active_layers_weighted_and_turns_capture_off():
+    forms, window = make_forms(), StatsWindow("gradient")
+    window.begin_step("e1", forms, {1}, "explicit", WITH)
+    assert [f.capture for _, _, f in forms] == [None, "explicit"]
+    assert window.event == "e1" and window.gathered_with == WITH and window.stats[0].n_sum.dtype == F64
+    backward(forms, 0)
+    fold_captured(forms, window.stats, 0.25, None)
+    window.end_step(forms)
+    assert [f.capture for _, _, f in forms] == [None, None]
+    window_step(window, forms, 1, {0, 1}, weight=0.75)
+    assert_stats_equal(window.stats[0], reference_stats(captured_reference(1, 0, 0.75)))
+    assert_stats_equal(window.stats[1], reference_stats(captured_reference(0, 1, 0.25) + captured_reference(1, 1, 0.75)))
+    assert float(window.stats[1].weight) == pytest.approx(0.25 + 0.75)  # each micro-batch's share, once
+    assert window.half is None and window.kept == [] and not window.reduced
+
+
+def test_end_step_drops_what_a_skipped_backward_left():
+    forms, window = make_forms(), StatsWindow("gradient")
+    window.begin_step("e1", forms, {0}, "explicit", WITH)
+    backward(forms, 0)  # no fold_captured: the optimizer step was skipped
+    window.end_step(forms)
+    assert forms[0][2].take_captured() == [] and float(window.stats[0].weight) == 0
+
+
+def test_float32_forms_get_float32_sums_and_pinv_keeps_its_sum():
+    window = StatsWindow("pinv")
+    window.begin_step("e1", make_forms(torch.float32), {0}, "explicit", WITH)
+    assert window.stats[0].n_sum.dtype == torch.float32 and window.stats[0].pinv_sum is not None
+
+
+def test_halves_take_every_other_micro_batch_of_each_form():
+    forms, window = make_forms(), StatsWindow("gradient", halves=True)
+    for k in range(4):
+        window_step(window, forms, k, {0, 1}, weight=0.25)
+    half, every = window.half, window.stats
+    for layer in range(2):
+        assert_stats_equal(half[layer], reference_stats(captured_reference(0, layer, 0.25) + captured_reference(2, layer, 0.25)))
+        assert_stats_equal(every[layer], reference_stats([p for k in range(4) for p in captured_reference(k, layer, 0.25)]))
+    # Round-robin: layer 1 captured on steps 0, 1 and 3 only; its half takes steps 0 and 3 (while at most half).
+    window = StatsWindow("gradient", halves=True)
+    for k, active in enumerate([{0, 1}, {0, 1}, {0}, {1}]):
+        window_step(window, forms, k, active, weight=0.25)
+    assert_stats_equal(window.half[1], reference_stats(captured_reference(0, 1, 0.25) + captured_reference(3, 1, 0.25)))
+    assert_stats_equal(window.half[0], reference_stats(captured_reference(0, 0, 0.25) + captured_reference(2, 0, 0.25)))
+
+
+def test_fold_divides_out_the_grad_scale_and_handles_non_finite_pairs():
+    forms = make_forms()
+    window = StatsWindow("gradient")
+    window.begin_step("e1", forms, {0}, "explicit", WITH)
+    x, v = micro_batch(0)
+    (1024.0 * forms[0][2].attend(x, v).sin().mean()).backward()
+    fold_captured(forms[:1], window.stats, 1.0, 1024.0)
+    assert_stats_equal(window.stats[0], reference_stats(captured_reference(0, 0, 1.0)))
+
+    def fold_nan(grad_scale, halves):
+        window = StatsWindow("gradient", halves=halves)
+        window.begin_step("e1", forms, {0}, "explicit", WITH)
+        forms[0][2].attend(x, v).mean().backward()
+        pairs = forms[0][2].take_captured()
+        forms[0][2].captured = [(xa, gx * float("nan")) for xa, gx in pairs]
+        fold_captured(forms[:1], window.stats, 1.0, grad_scale, window.half)
+        return window
+
+    poisoned = fold_nan(None, True)
+    assert poisoned.stats[0].weight.isnan().all() and poisoned.half[0].weight.isnan().all()
+    dropped = fold_nan(1024.0, False)
+    assert float(dropped.stats[0].weight) == 0 and float(dropped.stats[0].n_sum.abs().sum()) == 0
+
+
+def test_kept_batches_are_clones_and_another_event_starts_afresh():
+    forms, window = make_forms(), StatsWindow("gradient")
+    batch = {"ids": torch.arange(6).view(2, 3), "note": "x"}
+    window_step(window, forms, 0, {0}, keep=batch)
+    batch["ids"].add_(1)
+    assert torch.equal(window.kept[0]["ids"], torch.arange(6).view(2, 3)) and window.kept[0]["note"] == "x"
+    window_step(window, forms, 1, {0}, keep=batch)  # the same event: kept batches and sums go on
+    assert len(window.kept) == 2 and float(window.stats[0].weight) == pytest.approx(1.0)
+    window.begin_step("e2", forms, {1}, "explicit", {"batches": 9})
+    assert window.event == "e2" and window.kept == [] and window.gathered_with == {"batches": 9}
+    assert float(window.stats[0].weight) == 0 and float(window.stats[1].weight) == 0
+    window.end_step(forms)
+    window.clear()
+    assert (window.event, window.stats, window.half, window.kept, window.reduced, window.gathered_with) == (
+        None, None, None, [], False, None)
+
+
+def test_close_sums_over_ranks_once_and_gathers_kept_batches_batch_major():
+    forms, window = make_forms(), StatsWindow("gradient", halves=True)
+    for k in range(2):
+        window_step(window, forms, k, {0, 1}, keep={"ids": torch.tensor([k])})
+    before = [FormStats.from_state_dict(s.state_dict()) for s in window.stats + window.half]
+    ranks = Ranks(other=2.0)
+    window.close(ranks, 2, torch.device("cpu"))
+    assert ranks.reduced == 1 and window.reduced
+    assert len(window.stats) == len(window.half) == 2
+    for got, want in zip(window.stats + window.half, before):
+        torch.testing.assert_close(got.n_sum, 3 * want.n_sum, rtol=1e-12, atol=0)
+        torch.testing.assert_close(got.weight, 3 * want.weight, rtol=1e-12, atol=0)
+    assert [int(b["ids"]) for b in window.kept] == [0, 100, 1, 101]
+    one = StatsWindow("gradient")
+    window_step(one, forms, 0, {0}, keep={"ids": torch.tensor([7])})
+    one.close(Ranks(other=0.0), 1, torch.device("cpu"))
+    assert [int(b["ids"]) for b in one.kept] == [7] and one.half is None and len(one.stats) == 2
+
+
+@pytest.mark.parametrize("halves", [False, True])
+def test_a_resumed_window_equals_an_uninterrupted_one(halves):
+    forms = make_forms()
+    whole, first = StatsWindow("gradient", halves), StatsWindow("gradient", halves)
+    for k in range(4):
+        window_step(whole, forms, k, {k % 2}, keep={"ids": torch.tensor([k])})
+    for k in range(2):
+        window_step(first, forms, k, {k % 2}, keep={"ids": torch.tensor([k])})
+    state = first.state_dict(Ranks(), 1)
+    assert state["event"] == "e1" and not state["per_rank"] and state["halves"] == halves
+    assert state["gathered_with"] == WITH and state["stats"]["flat"].device.type == "cpu"
+    resumed = StatsWindow("gradient", halves)
+    resumed.load_state_dict(state, rank=0, world=1)
+    resumed.check_resumed(WITH)
+    for k in range(2, 4):
+        window_step(resumed, forms, k, {k % 2}, keep={"ids": torch.tensor([k])})
+    for a, b in zip(resumed._sums(), whole._sums()):  # noqa: SLF001
+        assert_stats_equal(a, b)
+    assert (resumed.half is None) == (not halves) and resumed.gathered_with == WITH
+    assert [int(b["ids"]) for b in resumed.kept] == [0, 1, 2, 3]
+    resumed.close(Ranks(), 1, torch.device("cpu"))
+    again = StatsWindow("gradient", halves)
+    again.load_state_dict(resumed.state_dict(Ranks(), 1), rank=0, world=1)
+    assert again.reduced and len(again.stats) == 2
+    again.check_resumed({"batches": 1})  # a closed window holds no partial sums: nothing to refuse
+
+
+def test_a_window_saved_by_two_ranks_resumes_each_rank_with_its_own_sums():
+    forms, window = make_forms(), StatsWindow("gradient")
+    for k in range(2):
+        window_step(window, forms, k, {0, 1}, keep={"ids": torch.tensor([k])})
+    state = window.state_dict(Ranks(other=2.0), 2)
+    assert state["per_rank"] and state["world_size"] == 2 and state["stats"]["flat"].shape[0] == 2
+    for rank, factor in [(0, 1.0), (1, 2.0)]:
+        resumed = StatsWindow("gradient")
+        resumed.load_state_dict(state, rank=rank, world=2)
+        for got, want in zip(resumed.stats, window.stats):
+            torch.testing.assert_close(got.n_sum, factor * want.n_sum, rtol=1e-12, atol=0)
+        assert [int(b["ids"]) for b in resumed.kept] == [k + 100 * rank for k in range(2)]
+    with pytest.raises(RuntimeError, match=r"^this checkpoint was taken inside the statistics window of growth "
+                                           r"'e1' by 2 ranks, each holding its own partial sums, and cannot be split over 3: resume it with 2 ranks "
+                                           r"\(devices × num_nodes\), or from a checkpoint taken outside the window$"):
+        StatsWindow("gradient").load_state_dict(state, rank=0, world=3)
+
+
+def test_a_window_of_the_other_schedule_kind_is_dropped():
+    forms, window = make_forms(), StatsWindow("gradient", halves=True)
+    window_step(window, forms, 0, {0})
+    other = StatsWindow("gradient")
+    other.kept = ["stale"]
+    other.load_state_dict(window.state_dict(Ranks(), 1), rank=0, world=1)
+    assert other.stats is None and other.event is None and other.kept == []
+    empty = StatsWindow("gradient")
+    empty.load_state_dict(StatsWindow("gradient").state_dict(Ranks(), 2), rank=0, world=2)
+    assert empty.stats is None and empty.event is None
+
+
+def test_a_window_resumed_under_other_settings_is_refused():
+    forms, window = make_forms(), StatsWindow("gradient")
+    window.check_resumed({"batches": 1})  # no window open
+    window_step(window, forms, 0, {0})
+    window.check_resumed(dict(WITH))
+    with pytest.raises(ValueError, match=r"^this checkpoint was taken inside the statistics window of growth 'e1', "
+                                         r"which began with other settings: batches=4 in the checkpoint but 2 now\. "
+                                         r"Going on would mix two windows' statistics and choose another step size "
+                                         r"than the uninterrupted run: resume with batches=4, or from a checkpoint "
+                                         r"taken outside the window \(before it began, or after the growth\)$"):
+        window.check_resumed({**WITH, "batches": 2})
+    with pytest.raises(ValueError, match="batches=4 in the checkpoint but 2 now, accumulate_grad_batches=1 in the "
+                                         "checkpoint but None now.*resume with batches=4 and accumulate_grad_batches=1"):
+        window.check_resumed({"batches": 2})
+    window.gathered_with = None  # a checkpoint of an earlier version: nothing to compare
+    window.check_resumed({"batches": 2})
+
+
+# -- GrowthEvent.run ---------------------------------------------------------------------------------------------
+
+def rated_by(p, calls=None):
+    def loss_of(candidates):
+        if calls is not None:
+            calls.append(candidates)
+        losses = []
+        for candidate in candidates:
+            with installed({"form": p.form}, candidate), torch.no_grad():
+                losses.append(p.loss())
+        return torch.stack(losses)
+    return loss_of
+
+
+def test_the_event_installs_the_chosen_growth_and_records_what_it_did():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    settings, search = GrowthSettings(columns=2, method="natural"), StepSearch(alphas=[0.0, 0.25, 1.0])
+    loss_before = p.loss().item()
+    plan = plan_growth([(0, "form", p.form)], [stats], settings, search.line_search, False, seed=3)
+    expected = {a: plan.grow("form", a) for a in (0.25, 1.0)}
+    rated = {a: float(rated_by(p)([{"form": g}])[0]) for a, g in expected.items()}
+    best = min(rated, key=rated.get)
+    assert rated[best] < loss_before  # the test needs a step that wins
+    installs, broadcasts = [], []
+
+    def broadcast(obj):
+        broadcasts.append(obj)
+        return obj
+
+    event = GrowthEvent(settings, search, loss_of=rated_by(p), install=installs.append, broadcast=broadcast, terms=1)
+    record, spectra = event.run([(0, "form", p.form)], [stats], seed=3)
+    assert record["alpha"] == best
+    assert record["loss_before"] == pytest.approx(loss_before, rel=1e-12)
+    assert record["loss_after"] == pytest.approx(rated[best], rel=1e-12)
+    assert record["realised_decrease"] == pytest.approx(loss_before - rated[best], rel=1e-9)
+    [grown] = installs
+    assert broadcasts == [grown] and list(grown) == ["form"]
+    torch.testing.assert_close(grown["form"].w_q, expected[best].w_q, rtol=0, atol=0)
+    torch.testing.assert_close(grown["form"].w_k, expected[best].w_k, rtol=0, atol=0)
+    assert grown["form"].w_q.shape[-1] == 4 and grown["form"].w_q.device.type == "cpu"
+    assert record["predicted_decrease"] == pytest.approx(float(expected[best].predicted_decrease), rel=1e-12)
+    assert record["sign_fallbacks"] == int(expected[best].fell_back)
+    assert record["discarded_energy"] == {"form": pytest.approx(expected[best].discarded_energy.sum().item())}
+    torch.testing.assert_close(spectra["form"], expected[best].spectrum)
+    assert set(record["timings"]) == {"plan_s", "rating_s", "apply_s"} and "decisions" not in record
+    assert record["seconds"] >= sum(record["timings"].values()) >= 0
+    # The installed growth, re-measured on a fresh form, has the loss the event reported.
+    fresh = p.installed(grown["form"])
+    assert p.loss(fresh).item() == pytest.approx(record["loss_after"], rel=1e-12)
+
+
+def test_the_event_installs_what_the_broadcast_hands_every_rank():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    rank0 = {"form": Problem(seed=1, e=8, h=2, d=2).form}
+    installs = []
+
+    def broadcast(obj):  # rank 0's tensors replace this rank's
+        if isinstance(obj, dict):
+            plan = plan_growth([(0, "form", rank0["form"])], [stats], GrowthSettings(columns=1), "low_rank", False, 0)
+            return {"form": plan.grow("form", 0.0)}
+        return obj
+
+    event = GrowthEvent(GrowthSettings(columns=1), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p),
+                        install=installs.append, broadcast=broadcast)
+    record, _ = event.run([(0, "form", p.form)], [stats], seed=0)
+    assert torch.equal(installs[0]["form"].w_q[..., :2], rank0["form"].w_q.detach())
+
+
+def test_the_event_takes_a_custom_step_size_rule_and_the_seed_draws_baseline_columns():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    seen = []
+
+    def always_half(plan, names, loss_of, search, method, terms):
+        seen.append((names, method, terms))
+        return StepChoice(0.5, 1.0, 0.25)
+
+    installs = []
+    event = GrowthEvent(GrowthSettings(columns=1), StepSearch(), loss_of=rated_by(p), install=installs.append,
+                        broadcast=lambda obj: obj, choose_step_size=always_half, terms=7)
+    record, _ = event.run([(0, "form", p.form)], [stats], seed=0)
+    assert seen == [(["form"], "natural", 7)]
+    assert (record["alpha"], record["loss_before"], record["loss_after"], record["realised_decrease"]) == (0.5, 1.0, 0.25, 0.75)
+    plan = plan_growth([(0, "form", p.form)], [stats], GrowthSettings(columns=1), "low_rank", False, 0)
+    torch.testing.assert_close(installs[0]["form"].w_q, plan.grow("form", 0.5).w_q, rtol=0, atol=0)
+
+    def random_growth(seed):
+        installs, calls = [], []
+        event = GrowthEvent(GrowthSettings(columns=1, method="random"), StepSearch(), loss_of=rated_by(p, calls),
+                            install=installs.append, broadcast=lambda obj: obj)
+        record, _ = event.run([(0, "form", p.form)], [stats], seed=seed)
+        assert record["alpha"] is None and [len(c) for c in calls] == [2] and calls[0][0] is None
+        return installs[0]["form"]
+
+    assert torch.equal(random_growth(5).w_k, random_growth(5).w_k)
+    assert not torch.equal(random_growth(5).w_k, random_growth(6).w_k)
+
+
+def test_plan_growth_sizes_by_columns_rank_threshold_or_later():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    forms = [(0, "form", p.form)]
+    assert plan_growth(forms, [stats], GrowthSettings(columns=3), "low_rank", False, 0).grow("form", 0.0).w_q.shape[-1] == 5
+    assert plan_growth(forms, [stats], GrowthSettings(columns=[2]), "low_rank", False, 0).grow("form", 0.0).w_q.shape[-1] == 4
+    capped = plan_growth(forms, [stats], GrowthSettings(rank_threshold=1e-9, max_columns=1), "low_rank", False, 0)
+    assert capped.grow("form", 0.0).w_q.shape[-1] == 3
+
+
+def test_the_automatic_schedule_needs_the_halves():
+    p = Problem(e=8, h=2, d=2)
+    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=rated_by(p), install=lambda g: None,
+                        broadcast=lambda obj: obj, capacity=CapacityRule(ratio=1e-9))
+    with pytest.raises(ValueError, match="^the automatic schedule decides from the two halves of the window: pass `half`$"):
+        event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)
+
+
+def test_non_finite_statistics_change_nothing():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    stats.n_sum[0, 0, 0] = float("nan")
+    installs = []
+    event = GrowthEvent(GrowthSettings(columns=1), StepSearch(), loss_of=rated_by(p), install=installs.append,
+                        broadcast=lambda obj: obj)
+    with pytest.raises(growth.NonFiniteStatistics):
+        event.run([(0, "form", p.form)], [stats], seed=0)
+    assert installs == [] and p.form.d_head == 2
+
+
+def test_the_automatic_schedule_sizes_from_the_halves_and_rates_the_current_loss_once():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    half = FormStats.from_state_dict({k: v / 2 for k, v in stats.state_dict().items()})
+    calls, installs = [], []
+    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p, calls),
+                        install=installs.append, broadcast=lambda obj: obj,
+                        capacity=CapacityRule(ratio=1e-9, agreement=1e-9, spare_below=0.0))
+    record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
+    [decision] = record["decisions"]
+    assert decision["layer"] == 0 and decision["columns"] > 0
+    assert installs[0]["form"].w_q.shape[-1] == 2 + decision["columns"]
+    # The current loss is measured once, first; the step-size search reuses it instead of a forward of None.
+    assert calls[0] == [None] and all(c is not None for call in calls[1:] for c in call)
+    assert record["loss_before"] == pytest.approx(p.loss().item(), rel=1e-12)
