@@ -6,7 +6,7 @@ training recovers. Several in a row mean the run has diverged, and going on woul
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -60,16 +60,24 @@ class NonFiniteLosses:
             )
 
 
+def non_finite(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """The names of the floating-point tensors holding NaN or inf (one device sync for all of them)."""
+    named = [(name, t) for name, t in tensors if t.is_floating_point()]
+    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []
+    return [name for (name, _), ok in zip(named, finite) if not ok]
+
+
+def first_names(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{', …' if len(names) > 3 else ''}"
+
+
 def check_finite_weights(module: nn.Module, step: int) -> None:
     """Raises TrainingDiverged, naming the tensors, when any parameter of `module` holds NaN or inf."""
-    named = list(module.named_parameters())
-    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
-    if not all(finite):
-        names = [name for (name, _), ok in zip(named, finite) if not ok]
+    if names := non_finite(module.named_parameters()):
         raise TrainingDiverged(
             f"training diverged: {len(names)} parameter tensors are non-finite at step {step} "
-            f"({', '.join(names[:3])}{', …' if len(names) > 3 else ''}), so no checkpoint is written (those already "
-            f"written keep their finite weights). {ADVICE}"
+            f"({first_names(names)}), so no checkpoint is written (those already written keep their finite weights). "
+            f"{ADVICE}"
         )
 
 

@@ -180,7 +180,7 @@ def main(argv: list[str]) -> None:
     import inspect
 
     from lit_growattn.checkpoint import read_checkpoint
-    from lit_growattn.divergence import ADVICE, TrainingDiverged
+    from lit_growattn.divergence import ADVICE, TrainingDiverged, first_names, non_finite
     from lit_growattn.hf.module import HFCausalLM
     from lit_growattn.writing import check_output, new_folder
 
@@ -206,11 +206,10 @@ def main(argv: list[str]) -> None:
     out = check_output(args.out, "folder", {"the checkpoint": args.ckpt, "the model's pretrained folder": hparams[
         "pretrained"], "the pretrained folder the checkpoint names": recorded, "the model's tokenizer": tokenizer},
         args.overwrite)
-    non_finite = [k for k, v in ckpt["state_dict"].items() if v.is_floating_point() and not v.isfinite().all()]
-    if non_finite:
-        raise TrainingDiverged(f"{args.ckpt} holds non-finite weights ({len(non_finite)} tensors: "
-                               f"{', '.join(non_finite[:3])}{', …' if len(non_finite) > 3 else ''}), so it is not "
-                               f"exported: its run had diverged. Export an earlier checkpoint, or train again: {ADVICE}")
+    if names := non_finite(ckpt["state_dict"].items()):
+        raise TrainingDiverged(f"{args.ckpt} holds non-finite weights ({len(names)} tensors: {first_names(names)}), "
+                               f"so it is not exported: its run had diverged. Export an earlier checkpoint, or train "
+                               f"again: {ADVICE}")
     # The model's own settings; others recorded beside them (e.g. the data's tokenizer) do not build it.
     module = HFCausalLM(**{k: v for k, v in hparams.items() if k in inspect.signature(HFCausalLM).parameters})
     module.load_state_dict(ckpt["state_dict"])
