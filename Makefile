@@ -24,7 +24,7 @@ test: $(VENV)/.installed
 	LIT_GROWATTN_REQUIRE_OPTIONAL=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # Mutation testing of the core (docs/testing.md): tens of minutes, so neither in `make test` nor in CI.
-# `make mutants MUTANTS='lit_growattn.optimization.*'` runs one module's mutants (mutmut's names, globs allowed).
+# `make mutants MUTANTS='lit_growattn.training.optimization.*'` runs one module's mutants (mutmut's names, globs allowed).
 MUTANT_WORKERS ?= 2
 MUTANTS ?=
 mutants: $(VENV)/.installed

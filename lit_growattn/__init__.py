@@ -5,9 +5,9 @@
 """
 
 from lit_growattn.callbacks import GrowAttentionCallback
-from lit_growattn.config import GPTConfig
+from lit_growattn.model.config import GPTConfig
 from lit_growattn.growing.schedule import AtEpochs, AtSteps, AutoSchedule, GrowthSchedule
-from lit_growattn.model import GPT
+from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 

@@ -1,5 +1,5 @@
 """`python -m lit_growattn fit|validate|test …` (LightningCLI), `python -m lit_growattn convert …` and
-`python -m lit_growattn export --ckpt CKPT --out DIR` (a Hugging Face model folder, `lit_growattn.hf.export`).
+`python -m lit_growattn export --ckpt CKPT --out DIR` (a Hugging Face model folder, `lit_growattn.commands.export`).
 
 An error is reported as the project's own message in a few lines, not as jsonargparse's and Lightning's
 wrappers around it; `LIT_GROWATTN_DEBUG=1` shows the full traceback instead.
@@ -36,7 +36,7 @@ def shown(error: BaseException) -> BaseException:
     """What the report says of `error`: where torch refused to load a file with weights_only=True (e.g. a model
     folder's pytorch_model.bin, loaded by transformers), the project's refusal instead of torch's message, which
     advises loading the file with weights_only=False, for a file that may run code."""
-    from lit_growattn.checkpoint import refusal, unsafe_load_refused
+    from lit_growattn.training.checkpoint import refusal, unsafe_load_refused
 
     return refusal("a file being loaded", error) if unsafe_load_refused(error) else error
 
@@ -74,15 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         if args[:1] == ["convert"]:
-            from lit_growattn.convert import main as convert
+            from lit_growattn.commands.convert import main as convert
 
             convert(args[1:])
         elif args[:1] == ["export"]:
-            from lit_growattn.hf.export import main as export
+            from lit_growattn.commands.export import main as export
 
             export(args[1:])
         else:
-            from lit_growattn.cli import main as cli
+            from lit_growattn.commands.cli import main as cli
 
             hide_library_noise()
             cli(argv)  # None: LightningCLI reads sys.argv itself (and does not warn about it)

@@ -23,7 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from lit_growattn.model import GPT
+from lit_growattn.model.gpt import GPT
 
 
 def _wide(t: Tensor) -> Tensor:

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lit_growattn import growth
-from lit_growattn.contract import check_module
+from lit_growattn.model.contract import check_module
 from lit_growattn.growing import report
 from lit_growattn.growing.averaging import check_callbacks, resize_averaged_to
 from lit_growattn.growing.event import GrowthEvent
@@ -37,11 +37,11 @@ from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, f
 from lit_growattn.growth.capacity import pooled_with
 from lit_growattn.growth.grouped import check_modes
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
-from lit_growattn.lightning_private import should_update_logs
+from lit_growattn.training.lightning_private import should_update_logs
 
 
 class GrowAttentionCallback(Callback):
-    """Grows the query/key head size of a `lit_growattn.contract.GrowableModule` (GrowAttentionLM is one).
+    """Grows the query/key head size of a `lit_growattn.model.contract.GrowableModule` (GrowAttentionLM is one).
 
     Args:
         schedule: when to grow: `AtEpochs(epochs)`, `AtSteps(steps)` or `AutoSchedule(...)` (in a config:

@@ -18,14 +18,14 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
-from lit_growattn.config import SdpaPad
-from lit_growattn.checkpoint import load_weights, resize_to_checkpoint
-from lit_growattn.config import GPTConfig
-from lit_growattn.contract import NamedForm
-from lit_growattn.divergence import DivergenceGuard
-from lit_growattn.lightning_private import accumulation_open_after_this_batch, should_update_logs
-from lit_growattn.model import GPT
-from lit_growattn.optimization import GrowthOptimization, default_optimizer
+from lit_growattn.model.config import SdpaPad
+from lit_growattn.training.checkpoint import load_weights, resize_to_checkpoint
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.contract import NamedForm
+from lit_growattn.training.divergence import DivergenceGuard
+from lit_growattn.training.lightning_private import accumulation_open_after_this_batch, should_update_logs
+from lit_growattn.model.gpt import GPT
+from lit_growattn.training.optimization import GrowthOptimization, default_optimizer
 
 
 class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
@@ -102,7 +102,7 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
-    # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
+    # -- what GrowAttentionCallback needs (lit_growattn.model.contract.GrowableModule) ------------------
     def growable_forms(self) -> list[NamedForm]:
         return [NamedForm(i, f"model.{name}", form) for i, name, form in self.model.named_qk_forms()]
 

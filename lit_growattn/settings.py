@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from lit_growattn import growth
-from lit_growattn.contract import CaptureMode
+from lit_growattn.model.contract import CaptureMode
 
 Capture = Literal["auto", CaptureMode]  # how statistics steps get G·X′ (auto: chosen by the device)
 CAPTURES: tuple[str, ...] = get_args(Capture)

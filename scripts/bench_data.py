@@ -100,7 +100,7 @@ def memory(sizes_mb: list[int], steps: int, folder: str) -> dict:
 def loader_vs_step(corpus_mb: int, batches: int, repeats: int, folder: str) -> dict:
     import torch
 
-    from lit_growattn.cli import main
+    from lit_growattn.commands.cli import main
 
     corpus = os.path.join(folder, "speed.txt")
     write_bytes_corpus(corpus, corpus_mb * MB, seed=1)

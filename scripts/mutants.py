@@ -1,7 +1,7 @@
 """Mutation testing of the core (`make mutants`, docs/testing.md): runs mutmut, then prints each module's score.
 
     python scripts/mutants.py                                   # every configured module ([tool.mutmut])
-    python scripts/mutants.py 'lit_growattn.optimization.*'     # some mutants only (mutmut's names, globs allowed)
+    python scripts/mutants.py 'lit_growattn.training.optimization.*'     # some mutants only (mutmut's names, globs allowed)
     python scripts/mutants.py --scores                          # the table of the last runs, running nothing
 
 mutmut keeps its results in mutants/, so a run continues where the last one stopped and retests only what changed.

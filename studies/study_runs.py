@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]  # studies/ sits in the repository's 
 sys.path.insert(0, str(REPO))
 
 from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
-from lit_growattn.cli import main as cli_main  # noqa: E402
+from lit_growattn.commands.cli import main as cli_main  # noqa: E402
 
 
 class Curve(L.Callback):

@@ -17,8 +17,8 @@ from lit_growattn.analysis import (
     wm_spectra,
 )
 from lit_growattn.attention import ATTENTIONS
-from lit_growattn.config import GPTConfig
-from lit_growattn.model import GPT
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
 
 from conftest import required_args

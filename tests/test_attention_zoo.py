@@ -8,8 +8,8 @@ from lit_growattn.attention.diff import DiffAttention
 from lit_growattn.attention.dint import DintAttention
 from lit_growattn.attention.lowrank_dint import LowRankDintAttention
 from lit_growattn.attention.mha import MultiHeadAttention
-from lit_growattn.config import GPTConfig
-from lit_growattn.model import GPT
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
 
 from conftest import required_args

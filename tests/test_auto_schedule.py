@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings, StepSearch
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.window import StatsWindow
 from lit_growattn.growing.report import decision_text

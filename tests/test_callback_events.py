@@ -13,7 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_growattn import callbacks
 from lit_growattn.attention import ATTENTIONS, Attention, QKForm
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM

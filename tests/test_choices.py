@@ -4,8 +4,8 @@ import pytest
 
 from lit_growattn import growth
 from lit_growattn.__main__ import main as command_line
-from lit_growattn.config import GPTConfig
-from lit_growattn.model import GPT
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.gpt import GPT
 
 from conftest import REPO
 

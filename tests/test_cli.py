@@ -5,7 +5,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.module import GrowAttentionLM
 
 from conftest import REPO, SHAKESPEARE, needs_shakespeare, scalar_tags

@@ -6,7 +6,7 @@ import yaml
 from jsonargparse import ArgumentError, ArgumentParser, _typehints
 
 from lit_growattn import AutoSchedule, GrowAttentionCallback
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.settings import StatisticsSettings
 
 from conftest import REPO, needs_transformers
@@ -98,7 +98,7 @@ class Holder:
 
 
 def test_jsonargparse_itself_still_turns_a_nested_null_into_text(monkeypatch):
-    """lit_growattn.cli passes nested values to jsonargparse as JSON. Once this fails, jsonargparse does it itself,
+    """lit_growattn.commands.cli passes nested values to jsonargparse as JSON. Once this fails, jsonargparse does it itself,
     and `_pass_nested_values_as_json` can go."""
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--holder", type=Holder)

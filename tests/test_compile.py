@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from lit_growattn.cli import main
-from lit_growattn.config import GPTConfig
-from lit_growattn.model import GPT
+from lit_growattn.commands.cli import main
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.gpt import GPT
 
 from conftest import REPO
 

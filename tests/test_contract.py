@@ -13,8 +13,8 @@ from conftest import REPO
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM, GrowthSettings, StatisticsSettings
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.lowrank_dint import LowRankQK
-from lit_growattn.checkpoint import resize_to_checkpoint
-from lit_growattn.contract import GrowableForm, GrowableModule, ScoreMap, missing
+from lit_growattn.training.checkpoint import resize_to_checkpoint
+from lit_growattn.model.contract import GrowableForm, GrowableModule, ScoreMap, missing
 
 
 def grow_once(**settings) -> GrowAttentionCallback:
@@ -38,7 +38,7 @@ class Plain(L.LightningModule):
 def test_a_module_without_the_contract_is_refused_at_setup_naming_what_it_lacks(tmp_path):
     loader = DataLoader([(torch.ones(4),)] * 4, batch_size=2)
     with pytest.raises(TypeError, match="lacks batch_loss, growable_forms, head_sizes, record_head_sizes. A module to "
-                                        "grow implements lit_growattn.contract.GrowableModule"):
+                                        "grow implements lit_growattn.model.contract.GrowableModule"):
         trainer(tmp_path, [grow_once()]).fit(Plain(), loader)
 
 

@@ -4,7 +4,7 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_growattn.convert import convert_checkpoint, main
+from lit_growattn.commands.convert import convert_checkpoint, main
 from lit_growattn.module import GrowAttentionLM
 
 

@@ -11,8 +11,8 @@ from lit_growattn import growth
 from lit_growattn.__main__ import main as command_line
 from lit_growattn.attention import ATTENTIONS, register_attention
 from lit_growattn.attention.mha import MultiHeadAttention
-from lit_growattn.config import GPTConfig
-from lit_growattn.model import GPT
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.gpt import GPT
 
 from conftest import REPO
 

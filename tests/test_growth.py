@@ -560,9 +560,9 @@ def test_plan_shares_sizes_memoises_and_full_rank_trial_is_untruncated():
 
 def test_plan_on_a_gpt_keeps_the_logits_at_zero_step():
     """The callback's path on a real model: capture on every form, one flat buffer, plan per layer, install."""
-    from lit_growattn.config import GPTConfig
+    from lit_growattn.model.config import GPTConfig
     from lit_growattn.growth import flatten_stats, unflatten_stats
-    from lit_growattn.model import GPT
+    from lit_growattn.model.gpt import GPT
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=17, block_size=16, n_layer=2, n_head=2, n_embd=12, d_head=3, bias=True)).double()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lit_growattn import AtEpochs, AtSteps
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule
 
 from conftest import REPO

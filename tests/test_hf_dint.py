@@ -11,8 +11,8 @@ needs_transformers()
 
 import torch  # noqa: E402
 
-from lit_growattn.hf.dint import DintAttention, DintSettings, d2_ratio_for_init, document_running_mean  # noqa: E402
-from lit_growattn.hf.dint_models import convert_to_dint  # noqa: E402
+from lit_growattn.dint.attention import DintAttention, DintSettings, d2_ratio_for_init, document_running_mean  # noqa: E402
+from lit_growattn.dint.models import convert_to_dint  # noqa: E402
 
 from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_foreign_cache_is_refused(tmp_path):
 def test_entropy_reference_is_the_original_models(tmp_path):
     """At λ = 0 the combined map is A1, so the entropy measured on the converted model is the original's; with
     λ ≠ 0 the combined map's rows still sum to 1 (A1, A2 and A3 rows each do) and the entropy changes."""
-    from lit_growattn.hf.entropy import layer_entropies
+    from lit_growattn.dint.entropy import layer_entropies
 
     native = load(saved_tiny_model("qwen3", tmp_path))
     model = convert_to_dint(native, DintSettings("lowrank", rank=2))

@@ -204,7 +204,7 @@ def test_convert_ckpt_writes_its_files_whole_and_never_onto_its_source(mha_ckpt,
     refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out.with_suffix(".yaml"), "--overwrite"),
             "ends in .yaml")
 
-    import lit_growattn.convert as convert
+    import lit_growattn.commands.convert as convert
 
     def fail(*args, **kwargs):
         raise OSError("disk full")

@@ -101,7 +101,7 @@ def test_pretrained_folder_fine_tunes_and_grows(tmp_path):
     # ... and exports (`python -m lit_growattn export`, in process) to a folder from_pretrained loads, tokenizer beside.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lit_growattn.hf.export import main as export
+    from lit_growattn.commands.export import main as export
 
     (ckpt,) = tmp_path.rglob("last.ckpt")
     export(["--ckpt", str(ckpt), "--out", str(tmp_path / "grown")])

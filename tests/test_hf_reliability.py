@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 from lit_growattn.__main__ import main as command_line  # noqa: E402
-from lit_growattn.cli import main  # noqa: E402
+from lit_growattn.commands.cli import main  # noqa: E402
 from lit_growattn.hf import HFCausalLM  # noqa: E402
 
 from hf_helpers import saved_tiny_model, saved_tokenizer, tiny_config  # noqa: E402

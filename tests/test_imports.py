@@ -8,9 +8,12 @@ public names).
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import REPO
+import pytest
+from conftest import REPO, needs_transformers
 
 
 def module_names(root: Path, package: str | None) -> dict[str, Path]:
@@ -97,6 +100,49 @@ def test_the_settings_import_nothing_above_them():
     above = ("lit_growattn.growing", "lit_growattn.callbacks")
     imported_by_settings = reachable(import_graph(REPO / "lit_growattn", "lit_growattn"), "lit_growattn.settings")
     assert not {m for m in imported_by_settings if m.startswith(above)}
+
+
+# The package's layers, lowest first: a module may import its own layer and those below, never one above.
+LAYERS = [
+    ("lit_growattn.growth",),  # pure torch: the growth maths
+    ("lit_growattn.model", "lit_growattn.attention"),
+    ("lit_growattn.settings", "lit_growattn.training", "lit_growattn.analysis", "lit_growattn.data"),
+    ("lit_growattn.growing",),
+    ("lit_growattn.callbacks", "lit_growattn.module"),
+    ("lit_growattn.hf", "lit_growattn.dint"),
+    ("lit_growattn.commands", "lit_growattn.__main__"),
+]
+
+
+def layer(module: str) -> int:
+    return next(i for i, prefixes in enumerate(LAYERS) for p in prefixes if module == p or module.startswith(p + "."))
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = import_graph(REPO / "lit_growattn", "lit_growattn")
+    graph.pop("lit_growattn")  # the package's __init__ gathers the public names from every layer
+    upward = sorted((m, dep) for m, deps in graph.items() for dep in deps if dep != "lit_growattn" and layer(dep) > layer(m))
+    assert upward == []
+
+
+def test_the_top_level_holds_only_the_public_entry_points():
+    assert sorted(p.name for p in (REPO / "lit_growattn").glob("*.py")) == [
+        "__init__.py", "__main__.py", "analysis.py", "callbacks.py", "module.py", "settings.py"]
+
+
+@pytest.mark.parametrize("first", ["lit_growattn.dint.attention", "lit_growattn.dint.models"])
+def test_the_hugging_face_packages_import_in_any_order_and_register_every_model_type(first):
+    """lit_growattn.hf registers the DINT model types that lit_growattn.dint defines on top of it: importing either
+    first must work (a fresh interpreter each, since the order is what is tested; every other test imports
+    lit_growattn.hf first)."""
+    needs_transformers()
+    code = (f"import {first}, lit_growattn.hf\n"
+            "from transformers.models.auto.configuration_auto import CONFIG_MAPPING\n"
+            "print(sorted(t for t in CONFIG_MAPPING if t.startswith(('dint_', 'growattn_'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    types = eval(done.stdout)  # noqa: S307 - our own subprocess's printed list
+    assert {"dint_llama", "dint_qwen3", "growattn_llama", "growattn_gpt2"} <= set(types)
 
 
 def test_reachable_follows_imports_through_other_modules(tmp_path):

@@ -1,11 +1,11 @@
-"""The Lightning private attributes lit_growattn reads (lit_growattn/lightning_private.py) still mean what the
+"""The Lightning private attributes lit_growattn reads (lit_growattn/training/lightning_private.py) still mean what the
 project relies on: a Lightning upgrade that moves one fails here, by name."""
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lit_growattn import lightning_private
+from lit_growattn.training import lightning_private
 
 
 class Probe(L.LightningModule):
@@ -45,4 +45,4 @@ def test_lightning_cli_still_has_the_methods_the_project_overrides():
     from lightning.pytorch.cli import LightningCLI
 
     missing = [name for name in lightning_private.CLI_OVERRIDES if not callable(getattr(LightningCLI, name, None))]
-    assert not missing, f"LightningCLI no longer has {missing}: update lit_growattn/cli.py"
+    assert not missing, f"LightningCLI no longer has {missing}: update lit_growattn/commands/cli.py"

@@ -5,8 +5,8 @@ import torch
 
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.mha import MultiHeadAttention
-from lit_growattn.config import GPTConfig
-from lit_growattn.model import GPT
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
 
 

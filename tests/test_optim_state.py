@@ -1,4 +1,4 @@
-"""Adam's state across a growth (lit_growattn.optim_state), on a bare module: old slices scaled, new slices empty
+"""Adam's state across a growth (lit_growattn.training.optim_state), on a bare module: old slices scaled, new slices empty
 or at the old second moments' mean, reset and unchanged parameters, and a wrong policy refused."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lit_growattn.growth import Carry
-from lit_growattn.optim_state import carry_state, snapshot_state
+from lit_growattn.training.optim_state import carry_state, snapshot_state
 
 
 def stepped(module: nn.Module, amsgrad: bool = False, in_features: int | None = None) -> torch.optim.AdamW:

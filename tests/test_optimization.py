@@ -1,4 +1,4 @@
-"""The optimizer and the built-in schedule (lit_growattn.optimization), unit by unit: the learning-rate factor at
+"""The optimizer and the built-in schedule (lit_growattn.training.optimization), unit by unit: the learning-rate factor at
 chosen steps, the parameter groups, the bias row's decoupled weight decay, and the optimizer and scheduler a
 module configures."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lit_growattn.module import GrowAttentionLM
-from lit_growattn.optimization import default_optimizer, lr_factor
+from lit_growattn.training.optimization import default_optimizer, lr_factor
 
 
 @pytest.mark.parametrize("step, expected", [(0, 0.25), (1, 0.5), (3, 1.0)])

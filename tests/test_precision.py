@@ -7,7 +7,7 @@ import torch
 
 from lit_growattn import growth
 from lit_growattn.attention import QKForm
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 
 from conftest import REPO
 

@@ -4,7 +4,7 @@ import re
 
 import yaml
 
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 
 from conftest import REPO
 

@@ -12,9 +12,9 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_growattn.__main__ import main as command_line
-from lit_growattn.cli import main
-from lit_growattn.convert import convert_checkpoint
-from lit_growattn.divergence import NonFiniteLosses, TrainingDiverged
+from lit_growattn.commands.cli import main
+from lit_growattn.commands.convert import convert_checkpoint
+from lit_growattn.training.divergence import NonFiniteLosses, TrainingDiverged
 from lit_growattn.module import GrowAttentionLM
 
 from conftest import REPO

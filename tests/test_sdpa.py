@@ -7,9 +7,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_growattn.attention import ATTENTIONS
 from lit_growattn.attention.sdpa import causal_attention, padded_widths
-from lit_growattn.cli import main
-from lit_growattn.config import GPTConfig
-from lit_growattn.model import GPT
+from lit_growattn.commands.cli import main
+from lit_growattn.model.config import GPTConfig
+from lit_growattn.model.gpt import GPT
 
 from conftest import REPO, required_args
 

@@ -11,7 +11,7 @@ import yaml
 from conftest import REPO, run_command
 from lit_growattn import (AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowAttentionLM, GrowthSettings,
                           StatisticsSettings, StepSearch)
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 
 GROUPS = {"growth": GrowthSettings, "statistics": StatisticsSettings, "step_search": StepSearch}
 

@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lit_growattn import GrowAttentionCallback
 from lit_growattn.__main__ import main as command_line
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.data.arithmetic import make_rows, write_jsonl
 
 from conftest import REPO, needs_transformers

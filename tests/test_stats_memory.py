@@ -3,7 +3,7 @@
 import pytest
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
-from lit_growattn.contract import NamedForm
+from lit_growattn.model.contract import NamedForm
 from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 
 from callback_helpers import recall_data, tiny_module, trainer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.growth import candidate_steps, choose_step, loss_rounding, quadratic_step
 
 from conftest import REPO

@@ -9,7 +9,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_growattn.__main__ import main as command_line
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.module import GrowAttentionLM
 
 from conftest import REPO, run_command

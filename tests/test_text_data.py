@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lit_growattn.cli import main
+from lit_growattn.commands.cli import main
 from lit_growattn.data import TextDataModule
 from lit_growattn.data.token_file import CacheError
 from lit_growattn.data.tokenizer import load_tokenizer

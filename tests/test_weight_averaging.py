@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import (BackboneFinetuning, Callback, EMAWeight
 from torch.optim.swa_utils import SWALR
 
 from lit_growattn import AtSteps, GrowAttentionCallback
-from lit_growattn.cli import main
-from lit_growattn.lightning_private import averaged_model
+from lit_growattn.commands.cli import main
+from lit_growattn.training.lightning_private import averaged_model
 from lit_growattn.settings import GrowthSettings, StatisticsSettings
 
 from callback_helpers import params, recall_data, tiny_module, trainer

@@ -18,7 +18,7 @@ from lit_growattn.attention.qk import QKForm
 from lit_growattn.attention.registry import register_attention
 
 if TYPE_CHECKING:  # the config names the variants; they only need its type
-    from lit_growattn.config import GPTConfig
+    from lit_growattn.model.config import GPTConfig
 
 
 def causal_mean(t: Tensor) -> Tensor:

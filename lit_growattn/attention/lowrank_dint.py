@@ -22,10 +22,10 @@ from lit_growattn.attention.dint import DenoisedAttention
 from lit_growattn.attention.qk import augment, causal_scores
 from lit_growattn.attention.registry import register_attention
 from lit_growattn.attention.sdpa import causal_attention
-from lit_growattn.config import SdpaPad
+from lit_growattn.model.config import SdpaPad
 
 if TYPE_CHECKING:  # the config names the variants; they only need its type
-    from lit_growattn.config import GPTConfig
+    from lit_growattn.model.config import GPTConfig
 
 
 def uniform_parameter(*shape: int, fan_in: int, device=None, dtype=None) -> nn.Parameter:
@@ -36,7 +36,7 @@ def uniform_parameter(*shape: int, fan_in: int, device=None, dtype=None) -> nn.P
 
 class LowRankQK(nn.Module):
     """Causal scores τ·(X′ D_q U_q)(X′ D_k U_k)ᵀ per head, D: (e′, r), U: (r, d); the interface of a QKForm's
-    `scores` and `attend`, without statistics capture: a `lit_growattn.contract.ScoreMap`, not a growable form."""
+    `scores` and `attend`, without statistics capture: a `lit_growattn.model.contract.ScoreMap`, not a growable form."""
 
     def __init__(
         self, n_embd: int, n_head: int, d_head: int, rank: int, bias: bool, d2_ratio: float, sdpa_pad: SdpaPad = "auto"

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.registry import registrar
+from lit_growattn.growth.registry import registrar
 
 
 @runtime_checkable

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_growattn.config import SdpaPad
+from lit_growattn.model.config import SdpaPad
 
 FLASH_MAX_WIDTH = 256  # CUDA flash attention's largest head size
 FUSED_MULTIPLE = 8  # memory-efficient and cuDNN attention: head sizes in multiples of 8

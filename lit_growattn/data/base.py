@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
-from lit_growattn.lightning_private import batches_done_in_epoch
+from lit_growattn.training.lightning_private import batches_done_in_epoch
 
 
 class ResumableLoader(DataLoader):

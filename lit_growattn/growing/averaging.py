@@ -20,10 +20,10 @@ from lightning.pytorch.callbacks import (BaseFinetuning, BatchSizeFinder, Callba
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from lit_growattn.checkpoint import resize_to_checkpoint
+from lit_growattn.training.checkpoint import resize_to_checkpoint
 from lit_growattn.growing.window import NamedForms
 from lit_growattn.growth import FORM_TENSORS, Carry
-from lit_growattn.lightning_private import averaged_model, callback_scheduler, pruned_tensors
+from lit_growattn.training.lightning_private import averaged_model, callback_scheduler, pruned_tensors
 
 
 SEARCH = ("its search trains and then restores the model, optimizer and schedulers it saved before, which a growth "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from lit_growattn.contract import NamedForm
+from lit_growattn.model.contract import NamedForm
 
 BYTES = 4  # float32 sums
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from lit_growattn.growing.averaging import callback_schedulers, grow_averaged
 from lit_growattn.growing.window import NamedForms
 from lit_growattn.growth import FORM_TENSORS, Carry, Growth, installed
-from lit_growattn.optim_state import carry_state, snapshot_state
+from lit_growattn.training.optim_state import carry_state, snapshot_state
 
 
 def kept_batch_losses(

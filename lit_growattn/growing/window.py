@@ -13,7 +13,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lit_growattn import growth
-from lit_growattn.contract import CaptureMode, NamedForm
+from lit_growattn.model.contract import CaptureMode, NamedForm
 from lit_growattn.settings import Capture
 
 NamedForms = list[NamedForm]

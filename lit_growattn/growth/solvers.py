@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lit_growattn.growth.linalg import psd_pinv, score_energy
 from lit_growattn.growth.stats import Moments
-from lit_growattn.registry import registrar
+from lit_growattn.growth.registry import registrar
 
 DirectionFn = Callable[[Moments, float], Tensor]
 DIRECTIONS: dict[str, DirectionFn] = {}  # method name → direction, filled by @register_direction (natural first)

@@ -3,24 +3,24 @@
 surgery   replace each layer's native attention by a module built from it, by model type.
 growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA.
 module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
-dint      DINT / low-rank DINT attention (seed 001); dint_models: its registered model classes and conversion.
 export    a trained model as a save_pretrained folder; loading: the README.md and loader that say how such a
           folder of a model type registered here is loaded.
 
-Importing this package (and only this: `import lit_growattn` leaves transformers alone) registers the grown model
-types (`growattn_llama`, …) and the DINT ones (`dint_llama`, …) with transformers' Auto classes, so an exported or
-converted model folder loads with `AutoModelForCausalLM.from_pretrained` and no remote code.
+DINT conversions of these models are `lit_growattn.dint`'s. Importing this package (and only this: `import
+lit_growattn` leaves it alone) registers every model type the project writes with transformers' Auto classes: the
+grown ones (`growattn_llama`, …) and the DINT ones (`dint_llama`, …), so an exported or converted model folder
+loads with `AutoModelForCausalLM.from_pretrained` and no remote code.
 """
 
-from lit_growattn.hf.dint import DintAttention, DintSettings
-from lit_growattn.hf.dint_models import convert_to_dint, register_all
 from lit_growattn.hf.export import register
 from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.module import HFCausalLM
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, attention_modules, replace_attention
 
 register()
-register_all()
+# Last, and as a plain import: lit_growattn.dint builds on this package, and registers its model types when
+# imported. Imported first (its modules import this package), it is then half-built here and registers itself once done.
+import lit_growattn.dint.models  # noqa: E402, F401
 
-__all__ = ["DintAttention", "DintSettings", "GrowableAttention", "HFCausalLM", "NATIVE_ATTENTION", "attention_modules",
-           "convert_to_dint", "make_growable", "replace_attention"]
+__all__ = ["GrowableAttention", "HFCausalLM", "NATIVE_ATTENTION", "attention_modules", "make_growable",
+           "replace_attention"]

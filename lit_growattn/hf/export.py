@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import copy
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from lit_growattn.hf.growable import GrowableAttention, make_growable
-from lit_growattn.hf.loading import write_loading_files
-from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
+from lit_growattn.hf.surgery import NATIVE_ATTENTION
 
 PREFIX = "growattn_"
 
@@ -131,100 +129,3 @@ def register() -> None:
 def registered_here(model_type: str) -> bool:
     """True for the model types that only `import lit_growattn.hf` makes known to transformers."""
     return model_type.startswith((PREFIX, "dint_"))
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
-
-
-def training_tokenizer(hparams: dict, pretrained: str | None) -> str | None:
-    """Where the tokenizer the checkpoint's model was trained with is now (a folder or a tokenizer.json file), or
-    None for raw bytes. `pretrained`: where the model folder is now (`--pretrained`, else the recorded one)."""
-    recorded_folder = hparams.get("pretrained")
-    tokenizer = hparams.get("tokenizer") or recorded_folder  # recorded since fit names it; before, the folder's own
-    if tokenizer in (None, "bytes"):
-        return None
-    if recorded_folder is not None and Path(tokenizer).resolve() == Path(recorded_folder).resolve():
-        tokenizer = pretrained  # the model folder's own tokenizer, wherever the folder is now
-    if not os.path.exists(tokenizer):
-        moved = tokenizer == pretrained
-        raise FileNotFoundError(
-            f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or file here (moved?): "
-            + ("give --pretrained DIR, the folder's new place" if moved else "put it there (export copies the "
-               "tokenizer the model was trained with, never another)"))
-    return tokenizer
-
-
-def copy_tokenizer(source: str | None, folder: Path) -> list[str]:
-    """Copies the tokenizer at `source` (a folder's tokenizer files, or a tokenizer.json file) into folder; returns
-    the names written."""
-    import json
-    import shutil
-
-    if source is None:
-        return []
-    if os.path.isfile(source):  # a bare tokenizers file: a tokenizer_config.json lets AutoTokenizer load it
-        shutil.copy(source, folder / "tokenizer.json")
-        (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-        return ["tokenizer.json", "tokenizer_config.json"]
-    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
-    for name in copied:
-        shutil.copy(os.path.join(source, name), folder / name)
-    return copied
-
-
-def main(argv: list[str]) -> None:
-    """`python -m lit_growattn export --ckpt CKPT --out DIR [--pretrained DIR] [--overwrite]`: an HFCausalLM
-    checkpoint (as `fit` writes it) as a save_pretrained folder, with the tokenizer the model was trained with."""
-    import argparse
-    import inspect
-
-    from lit_growattn.checkpoint import read_checkpoint
-    from lit_growattn.divergence import ADVICE, TrainingDiverged, first_names, non_finite
-    from lit_growattn.hf.module import HFCausalLM
-    from lit_growattn.writing import check_output, new_folder
-
-    parser = argparse.ArgumentParser(prog="python -m lit_growattn export", description=main.__doc__)
-    parser.add_argument("--ckpt", required=True, help="a checkpoint of lit_growattn.hf.HFCausalLM written by fit")
-    parser.add_argument("--out", required=True, help="the folder to write (save_pretrained); written beside, then "
-                        "renamed into place")
-    parser.add_argument("--pretrained", help="where the model's pretrained folder is now, if it moved since training "
-                        "(its tokenizer, and the model's architecture)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
-    args = parser.parse_args(argv)
-    ckpt = read_checkpoint(args.ckpt)
-    hparams = {k: v for k, v in ckpt.get("hyper_parameters", {}).items() if not k.startswith("_")}
-    if "pretrained" not in hparams or "config" not in hparams:
-        raise ValueError(f"{args.ckpt} is not a checkpoint of lit_growattn.hf.HFCausalLM (its hyperparameters have "
-                         "no pretrained/config); for GrowAttentionLM checkpoints use `python -m lit_growattn convert`")
-    if args.pretrained is not None:
-        if hparams["pretrained"] is None:
-            raise ValueError(f"{args.ckpt} was trained from a config, not a pretrained folder: leave out --pretrained")
-        hparams["pretrained"] = args.pretrained
-    tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"])
-    recorded = ckpt["hyper_parameters"]["pretrained"]
-    out = check_output(args.out, "folder", {"the checkpoint": args.ckpt, "the model's pretrained folder": hparams[
-        "pretrained"], "the pretrained folder the checkpoint names": recorded, "the model's tokenizer": tokenizer},
-        args.overwrite)
-    if names := non_finite(ckpt["state_dict"].items()):
-        raise TrainingDiverged(f"{args.ckpt} holds non-finite weights ({len(names)} tensors: {first_names(names)}), "
-                               f"so it is not exported: its run had diverged. Export an earlier checkpoint, or train "
-                               f"again: {ADVICE}")
-    # The model's own settings; others recorded beside them (e.g. the data's tokenizer) do not build it.
-    module = HFCausalLM(**{k: v for k, v in hparams.items() if k in inspect.signature(HFCausalLM).parameters})
-    module.load_state_dict(ckpt["state_dict"])
-    with new_folder(out) as folder:
-        written = export(module.model, folder)
-        copied = copy_tokenizer(tokenizer, folder)
-        if registered_here(written):
-            write_loading_files(folder, written, str(out), f"`python -m lit_growattn export` of {args.ckpt}")
-    if copied:
-        tokens = f"tokenizer files {', '.join(copied)}"
-    elif hparams.get("tokenizer") == "bytes":
-        tokens = "no tokenizer files: the model was trained on raw bytes (token ids 0–255, the bytes of UTF-8 text)"
-    else:
-        tokens = f"no tokenizer files ({tokenizer} has none)" if tokenizer else "no tokenizer (the checkpoint names none)"
-    loading = (f"; load it after `import lit_growattn.hf`, or with trust_remote_code=True ({out / 'README.md'})"
-               if registered_here(written) else "")
-    sizes = f", query/key head sizes {module.head_sizes()}" if module.head_sizes() else ""  # none: DINT, not growable
-    print(f"wrote {out}: model type {written}{sizes}, {tokens}{loading}")

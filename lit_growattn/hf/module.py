@@ -1,5 +1,5 @@
 """HFCausalLM: a LightningModule holding a Hugging Face `AutoModelForCausalLM` whose attention is growable, so that
-the same GrowAttentionCallback grows it (it implements `lit_growattn.contract.GrowableModule`).
+the same GrowAttentionCallback grows it (it implements `lit_growattn.model.contract.GrowableModule`).
 
 Built from a local model folder (`pretrained`, as written by save_pretrained or downloaded beforehand: nothing is
 fetched from a hub) or from a config mapping (`config`, with its `model_type`, for training from scratch).
@@ -21,14 +21,13 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from lit_growattn.checkpoint import load_weights, resize_to_checkpoint
-from lit_growattn.contract import NamedForm
+from lit_growattn.training.checkpoint import load_weights, resize_to_checkpoint
+from lit_growattn.model.contract import NamedForm
 from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
-from lit_growattn.divergence import DivergenceGuard
-from lit_growattn.hf.dint_models import DINT_MODEL_TYPES
+from lit_growattn.training.divergence import DivergenceGuard
 from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, supported
-from lit_growattn.optimization import GrowthOptimization, default_optimizer
+from lit_growattn.training.optimization import GrowthOptimization, default_optimizer
 
 
 def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_implementation: str,
@@ -59,7 +58,7 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
         hf_config = AutoConfig.for_model(model_type, **settings)
     if getattr(hf_config, "base_model_type", hf_config.model_type) not in NATIVE_ATTENTION:
         raise ValueError(f"{pretrained} is a {hf_config.model_type!r} model; supported model types: {supported()} "
-                         f"(and their DINT conversions, {', '.join(DINT_MODEL_TYPES)})")
+                         "(and their DINT conversions, dint_<type>)")
     if in_folder:
         model = from_pretrained(pretrained, attn_implementation)
     else:
@@ -151,7 +150,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         if pretrained is not None:
             self.hparams["pretrained_config"] = self.model.config.to_dict()
         self._check_data_fits(vocab_size, block_size)
-        if growable and self.model.config.model_type in DINT_MODEL_TYPES:
+        if growable and getattr(self.model.config, "dint", None) is not None:  # a DINT conversion's settings
             raise ValueError(f"{pretrained} holds a DINT model, whose attention cannot be made growable: set "
                              "--model.init_args.growable=false to fine-tune it")
         if growable and not self.growable_forms():  # an exported grown model (growattn_<type>) comes growable
@@ -182,7 +181,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         if block_size is not None and positions is not None and block_size > positions:
             raise ValueError(f"blocks of {block_size} tokens exceed the model's {positions} positions: lower block_size")
 
-    # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
+    # -- what GrowAttentionCallback needs (lit_growattn.model.contract.GrowableModule) ------------------
     def growable_forms(self) -> list[NamedForm]:
         return [NamedForm(m.layer_idx, f"model.{name}", m) for name, m in self.model.named_modules()
                 if isinstance(m, GrowableAttention)]

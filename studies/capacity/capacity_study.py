@@ -25,7 +25,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from study_runs import merge, run
-from lit_growattn.convert import convert_checkpoint
+from lit_growattn.commands.convert import convert_checkpoint
 
 # Every run reads the auto config (static runs drop its growth callback and set d_head), so that the automatic
 # schedule's overrides parse for all of them.

@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
-from lit_growattn.cli import main as cli_main  # noqa: E402
+from lit_growattn.commands.cli import main as cli_main  # noqa: E402
 
 CONFIG = "configs/text_grow.yaml"
 SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # as studies/growth_pays' text runs

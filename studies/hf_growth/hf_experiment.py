@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # studies/: study_
 
 from study_runs import run  # noqa: E402 - study_runs puts the repository on the path
 
-from lit_growattn.hf.entropy import layer_entropies  # noqa: E402
+from lit_growattn.dint.entropy import layer_entropies  # noqa: E402
 from lit_growattn.hf.growable import rotary_columns  # noqa: E402
 
 CONFIG = "configs/hf_llama_grow.yaml"

@@ -27,8 +27,10 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lit_growattn.data import TextDataModule  # noqa: E402
 from lit_growattn.data.arithmetic import ArithmeticDataModule, exact_answer_accuracy, make_rows  # noqa: E402
 from lit_growattn.data.instruct import prompt_ids  # noqa: E402
-from lit_growattn.hf import DintSettings, HFCausalLM, convert_to_dint  # noqa: E402
-from lit_growattn.hf.entropy import AttentionEntropyCallback, layer_entropies  # noqa: E402
+from lit_growattn.dint.attention import DintSettings  # noqa: E402
+from lit_growattn.dint.models import convert_to_dint  # noqa: E402
+from lit_growattn.hf import HFCausalLM  # noqa: E402
+from lit_growattn.dint.entropy import AttentionEntropyCallback, layer_entropies  # noqa: E402
 
 MODEL = dict(model_type="llama", hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, head_dim=24, max_position_embeddings=256, tie_word_embeddings=True)

@@ -1,10 +1,12 @@
-"""Configs written for the flat GrowAttentionCallback arguments (before the settings were grouped) are refused with
-the same settings in the grouped spelling, ready to paste."""
+"""Configs in an old spelling are refused with the new one, ready to paste: GrowAttentionCallback's flat arguments
+(before the settings were grouped), and class paths of modules that moved."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+import re
 
 import yaml
 
@@ -20,6 +22,7 @@ GROUP_OF = {
 }
 AUTO_OF = {"check_every": "check_every", "patience": "patience", "auto_threshold": "threshold"}
 FLAT = {*GROUP_OF, *AUTO_OF, "grow_at_epochs", "grow_at_steps"}
+MOVED = {"lit_growattn.hf.entropy": "lit_growattn.dint.entropy"}  # a class a config names, in its old module
 
 
 def is_flat(init_args: dict[str, Any]) -> bool:
@@ -47,13 +50,16 @@ def grouped(init_args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def refuse_flat_config(args: list[str]) -> None:
+def refuse_old_config(args: list[str]) -> None:
     """Raises ValueError when a `--config` file in `args` gives GrowAttentionCallback flat arguments, or `args`
-    set one on the command line (`--trainer.callbacks.init_args.grow_at_epochs=…`)."""
+    set one on the command line (`--trainer.callbacks.init_args.grow_at_epochs=…`), or either names a class in a
+    module it has moved from."""
     for i, arg in enumerate(args):
         path = arg.split("=", 1)[1] if arg.startswith("--config=") else args[i + 1] if arg == "--config" and i + 1 < len(args) \
             else None
+        _refuse_moved(arg, "the command line")
         if path is not None and Path(path).is_file():
+            _refuse_moved(Path(path).read_text(), path)
             for init_args in _callback_init_args(yaml.safe_load(Path(path).read_text()) or {}):
                 if is_flat(init_args):
                     raise ValueError(
@@ -66,6 +72,12 @@ def refuse_flat_config(args: list[str]) -> None:
         if arg.startswith(prefix) and option in FLAT:
             raise ValueError(f"{arg}: GrowAttentionCallback's settings are grouped now; write "
                              f"{prefix}{_new_option(option)}=… (`fit --print_config=comments` lists them all)")
+
+
+def _refuse_moved(text: str, where: str) -> None:
+    for old, new in MOVED.items():
+        if found := re.search(rf"{re.escape(old)}\.(\w+)", text):
+            raise ValueError(f"{where} names {found.group(0)}, which moved: write {new}.{found.group(1)}")
 
 
 def _new_option(option: str) -> str:

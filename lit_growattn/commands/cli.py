@@ -19,8 +19,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from jsonargparse import Namespace, _typehints, set_dumper
 
-from lit_growattn.checkpoint import read_checkpoint
-from lit_growattn.legacy import refuse_flat_config
+from lit_growattn.training.checkpoint import read_checkpoint
+from lit_growattn.commands.legacy import refuse_old_config
 
 # Every run writes into a folder of its own, logs/lit_growattn/version_N: TensorBoard's, or with the logger off
 # the trainer's root folder (`_instantiate_trainer`).
@@ -51,7 +51,7 @@ def _pass_nested_values_as_json(adapt_class_type):
 
 
 # A private hook: without it (another jsonargparse) a nested null is refused as before, and
-# tests/test_cli_overrides.py says so. Listed in lit_growattn/lightning_private.py.
+# tests/test_cli_overrides.py says so. Listed in lit_growattn/training/lightning_private.py.
 if hasattr(_typehints, "adapt_class_type") and hasattr(_typehints, "NestedArg"):
     _typehints.adapt_class_type = _pass_nested_values_as_json(_typehints.adapt_class_type)
 
@@ -93,7 +93,7 @@ class GrowAttentionCLI(LightningCLI):
 
     def parse_arguments(self, parser, args) -> None:
         if args is None or isinstance(args, list):
-            refuse_flat_config(sys.argv[1:] if args is None else args)
+            refuse_old_config(sys.argv[1:] if args is None else args)
         super().parse_arguments(parser, args)
 
     def add_arguments_to_parser(self, parser) -> None:

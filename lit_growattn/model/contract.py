@@ -124,17 +124,17 @@ def check_module(pl_module: object) -> list[NamedForm]:
     if lacks := missing(pl_module, GrowableModule):
         raise TypeError(
             f"GrowAttentionCallback cannot grow {type(pl_module).__name__}: it lacks {', '.join(lacks)}. A module to grow "
-            "implements lit_growattn.contract.GrowableModule (growable_forms, head_sizes, batch_loss, "
+            "implements lit_growattn.model.contract.GrowableModule (growable_forms, head_sizes, batch_loss, "
             "record_head_sizes), as lit_growattn.GrowAttentionLM does; wrap other models in an adapter that does"
         )
     forms = pl_module.growable_forms()
     if not forms:
         raise ValueError(
             f"{type(pl_module).__name__}.growable_forms() is empty: no attention layer has a growable query/key form "
-            "(lit_growattn.contract.GrowableForm); choose an attention variant with one, or leave the callback out"
+            "(lit_growattn.model.contract.GrowableForm); choose an attention variant with one, or leave the callback out"
         )
     for named in forms:
         if lacks := missing(named.form, GrowableForm):
             raise TypeError(f"form {named.name!r} ({type(named.form).__name__}) lacks {', '.join(lacks)} of "
-                            "lit_growattn.contract.GrowableForm")
+                            "lit_growattn.model.contract.GrowableForm")
     return forms

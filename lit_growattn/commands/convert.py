@@ -4,12 +4,11 @@
 `--to mha --d_head r`: every head's query/key form shrunk to its closest rank-r form (truncated SVD of
 τ W_Q W_Kᵀ, temperature kept), exact when r ≥ the form's rank: the shrink-then-fine-tune peer of growth.
 
-The DINT layer computes A1·V + λ·(A3·V − A2·V). Q1/K1/temperature/V/O keep their mha names and values, and
-λ = 0 exactly, so the converted model's outputs are those of the mha model. λ is a free parameter sitting at 0,
-so it receives gradient at once, ⟨∂L/∂y, (A3 − A2)·V⟩; the fresh second map starts learning once λ ≠ 0.
+The DINT conversions are `lit_growattn.dint`'s (`gpt.py` for `--ckpt`, `models.py` for `--pretrained`); this module
+is the command: it reads the source, checks the options and writes the result safely.
 
 `--pretrained DIR` instead of `--ckpt`: a Hugging Face Llama/Mistral/Qwen2/Qwen3 folder becomes a DINT model
-folder (`lit_growattn.hf.dint`, registered model classes, λ = 0, outputs unchanged), which `fit` fine-tunes with
+folder (registered `dint_<family>` model classes, λ = 0, outputs unchanged), which `fit` fine-tunes with
 `lit_growattn.hf.HFCausalLM` (`pretrained: DIR`, `growable: false`).
 
 The result of `--ckpt` is a weights-only checkpoint (state_dict + hyper_parameters), readable by
@@ -28,10 +27,11 @@ import lightning as L
 import torch
 import yaml
 
-from lit_growattn.checkpoint import read_checkpoint
+from lit_growattn.commands.writing import check_output, new_file, new_folder
+from lit_growattn.dint.gpt import to_dint
 from lit_growattn.growth.shrink import shrink_form
 from lit_growattn.module import GrowAttentionLM
-from lit_growattn.writing import check_output, new_file, new_folder
+from lit_growattn.training.checkpoint import read_checkpoint
 
 TARGETS = ("dint", "lowrank_dint", "mha")
 
@@ -73,7 +73,7 @@ def convert_checkpoint(
     if to == "mha":
         module = _shrunk(src_path, hparams, state, d_head)
     else:
-        module = _dint(src_path, hparams, state, to, seed, variant_args)
+        module = to_dint(src_path, hparams, state, to, seed, variant_args)
     torch.save(
         {
             "state_dict": module.state_dict(),
@@ -83,19 +83,6 @@ def convert_checkpoint(
         },
         dst_path,
     )
-    return module
-
-
-def _dint(src_path, hparams: dict, state: dict, to: str, seed: int, variant_args: dict) -> GrowAttentionLM:
-    hparams.update(attention=to, attention_args={**variant_args, "lambda_init": 0.0})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        module = GrowAttentionLM(**hparams)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    unfilled = [k for k in missing if ".attn.qk2." not in k and not k.endswith(".attn.lam")]
-    leftover = [k for k in unexpected if k.startswith("model.")]  # others are evaluation-metric states
-    if unfilled or leftover:
-        raise ValueError(f"{src_path} does not fit {to}: missing {unfilled}, unexpected {leftover}")
     return module
 
 
@@ -168,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
 def _convert_pretrained(parser: argparse.ArgumentParser, args: argparse.Namespace, variant_args: dict) -> None:
     if args.to == "mha":
         parser.error("--pretrained converts to dint or lowrank_dint (shrinking is for --ckpt)")
-    from lit_growattn.hf.dint import DintSettings
-    from lit_growattn.hf.dint_models import convert_pretrained
+    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.dint.models import convert_pretrained  # needs transformers
 
     kind = "lowrank" if args.to == "lowrank_dint" else "full"
     settings = DintSettings(kind, rank=variant_args.get("rank"), d2_ratio=variant_args.get("d2_ratio"))

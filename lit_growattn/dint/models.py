@@ -1,5 +1,5 @@
 """Registered DINT model classes, so that a converted model round-trips `save_pretrained`/`from_pretrained`
-with no remote code: `import lit_growattn.hf` registers them with transformers' Auto classes.
+with no remote code: importing this module (which `import lit_growattn.hf` does) registers them with transformers' Auto classes.
 
 For each family (llama, mistral, qwen2, qwen3) there is a config `Dint<Family>Config` (model_type
 `dint_<family>`, the native config plus a `dint` dict of `DintSettings`) and a model `Dint<Family>ForCausalLM`,
@@ -19,7 +19,9 @@ import pickle
 import torch
 from torch import nn
 
-from lit_growattn.hf.dint import DintAttention, DintSettings
+# The module, not its names: importing lit_growattn.dint.attention first imports lit_growattn.hf, which imports this
+# module while that one is still half-built.
+from lit_growattn.dint import attention as dint_layer
 from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.surgery import replace_attention
 
@@ -46,8 +48,8 @@ def dint_classes(model_type: str) -> tuple[type, type]:
 
         def __init__(self, config) -> None:
             native_model.__init__(self, config)
-            settings = DintSettings(**config.dint)
-            replace_attention(self, lambda m: DintAttention.from_native(m, settings))
+            settings = dint_layer.DintSettings(**config.dint)
+            replace_attention(self, lambda m: dint_layer.DintAttention.from_native(m, settings))
 
         config_cls = type(f"Dint{prefix}Config", (native_config,), {
             "model_type": f"dint_{model_type}", "base_model_type": model_type, "__module__": __name__})
@@ -65,7 +67,8 @@ def register_all() -> None:
         dint_classes(model_type)
 
 
-def convert_to_dint(model: nn.Module, settings: DintSettings, seed: int = 0) -> nn.Module:
+
+def convert_to_dint(model: nn.Module, settings: dint_layer.DintSettings, seed: int = 0) -> nn.Module:
     """A DINT copy of the native causal LM `model` (same dtype and device), outputs unchanged at λ = 0."""
     native_type = model.config.model_type
     config_cls, model_cls = dint_classes(native_type)
@@ -87,14 +90,14 @@ def convert_to_dint(model: nn.Module, settings: DintSettings, seed: int = 0) -> 
     return converted.eval() if not model.training else converted
 
 
-def convert_pretrained(src: str, out: str | os.PathLike, settings: DintSettings, seed: int = 0, name: str | None = None
+def convert_pretrained(src: str, out: str | os.PathLike, settings: dint_layer.DintSettings, seed: int = 0, name: str | None = None
                        ) -> nn.Module:
     """Converts the model folder `src` (save_pretrained layout) to DINT and writes it, with src's tokenizer when it
     has one and a README.md on how to load it, to `out`; the weights keep their stored dtype. `name`: the folder's
     name in the README (out's, unless out is a temporary folder). Returns the converted model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lit_growattn.checkpoint import refusal, unsafe_load_refused
+    from lit_growattn.training.checkpoint import refusal, unsafe_load_refused
 
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise FileNotFoundError(f"--pretrained {src!r} is not a model folder (no config.json): give a local folder "
@@ -111,3 +114,6 @@ def convert_pretrained(src: str, out: str | os.PathLike, settings: DintSettings,
         AutoTokenizer.from_pretrained(src).save_pretrained(out)
     write_loading_files(out, converted.config.model_type, name or str(out), f"the DINT conversion of {src}")
     return converted
+
+
+register_all()  # importing this module (or lit_growattn.hf) registers dint_* with the Auto classes

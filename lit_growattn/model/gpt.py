@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_growattn.attention import QKForm, attention_class
-from lit_growattn.compiled import CompiledBlocks
-from lit_growattn.config import GPTConfig
+from lit_growattn.model.compiled import CompiledBlocks
+from lit_growattn.model.config import GPTConfig
 
 
 class MLP(nn.Module):
@@ -70,7 +70,7 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
     def compile_blocks(self) -> None:
-        """Training steps run compiled blocks from now on (see `lit_growattn.compiled`)."""
+        """Training steps run compiled blocks from now on (see `lit_growattn.model.compiled`)."""
         self.compiled = CompiledBlocks(self.blocks)
 
     def _runs_compiled(self) -> bool:

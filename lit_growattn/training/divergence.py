@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.lightning_private import accumulation_open_after_this_batch
+from lit_growattn.training.lightning_private import accumulation_open_after_this_batch
 
 ADVICE = "Lower the learning rate, or raise warmup_steps or gradient clipping"
 

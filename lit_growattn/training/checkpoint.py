@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.contract import ScoreMap
+from lit_growattn.model.contract import ScoreMap
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -1,0 +1,11 @@
+"""DINT and low-rank DINT attention (differential attention with an integral map), as conversions of trained models:
+
+gpt        the project's GPT: an mha checkpoint converted to the `dint` / `lowrank_dint` variants (the variants
+           themselves are attention classes, `lit_growattn.attention.dint` and `.lowrank_dint`).
+attention  the DINT attention layer for Llama-family Hugging Face models (needs transformers).
+models     the registered `dint_<family>` model classes and the conversion of a model folder (needs transformers).
+entropy    `AttentionEntropyCallback`: attention entropy during fine-tuning, beside the original model's.
+
+A DINT model does not grow: these are fine-tuned as they are converted (docs/seed001.md).
+Nothing is imported here, so that the GPT conversion does not need transformers.
+"""
