@@ -94,7 +94,8 @@ def test_a_gqa_group_grows_by_the_truncated_svd_of_its_stacked_bottlenecks(metho
     alpha, p = 0.7, 3
     grown = g.grow(alpha, D + p, temperature=temperature)
     assert not grown.fell_back and grown.method == method and grown.alpha == alpha
-    assert grown.w_q.shape == (HEADS, E, D + p) and grown.w_k.shape == (KV, E, D + p) and grown.log_tau.shape == (HEADS,)
+    assert grown.w_q.shape == (HEADS, E, D + p) and grown.w_k.shape == (KV, E, D + p)
+    assert grown.log_tau.shape == (HEADS,)
     # The direction is the plain form's (keys repeated per query head): ΔM counts every column as M does.
     delta = plain_twin(g).direction(method)
     torch.testing.assert_close(g.direction(method), delta, rtol=1e-12, atol=0)
@@ -157,8 +158,8 @@ def test_rotary_forms_without_shared_keys_grow_as_the_plain_form_appends(truncat
     for ours, theirs in zip(new_columns(grown), new_columns(twin)):
         outer = lambda w: w @ w.mT  # noqa: E731
         torch.testing.assert_close(outer(ours), outer(theirs), rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(bilinear(grown.w_q, grown.w_k, grown.log_tau), bilinear(twin.w_q, twin.w_k, twin.log_tau),
-                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(bilinear(grown.w_q, grown.w_k, grown.log_tau),
+                               bilinear(twin.w_q, twin.w_k, twin.log_tau), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(grown.log_tau, twin.log_tau, rtol=1e-15, atol=0)
     assert torch.equal(grown.w_q[..., :D], twin.w_q[..., :D]) and grown.carries == twin.carries
     torch.testing.assert_close(grown.spectrum, twin.spectrum, rtol=1e-10, atol=1e-14)
@@ -277,8 +278,10 @@ def test_gqa_score_is_the_plain_forms_score_and_is_linear_in_the_gradient():
 @pytest.mark.parametrize("method", ["random", "zero"])
 def test_gqa_baselines_draw_seeded_gaussian_columns_scaled_per_head(method):
     g = grouped(method)
-    draw = lambda gg, alpha=0.5, seed=5, **kw: gg.grow(alpha, D + 3, generator=torch.Generator().manual_seed(seed),  # noqa: E731
-                                                       **kw)
+
+    def draw(growth, alpha=0.5, seed=5, **kwargs):
+        return growth.grow(alpha, D + 3, generator=torch.Generator().manual_seed(seed), **kwargs)
+
     grown = draw(g)
     new_q, new_k = new_columns(grown)
     assert new_q.shape == (HEADS, E, 3) and new_k.shape == (KV, E, 3)
@@ -374,10 +377,16 @@ def test_forms_with_shared_keys_or_rotary_columns_grow_by_grouped_growth_with_th
         g = growth_for(f, moments, "random", truncation="whitened", rcond=1e-4, size_by="natural")
         assert type(g) is GroupedGrowth and g.method == "random" and g.sizing_method == "natural"
         assert g.rotary == f.rotary and g.rcond == 1e-4 and g.group == HEADS // f.w_k.shape[0]
-        torch.testing.assert_close(g._roots[0], psd_sqrt(moments.c, 1e-4)[0], rtol=0, atol=0)
+        # The truncation and its cut-off reached the growth: its columns are rated in those coordinates.
+        built = GroupedGrowth(f.w_q, f.w_k, f.log_tau, moments, "natural", truncation="whitened", rcond=1e-4)
+        torch.testing.assert_close(g.column_gains(), built.column_gains(), rtol=1e-12, atol=0)
+        euclidean = GroupedGrowth(f.w_q, f.w_k, f.log_tau, moments, "natural", rcond=1e-4).column_gains()
+        assert not torch.allclose(g.column_gains(), euclidean, rtol=1e-3)
+        default_cut_off = GroupedGrowth(f.w_q, f.w_k, f.log_tau, moments, "natural", truncation="whitened")
+        assert not torch.allclose(g.column_gains(), default_cut_off.column_gains(), rtol=1e-3)
     assert growth_for(form(), moments).method == "natural"  # the default method
     default = growth_for(form(), moments, "natural")
-    assert default.rotary == 0 and default.rcond == 1e-6 and default._roots is None and default.dtype == F64
+    assert default.rotary == 0 and default.rcond == 1e-6 and default.dtype == F64
 
 
 def test_a_grouped_growth_refuses_bad_settings_naming_the_fix():
@@ -475,9 +484,11 @@ def test_a_plan_passes_its_settings_to_every_growth():
     generator = torch.Generator().manual_seed(3)
     plan = plan_of(forms, method="random", truncation="whitened", rcond=1e-4, size_by="natural", mode="append",
                    temperature="rescale", line_search="low_rank", generator=generator, grow_by=2)
-    for g in plan.forms.values():
+    for i, (name, g) in enumerate(plan.forms.items()):
         assert g.method == "random" and g.sizing_method == "natural" and g.rcond == 1e-4
-        torch.testing.assert_close(g._roots[0], psd_sqrt(g.moments.c, 1e-4)[0], rtol=0, atol=0)
+        built = growth_for(forms[name], statistics(seed=i).means(), "random", truncation="whitened", rcond=1e-4,
+                           size_by="natural")
+        torch.testing.assert_close(g.column_gains(), built.column_gains(), rtol=1e-12, atol=0)
     assert (plan.mode, plan.temperature, plan.line_search, plan.generator) == ("append", "rescale", "low_rank",
                                                                                generator)
     # The statistics' means reach the growths in the order of the forms.
