@@ -182,10 +182,13 @@ def test_at_zero_step_a_gqa_growth_keeps_the_function_with_the_query_columns_of_
     assert not still.fell_back and still.method == "natural"
 
 
-def test_a_vanishing_pair_of_a_gqa_group_gets_a_floored_query_column_and_a_zero_key_column():
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_a_vanishing_pair_of_a_gqa_group_gets_a_floored_query_column_and_a_zero_key_column(scale):
     """N̄ whose heads share one row direction b per group: each group's stacked bottleneck has rank 1, so its pairs
-    after the first vanish; they append Q columns of at least the floor's share of the strongest pair, K columns 0."""
+    after the first vanish; they append Q columns of at least the floor's share of the strongest pair, K columns 0.
+    Whatever the scale of the weights (σ scales as their square): what vanishes is relative to the strongest pair."""
     w_q, w_k, log_tau = weights()
+    w_q, w_k = scale * w_q, scale * w_k
     c = statistics().means().c
     g_ = torch.Generator().manual_seed(7)
     a = torch.randn(HEADS, E, 1, generator=g_, dtype=F64)
@@ -234,6 +237,22 @@ def test_a_direction_that_fails_the_sign_check_falls_back_to_the_gradients_growt
         torch.testing.assert_close(getattr(grown, name), getattr(gradient, name), rtol=0, atol=0)
     still = ascent.grow(0.0, D + 2)  # no step, no prediction to check
     assert not still.fell_back and still.method == "ascent"
+    # The fallback grows with the settings asked for.
+    rescaled = ascent.grow(0.5, D + 2, temperature="rescale")
+    assert rescaled.fell_back
+    torch.testing.assert_close(rescaled.log_tau, GroupedGrowth(*weights(), moments, "gradient").grow(
+        0.5, D + 2, temperature="rescale").log_tau, rtol=0, atol=0)
+
+
+def test_a_growth_that_predicts_no_decrease_falls_back_unless_it_is_the_gradients_own():
+    """A zero gradient: nothing to grow along, so every growth predicts exactly 0, which fails the sign check (≤ 0)
+    of any direction but the gradient, the fallback itself."""
+    c = statistics().means().c
+    zero = Moments(c, torch.zeros(HEADS, E, E, dtype=F64), None)
+    natural = GroupedGrowth(*weights(), zero, "natural").grow(0.5, D + 2)
+    assert natural.predicted_decrease == 0 and natural.fell_back and natural.method == "gradient"
+    gradient = GroupedGrowth(*weights(), zero, "gradient").grow(0.5, D + 2)
+    assert gradient.predicted_decrease == 0 and not gradient.fell_back and gradient.method == "gradient"
 
 
 # -- GroupedGrowth: sizes and rates ----------------------------------------------------------------------------------
@@ -271,6 +290,17 @@ def test_gqa_score_is_the_plain_forms_score_and_is_linear_in_the_gradient():
     assert g.score() == pytest.approx(plain_twin(g, truncation="whitened").score(), rel=1e-12) and g.score() > 0
     n = statistics(seed=3).means().n
     assert g.score(n) == pytest.approx(-float((n * g.direction("natural")).sum()), rel=1e-12)
+    # Another gradient may come in float32 (rated in float64 all the same).
+    assert g.score(n.float()) == pytest.approx(g.score(n.float().double()), rel=1e-12)
+    torch.testing.assert_close(g.column_gains(n.float()), g.column_gains(n.float().double()), rtol=1e-12, atol=0)
+
+
+def test_the_natural_direction_of_a_gqa_form_uses_the_cut_off_given():
+    """rcond = 0.2 drops C̄'s eigenvalue at 0.18 of the largest from C̄⁺ (the default 1e-6 keeps it)."""
+    moments = statistics().means()
+    g = GroupedGrowth(*weights(), moments, "natural", rcond=0.2)
+    torch.testing.assert_close(g.direction("natural"), plain_twin(g).direction("natural"), rtol=1e-12, atol=0)
+    assert not torch.allclose(g.direction("natural"), grouped("natural").direction("natural"), rtol=1e-3)
 
 
 # -- GroupedGrowth: baselines --------------------------------------------------------------------------------------
@@ -309,10 +339,14 @@ def test_gqa_baselines_draw_seeded_gaussian_columns_scaled_per_head(method):
     torch.testing.assert_close(new_columns(scaled)[0], factor_q * new_q, rtol=1e-14, atol=0)
     torch.testing.assert_close(new_columns(scaled)[1], torch.tensor([5.0, 1.0], dtype=F64)[:, None, None] * new_k,
                                rtol=1e-14, atol=0)
-    # The columns are standard normal draws times that RMS (loosely: 96 draws of the query columns).
-    rms = g.w_q.square().mean((1, 2), keepdim=True).sqrt()
-    unit = new_q / rms
-    assert abs(float(unit.mean())) < 0.3 and 0.75 < float(unit.std()) < 1.25
+    # The columns are the generator's float64 standard normal draws, the query columns' first, times that RMS
+    # (so that one seed gives the same columns whatever the form's dtype: a resumed run or another rank).
+    seeded = torch.Generator().manual_seed(5)
+    unit_q, unit_k = (torch.randn(heads, E, 3, generator=seeded, dtype=F64) for heads in (HEADS, KV))
+    rms = lambda w: w.square().mean((1, 2), keepdim=True).sqrt()  # noqa: E731
+    torch.testing.assert_close(new_q, unit_q * rms(g.w_q), rtol=1e-15, atol=0)
+    if method == "random":
+        torch.testing.assert_close(new_k, unit_k * rms(g.w_k), rtol=1e-15, atol=0)
     # With temperature='rescale' the old columns are multiplied by c, and the new ones drawn at the scale of those.
     c = ((D + 3) / D) ** 0.25
     rescaled = draw(g, temperature="rescale")
@@ -392,8 +426,9 @@ def test_forms_with_shared_keys_or_rotary_columns_grow_by_grouped_growth_with_th
 def test_a_grouped_growth_refuses_bad_settings_naming_the_fix():
     moments = statistics().means()
     w_q, w_k, log_tau = weights()
-    with pytest.raises(ValueError, match="^4 query heads cannot share 3 key heads evenly$"):
-        GroupedGrowth(w_q, torch.zeros(3, E, D, dtype=F64), log_tau, moments)
+    for kv in (3, 8):
+        with pytest.raises(ValueError, match=f"^4 query heads cannot share {kv} key heads evenly$"):
+            GroupedGrowth(w_q, torch.zeros(kv, E, D, dtype=F64), log_tau, moments)
     with pytest.raises(ValueError, match="^method must be one of .*; got 'newton'"):
         GroupedGrowth(w_q, w_k, log_tau, moments, "newton")
     with pytest.raises(ValueError, match="^truncation must be one of euclidean, whitened; got 'spectral'$"):
@@ -505,6 +540,15 @@ def test_a_plan_passes_its_settings_to_every_growth():
     assert replaced.carries["w_q"].old_index is None  # every column rotated: mode='replace' reached the growth
 
 
+def test_a_plan_built_by_hand_appends_keeps_the_temperature_and_rates_the_growth_itself():
+    growths = {"a": grouped("natural"), "b": growth_for(form(kv=HEADS), statistics().means())}
+    plan = GrowthPlan(growths, {"a": D + 2, "b": D + 1})
+    grown = plan.grow("a", 0.5)
+    assert grown.w_q.shape[-1] == D + 2 and torch.equal(grown.log_tau, growths["a"].log_tau)
+    assert plan.grow("b", 0.5).carries["w_q"].old_index is not None  # appended, the old columns kept
+    assert plan.trial("a", 0.5) is grown and plan.generator is None
+
+
 def test_a_resized_plan_keeps_its_growths_and_settings_and_grows_to_the_new_sizes():
     generator = torch.Generator().manual_seed(3)
     forms = {"a": form(kv=HEADS), "b": form()}
@@ -521,6 +565,8 @@ def test_a_resized_plan_keeps_its_growths_and_settings_and_grows_to_the_new_size
     assert resized.trial("a", 0.5).w_q.shape[-1] == E  # still the full-rank line search
     baseline = plan_of(forms, method="zero", grow_by=0, generator=generator).resized({"a": D + 1, "b": D + 2})
     assert baseline.generator is generator and baseline.grow("b", 0.5).w_q.shape[-1] == D + 2
+    replacing = plan_of({"a": form(kv=HEADS)}, grow_by=0, mode="replace").resized({"a": D + 2})
+    assert replacing.mode == "replace" and replacing.grow("a", 0.5).carries["w_q"].old_index is None
 
 
 def test_a_plan_memoises_each_growth_and_a_baseline_draws_once_whatever_the_step():
