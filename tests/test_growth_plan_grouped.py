@@ -130,8 +130,9 @@ def test_new_gqa_columns_split_each_pairs_scores_evenly_between_the_query_and_ke
 
 @pytest.mark.parametrize("temperature", ["keep", "rescale"])
 def test_a_gqa_growth_keeps_the_old_columns_and_says_how_adam_carries_them(temperature):
-    """The old columns are the old ones times c = (τ/τ′)^½, so that τ′ c² W_Q W_Kᵀ = M; the carries select them and
-    undo c on their moments (gradients scale by 1/c)."""
+    """The old columns, the 2 rotary ones first, stay in place, each times the same c = (τ/τ′)^½, so that
+    τ′ c² W_Q W_Kᵀ = M and every rotary pair rotates as before; the carries select them and undo c on their moments
+    (gradients scale by 1/c)."""
     g = grouped("gradient")
     grown = g.grow(0.5, D + 3, temperature=temperature)
     c = ((D + 3) / D) ** 0.25 if temperature == "rescale" else 1.0
