@@ -251,21 +251,27 @@ class AutoSchedule(GrowthSchedule):
     def _sizes(self, history: list[dict]) -> list[int]:
         return history[-1]["d_head"] if history else self.start_sizes
 
-    def spent(self, history: list[dict]) -> int:
-        return self.cache(self._sizes(history)) - self.cache(self.start_sizes)
+    def _start(self, history: list[dict]) -> list[int]:
+        # A resumed model is built at its grown sizes: where the run started is in its history.
+        return history[0]["d_head_before"] if history else self.start_sizes
 
-    def total(self) -> float:
-        """The K-cache values per token the budget adds to the start (inf: no budget)."""
-        return float("inf") if self.budget is None else self.budget * sum(self.costs.values()) - self.cache(self.start_sizes)
+    def spent(self, history: list[dict]) -> int:
+        return self.cache(self._sizes(history)) - self.cache(self._start(history))
+
+    def total(self, history: list[dict]) -> float:
+        """The K-cache values per token the budget adds to the run's start (inf: no budget)."""
+        if self.budget is None:
+            return float("inf")
+        return self.budget * sum(self.costs.values()) - self.cache(self._start(history))
 
     def allowance(self, history: list[dict]) -> float:
         checks_done = len(history) + 1  # counting the one about to happen
-        return self.total() * min(checks_done / self.checks, 1.0) - self.spent(history)
+        return self.total(history) * min(checks_done / self.checks, 1.0) - self.spent(history)
 
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         sizes = self._sizes(history)
         room = {layer for layer in self.costs if sizes[layer] < self.max_d_head}
-        affordable = any(self.costs[layer] <= self.total() - self.spent(history) for layer in room)
+        affordable = any(self.costs[layer] <= self.total(history) - self.spent(history) for layer in room)
         if len(history) >= self.checks or not affordable:
             return None
         return GrowthPoint("step", self.check_every * (len(history) + 1))

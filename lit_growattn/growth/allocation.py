@@ -14,8 +14,8 @@ Its held-out gain g_j = ½(g_j^{AB} + g_j^{BA}) carries no noise fitted on the h
 expectation it is the column's signal alone; its in-sample gain ĝ_j = ½(g_j^{AA} + g_j^{BB}) is that signal plus the
 noise the SVD fitted.
 
-Noise floor. A column is worth buying only when its held-out gain exceeds the noise its own half fitted,
-g_j > ĝ_j − g_j: the halves agree on more than they disagree. Both sides come from the same statistics, so nothing is
+Noise floor. A column is worth buying only when it gains, held out, more than the noise its own half fitted,
+g_j > max(ĝ_j − g_j, 0): the halves agree on more than they disagree. Both sides come from the same statistics, so nothing is
 calibrated to the loss's scale, the corpus or the learning rate. A layer's columns are bought in order, so its first
 column below the floor closes it for this check.
 
@@ -52,10 +52,10 @@ class Offer:
 
     @property
     def above_floor(self) -> int:
-        """The leading columns whose held-out gain exceeds the noise their half fitted (g > ĝ − g)."""
+        """The leading columns that gain, held out, more than the noise their half fitted (g > max(ĝ − g, 0))."""
         count = 0
         for held, seen in zip(self.held_out, self.in_sample):
-            if not held > seen - held:
+            if not held > max(seen - held, 0.0):
                 break
             count += 1
         return count
