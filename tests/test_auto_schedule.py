@@ -91,7 +91,6 @@ def test_no_budget_buys_until_spend_until_and_max_d_head():
     (lambda: AutoSchedule(spend_until=1.5), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
     (lambda: bound(budget=0.5), r"budget=0.5\) is below the mean query/key head size the growing layers start at \(1\)"),
     (lambda: bound(budget=17), "exceeds growth.max_d_head=16, so it could never be spent"),
-    (lambda: bound(check_every=60), "no check fits; lower check_every or raise spend_until"),
     (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(rank_threshold=0.5)),
      "leave growth.rank_threshold out"),
     (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(columns=2)), "leave growth.columns out"),
@@ -101,6 +100,12 @@ def test_no_budget_buys_until_spend_until_and_max_d_head():
 def test_bad_auto_settings_fail_with_message(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_a_run_too_short_for_a_check_warns_that_nothing_will_grow():
+    with pytest.warns(UserWarning, match="until spend_until=0.5 of the run's 100: no check fits, so nothing will grow"):
+        schedule = bound(check_every=60)
+    assert schedule.pending([]) is None
 
 
 def test_the_old_rules_settings_are_refused_with_the_new_spelling(tmp_path):

@@ -233,11 +233,12 @@ class AutoSchedule(GrowthSchedule):
 
     def check_run(self, trainer, stats_batches: int) -> None:
         steps = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        self.checks = int(self.spend_until * steps) // self.check_every
+        # A check needs a batch after it: none comes at the run's last step.
+        self.checks = min(int(self.spend_until * steps), int(steps) - 1) // self.check_every
         if self.checks == 0:
-            raise ValueError(f"AutoSchedule checks every {self.check_every} optimizer steps until spend_until="
-                             f"{self.spend_until} of the run's {int(steps)}: no check fits; lower check_every or "
-                             "raise spend_until")
+            warnings.warn(f"AutoSchedule checks every {self.check_every} optimizer steps until spend_until="
+                          f"{self.spend_until} of the run's {int(steps)}: no check fits, so nothing will grow; lower "
+                          "check_every or raise spend_until")
         if self.check_every * trainer.accumulate_grad_batches < stats_batches:
             raise ValueError(
                 f"check_every={self.check_every} optimizer steps hold fewer than statistics.batches={stats_batches} "
