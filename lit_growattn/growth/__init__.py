@@ -9,7 +9,7 @@ choices    the allowed values of every setting (one Literal each; the methods co
 step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 capacity   the automatic schedule's rule: predicted gain of each candidate column, calibrated.
-shrink     the closest form of a smaller head size (truncated SVD).
+shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
 """
 
