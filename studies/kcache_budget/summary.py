@@ -107,7 +107,7 @@ def budget_table(found: dict[tuple[str, str], Cell]) -> str:
                 model, corpus, b, str(len(grown)), f"{statistics.mean(grown.values()):.4f}" if grown else "–",
                 *map(shown, versus), shown(paired(grown, cell.loss(f"static at the allocator's widths {b}"))),
                 *(shown(paired(row, cell.static16)) for row in (grown, uniform, posthoc)),
-                percent(cell.mean(f"grown {b}", share)),
+                percent(cell.mean(f"grown {b}", share), 1),
                 percent(cell.mean(f"grown {b}", lambda r: r["time"]["statistics_share"]), 1), goal]) + " |")
     return "\n".join(lines)
 
@@ -122,7 +122,7 @@ def unbudgeted_table(found: dict[tuple[str, str], Cell]) -> str:
         back = paired(free, cell.today)
         lines.append("| " + " | ".join([
             model, corpus, str(len(free)), shown(paired(free, cell.static16)), shown(back),
-            percent(cell.mean("grown, no budget", share)),
+            percent(cell.mean("grown, no budget", share), 1),
             percent(cell.mean("grown, no budget", lambda r: r["time"]["statistics_share"]), 1),
             {"≤": "met", "–": "–"}.get(verdict(back), "not met")]) + " |")
     return "\n".join(lines)
