@@ -224,3 +224,8 @@ def test_the_kcache_summary_pairs_seeds_and_judges_by_standard_errors():
     # No step back: the unbudgeted run is 0 % and +4.76 % above today's rule (mean +2.38 ± 2.38): within one s.e.
     assert "| +2.38 % ± 2.38 | 31.2% | 10.0% | met |" in text
     assert "| 2layer | tiny | grown 2 | 3.0 (3–3), 1.0 (1–1) |" in text
+    assert "- none: every static 16 loss comes from one source" in text
+    rerun = {"runs": {"2layer": {"tiny": {"static 16": runs([0.9001])}}}}
+    assert "- 2layer tiny seed 0: 0.90010 here, 0.90000 there" in summary.report(summary.merged([results, rerun]), capacity)
+    with pytest.raises(ValueError, match=r"2layer tiny 'static 16' seeds \['0'\] are in two of the results files"):
+        summary.merged([rerun, rerun])

@@ -1,7 +1,7 @@
 """The K-cache budget study's tables and plot, from its results.json (kcache_study.py's runs):
 
     python studies/kcache_budget/summary.py     # prints the tables; writes summary.md and loss_vs_kcache.png beside it
-    python studies/kcache_budget/summary.py --results R.json --out DIR
+    python studies/kcache_budget/summary.py --results A.json B.json --out DIR   # invocations run in parallel, merged
 
 Differences are paired by seed, in % of the second row's loss (100 (a/b − 1)), as mean ± standard error over the
 seeds. Static d_head 16 (the ceiling) is taken from these runs where they hold it, else from the capacity study's
@@ -188,29 +188,57 @@ def plot(found: dict[tuple[str, str], Cell], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def merged(parts: list[dict]) -> dict:
+    """One results dict from the JSONs of parallel invocations (each wrote its own file); a run in two is refused."""
+    runs: dict = {}
+    for part in parts:
+        for model, corpora in part["runs"].items():
+            for corpus, rows in corpora.items():
+                for row, seeds in rows.items():
+                    into = runs.setdefault(model, {}).setdefault(corpus, {}).setdefault(row, {})
+                    if twice := sorted(set(into) & set(seeds)):
+                        raise ValueError(f"{model} {corpus} {row!r} seeds {twice} are in two of the results files")
+                    into.update(seeds)
+    return {"runs": runs}
+
+
+def reruns(found: dict[tuple[str, str], Cell], capacity: dict) -> str:
+    """Static 16 run here against the capacity study's run of the same model, corpus and seed (reused elsewhere)."""
+    lines = [f"- {model} {corpus} seed {seed}: {r['loss']:.5f} here, {old[seed]['static d_head 16']:.5f} there"
+             for (model, corpus), cell in found.items() for seed, r in cell.rows.get("static 16", {}).items()
+             if seed in (old := capacity.get(model, {}).get(corpus, {}))]
+    return "\n".join(lines) or "- none: every static 16 loss comes from one source"
+
+
 def report(results: dict, capacity: dict) -> str:
     found = cells(results, capacity)
     return "\n\n".join([
         "At each budget (paired differences by seed, % of the second row's loss, mean ± s.e.):", budget_table(found),
         "Budget null (every column that clears the noise floor) against the ceiling and today's rule:",
         unbudgeted_table(found), "Widths per layer over the seeds:", widths_table(found),
-        "Training FLOPs:", flops_table(found)])
+        "Training FLOPs:", flops_table(found),
+        "Static 16 re-run against the capacity study's (its losses stand in for the runs not repeated here):",
+        reruns(found, capacity)])
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", type=Path, default=HERE / "results.json")
+    parser.add_argument("--results", type=Path, nargs="+", default=[HERE / "results.json"])
     parser.add_argument("--capacity", type=Path, default=CAPACITY, help="the capacity study's results.json")
     parser.add_argument("--out", type=Path, default=HERE, help="folder for summary.md and loss_vs_kcache.png")
     args = parser.parse_args(argv)
-    if not args.results.is_file():
-        parser.error(f"no results at {args.results}: run kcache_study.py first (README.md gives the commands)")
-    results = json.loads(args.results.read_text())
+    if absent := [str(p) for p in args.results if not p.is_file()]:
+        parser.error(f"no results at {', '.join(absent)}: run kcache_study.py first (README.md gives the commands)")
+    try:
+        results = merged([json.loads(p.read_text()) for p in args.results])
+    except ValueError as error:
+        parser.error(str(error))
     capacity = json.loads(args.capacity.read_text())["runs"]
     text = report(results, capacity)
     args.out.mkdir(parents=True, exist_ok=True)
     plot(cells(results, capacity), args.out / "loss_vs_kcache.png")
-    (args.out / "summary.md").write_text(f"# K-cache budget study: summary of {args.results.name}\n\n{text}\n\n"
+    names = ", ".join(p.name for p in args.results)
+    (args.out / "summary.md").write_text(f"# K-cache budget study: summary of {names}\n\n{text}\n\n"
                                          "![Final loss against K-cache bytes per token](loss_vs_kcache.png)\n")
     print(text)
 
