@@ -1,5 +1,6 @@
 """One training run of the studies (growth_pays/experiments.py, capacity/capacity_study.py, hf_growth/hf_experiment.py,
-kcache_budget/kcache_study.py), their results merged, and the static-then-shrunk peer of growth (capacity, kcache_budget)."""
+kcache_budget/kcache_study.py), their results merged, and the static-then-shrunk peer of growth (capacity and
+kcache_budget)."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class StepTimer(L.Callback):
         total = sum(s for s, _ in self.steps)
         extra = sum(window) - len(window) * statistics.median(plain) if window and plain else 0.0
         return {"steps": len(self.steps), "step_seconds": total, "statistics_steps": len(window),
-                "statistics_step_seconds": sum(window), "plain_step_median": statistics.median(plain) if plain else None,
+                "statistics_step_seconds": sum(window),
+                "plain_step_median": statistics.median(plain) if plain else None,
                 "statistics_share": extra / total if total else 0.0}
 
 

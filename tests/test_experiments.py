@@ -106,6 +106,8 @@ def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_pat
     (auto,), (shrunk,) = results["auto from d_head 1"], results["static 16, shrunk, fine-tuned"]
     assert results["static d_head 3"][0]["final"]["d_head"] == [3, 3] and not results["static d_head 3"][0]["events"]
     assert results["static d_head [3, 2]"][0]["final"]["d_head"] == [3, 2]
+    # The step timer sees the statistics windows of the auto run and none in a static one.
+    assert auto["time"]["statistics_steps"] > 0 and results["static d_head 3"][0]["time"]["statistics_steps"] == 0
     found = auto["final"]["d_head"]
     assert auto["events"][0]["d_head_before"] == [1, 1] and max(found) > 1
     assert shrunk["final"]["d_head"] == found and shrunk["events"][0]["d_head_before"] == [16, 16]
@@ -142,6 +144,16 @@ def test_the_capacity_studys_summary_counts_its_recorded_runs(tmp_path):
     assert "| 2layer | usrdoc | +0.8 %, +3.6 % | 4 of 6 |" in summary.table(found)
     summary.plot(found, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_the_statistics_share_is_what_statistics_steps_take_beyond_plain_ones():
+    from study_runs import StepTimer
+
+    timer = StepTimer()
+    timer.steps = [(1.0, False), (1.0, False), (3.0, False), (2.0, True), (2.5, True)]
+    summary = timer.summary()
+    assert summary["plain_step_median"] == 1.0 and summary["statistics_steps"] == 2
+    assert summary["statistics_share"] == pytest.approx((4.5 - 2 * 1.0) / 9.5, rel=1e-12)
 
 
 def kcache_summary():
@@ -226,6 +238,7 @@ def test_the_kcache_summary_pairs_seeds_and_judges_by_standard_errors():
     assert "| 2layer | tiny | grown 2 | 3.0 (3–3), 1.0 (1–1) |" in text
     assert "- none: every static 16 loss comes from one source" in text
     rerun = {"runs": {"2layer": {"tiny": {"static 16": runs([0.9001])}}}}
-    assert "- 2layer tiny seed 0: 0.90010 here, 0.90000 there" in summary.report(summary.merged([results, rerun]), capacity)
+    both = summary.merged([results, rerun])
+    assert "- 2layer tiny seed 0: 0.90010 here, 0.90000 there" in summary.report(both, capacity)
     with pytest.raises(ValueError, match=r"2layer tiny 'static 16' seeds \['0'\] are in two of the results files"):
         summary.merged([rerun, rerun])

@@ -43,9 +43,10 @@ PER_BUDGET = KINDS[1:5]
 NEEDS = {"static at the allocator's widths": "grown", "post-hoc": "uniform static"}  # the row whose result it takes
 BUDGET = "--trainer.callbacks.init_args.schedule.init_args.budget"
 OUT = Path(__file__).resolve().parent / "results.json"
-WHAT = ("settings[model][corpus]: the overrides of its runs besides the corpus; runs[model][corpus][row][seed]: final validation loss and bpb, final d_head per layer, K-cache bytes per "
-        "token, training FLOPs, wall seconds, step times (time: statistics_share is the statistics' share of "
-        "training time, study_runs.StepTimer), the curve as [step, FLOPs, loss] and growths as [step, d_head]")
+WHAT = ("settings[model][corpus]: the overrides of its runs besides the corpus; runs[model][corpus][row][seed]: final "
+        "validation loss and bpb, final d_head per layer, K-cache bytes per token, training FLOPs, wall seconds, step "
+        "times (time: statistics_share is the statistics' share of training time, study_runs.StepTimer), the curve as "
+        "[step, FLOPs, loss], growths as [step, d_head] and the last check's scalars")
 
 
 def row_names(kinds: list[str], budgets: list[int]) -> list[str]:
@@ -61,7 +62,10 @@ def compact(result: dict, n_kv_head: int) -> dict:
             "kcache_bytes": k_cache_bytes(n_kv_head, final["d_head"]), "flops": result["flops"],
             "seconds": result["seconds"], "time": result["time"],
             "curve": [[p["step"], p["flops"], p["loss"]] for p in result["curve"]],
-            "growths": [[e["step"], e["d_head"]] for e in result["events"] if e["d_head"] != e["d_head_before"]]}
+            "growths": [[e["step"], e["d_head"]] for e in result["events"] if e["d_head"] != e["d_head_before"]],
+            # The last check's scalars (its decision inputs left out): what it says of the budget, such as unspent.
+            "last_check": {k: v for k, v in result["events"][-1].items() if isinstance(v, (int, float, str, bool))}
+            if result["events"] else None}
 
 
 def allocated(trained: Path, budget: int) -> list[int]:
