@@ -56,10 +56,11 @@ def row_names(kinds: list[str], budgets: list[int]) -> list[str]:
     return names + (["grown, no budget"] if "grown, no budget" in kinds else [])
 
 
-def compact(result: dict, n_kv_head: int) -> dict:
+def compact(result: dict) -> dict:
+    """What results.json keeps of a run; the GPT has a key head per query head (n_head)."""
     final = result["final"]
     return {"loss": final["loss"], "bpb": final["bpb"], "d_head": final["d_head"], "step": final["step"],
-            "kcache_bytes": k_cache_bytes(n_kv_head, final["d_head"]), "flops": result["flops"],
+            "kcache_bytes": k_cache_bytes(result["n_head"], final["d_head"]), "flops": result["flops"],
             "seconds": result["seconds"], "time": result["time"],
             "curve": [[p["step"], p["flops"], p["loss"]] for p in result["curve"]],
             "growths": [[e["step"], e["d_head"]] for e in result["events"] if e["d_head"] != e["d_head_before"]],
@@ -121,7 +122,7 @@ def run_grid(args, results: dict, work: Path) -> None:
                 first = first or train_to_shrink(CONFIG, seeded, steps, trained, logs)
                 result = fine_tune_shrunk(CONFIG, seeded, first, trained, allocated(trained, int(b)), steps, work,
                                           logs)
-            done.setdefault(name, {})[str(seed)] = compact(result, result["n_head"])  # GPT: a key head per head
+            done.setdefault(name, {})[str(seed)] = compact(result)
             save(results, args.out)
             record = done[name][str(seed)]
             print(json.dumps({"run": name, "seed": seed, **{k: record[k] for k in
