@@ -10,7 +10,7 @@ step_size  step-size candidates, the choice among their losses, and the quadrati
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 allocation the automatic schedule's rule: held-out gain of each candidate column per K-cache value, bought
            across layers within an allowance.
-shrink     the closest form of a smaller head size (truncated SVD).
+shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
 """
 

@@ -24,54 +24,15 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from study_runs import merge, run
-from lit_growattn.commands.convert import convert_checkpoint
+from study_runs import TEXT_SETTING, fine_tune_shrunk, k_cache_bytes, merge, run, sizes, train_to_shrink
 
 # Every run reads the auto config (static runs drop its growth callback and set d_head), so that the automatic
 # schedule's overrides parse for all of them.
 AUTO_CONFIG = "configs/text_auto.yaml"
-SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # 750 steps, as experiments_text
-SHRINK_SHARE = 2 / 3  # static 16 for this share of the steps, then shrunk and fine-tuned for the rest
-FINE_TUNE_WARMUP = 25  # the fine-tune is a new run: a short warmup of its own instead of the config's 100 steps
-BYTES_PER_VALUE = 4  # float32 K cache
 AUTO, AMPLE = "auto from d_head 1", "auto from d_head 16"
 ROWS = ["static d_head 16", "static d_head 2", AUTO, "static at the auto sizes", "static 16, shrunk, fine-tuned", AMPLE]
 # Any other static width, one for every layer or one per layer ("static d_head [6, 10]"), run after the rows above.
 STATIC = re.compile(r"static d_head ([1-9][0-9]*|\[[1-9][0-9]*(, [1-9][0-9]*)*\])")
-
-
-def k_cache_bytes(n_head: int, d_head: list[int]) -> int:
-    """Bytes of K cache per token: every layer keeps n_head keys of its d_head."""
-    return n_head * sum(d_head) * BYTES_PER_VALUE
-
-
-def sizes(d_head: list[int]) -> str:
-    return f"--model.init_args.d_head=[{', '.join(map(str, d_head))}]"
-
-
-def shrink_then_fine_tune(common: list[str], d_head: list[int], steps: int, work: Path, logs: str) -> dict:
-    """Static 16 for SHRINK_SHARE of `steps`, shrunk by truncated SVD to `d_head`, fine-tuned for the remaining
-    steps; FLOPs, curve and seconds of both phases together."""
-    trained, shrunk = work / "static16.ckpt", work / "shrunk.ckpt"
-    at = round(SHRINK_SHARE * steps)
-    first = run(AUTO_CONFIG, [*common, "--model.init_args.d_head=16", f"--trainer.max_steps={at}"], logs,
-                grow=False, save=trained)
-    convert_checkpoint(trained, shrunk, to="mha", d_head=d_head)
-    second = run(AUTO_CONFIG, [*common, sizes(d_head), f"--model.init_args.init_from={shrunk}",
-                               f"--trainer.max_steps={steps - at}",
-                               f"--model.init_args.warmup_steps={FINE_TUNE_WARMUP}"], logs, grow=False)
-    # The shrunk checkpoint carries the model's FLOPs counter (a buffer): the fine-tune's counts continue it.
-    shifted = [{**p, "step": p["step"] + at} for p in second["curve"]]
-    return {
-        "params": second["params"],
-        "n_head": second["n_head"],
-        "seconds": first["seconds"] + second["seconds"],
-        "flops": second["flops"],
-        "final": shifted[-1],
-        "curve": first["curve"] + shifted,
-        "events": [{"event": f"shrink at step {at}", "step": at, "d_head_before": first["final"]["d_head"],
-                    "d_head": d_head}],
-    }
 
 
 def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[str], work: Path, logs: str):
@@ -81,7 +42,7 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
                          f"('static d_head [N, M, …]': one per layer)")
     if AUTO not in rows and set(rows) & set(ROWS[3:5]):
         raise ValueError(f"rows {ROWS[3:5]} take the sizes the auto run found: run {AUTO!r} in the same invocation")
-    common = [f"--data.init_args.path={text}", *SETTING, *extra]
+    common = [f"--data.init_args.path={text}", *TEXT_SETTING, *extra]
     results: dict[str, list[dict]] = {}
     for seed in seeds:
         seeded = [*common, f"--seed_everything={seed}", f"--data.init_args.seed={seed}"]
@@ -96,7 +57,9 @@ def run_rows(text: str, seeds: list[int], only: list[str] | None, extra: list[st
                 result = run(AUTO_CONFIG, [*seeded, sizes(found)], logs, grow=False)
             elif name == "static 16, shrunk, fine-tuned":
                 # Shrinking cannot widen: a layer that auto grew past 16 keeps 16 (the table shows the sizes).
-                result = shrink_then_fine_tune(seeded, [min(d, 16) for d in found], steps, work, logs)
+                first = train_to_shrink(AUTO_CONFIG, seeded, steps, work / "static16.ckpt", logs)
+                result = fine_tune_shrunk(AUTO_CONFIG, seeded, first, work / "static16.ckpt",
+                                          [min(d, 16) for d in found], steps, work, logs)
             else:
                 widths = name.removeprefix("static d_head ")
                 result = run(AUTO_CONFIG, [*seeded, f"--model.init_args.d_head={widths}"], logs, grow=False)
@@ -235,4 +198,4 @@ def main(args, parser) -> None:
         parser.error(str(error))
     source = Path(args.text).name if args.text else "merged JSON"
     print(write(results, out, f"--capacity on {source}: {AUTO_CONFIG} with "
-                              f"{SETTING + args.override}; events of the first seed"))
+                              f"{TEXT_SETTING + args.override}; events of the first seed"))
