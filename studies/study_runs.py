@@ -1,6 +1,5 @@
-"""One training run of the studies (growth_pays/experiments.py, capacity/capacity_study.py, hf_growth/hf_experiment.py,
-kcache_budget/kcache_study.py), their results merged, and the static-then-shrunk peer of growth (capacity and
-kcache_budget)."""
+"""One training run of the studies (growth_pays/experiments.py, hf_growth/hf_experiment.py,
+kcache_budget/kcache_study.py), their results merged, and the static-then-shrunk peer of growth (kcache_budget)."""
 
 from __future__ import annotations
 

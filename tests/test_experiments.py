@@ -89,50 +89,6 @@ def test_a_table_of_the_baseline_alone_compares_nothing():
     assert "No baseline to compare with: static d_head 16 is the only run" in table
 
 
-def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_path, capsys):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
-    out = tmp_path / "out"
-    tiny = ["--override=--trainer.limit_val_batches=2", "--override=--data.init_args.samples_per_epoch=384",
-            "--override=--trainer.callbacks.init_args.schedule.init_args.check_every=3",
-            "--override=--trainer.callbacks.init_args.statistics.batches=2",
-            "--override=--trainer.callbacks.init_args.schedule.init_args.threshold=1e-7",
-            "--override=--trainer.callbacks.init_args.schedule.init_args.agreement=0.01",
-            "--override=--trainer.callbacks.init_args.growth.max_columns=1"]
-    experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
-                      "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned", "static d_head 3",
-                      "static d_head [3, 2]"])
-    results = json.loads((out / "experiments_capacity.json").read_text())
-    (auto,), (shrunk,) = results["auto from d_head 1"], results["static 16, shrunk, fine-tuned"]
-    assert results["static d_head 3"][0]["final"]["d_head"] == [3, 3] and not results["static d_head 3"][0]["events"]
-    assert results["static d_head [3, 2]"][0]["final"]["d_head"] == [3, 2]
-    # The step timer sees the statistics windows of the auto run and none in a static one.
-    assert auto["time"]["statistics_steps"] > 0 and results["static d_head 3"][0]["time"]["statistics_steps"] == 0
-    found = auto["final"]["d_head"]
-    assert auto["events"][0]["d_head_before"] == [1, 1] and max(found) > 1
-    assert shrunk["final"]["d_head"] == found and shrunk["events"][0]["d_head_before"] == [16, 16]
-    assert shrunk["final"]["step"] == auto["final"]["step"]  # equal total steps: 2/3 static, 1/3 fine-tune
-    assert shrunk["kcache_bytes"] == auto["kcache_bytes"] == 4 * sum(found) * 4
-    table = (out / "experiments_capacity.md").read_text()
-    assert f"| auto from d_head 1 | 1 | {found} |" in table
-    share = f"{sum(found) / 32:.0%}"  # of static 16's two layers
-    assert f"| 0 | {found} | – | {auto['final']['loss']:.3f} | {share} | – | {shrunk['final']['loss']:.3f} | – |" in table
-    assert (out / "experiments_capacity_d_head.png").exists() and (out / "experiments_capacity_loss_vs_kcache.png").exists()
-    sys.path.insert(0, str(REPO / "studies" / "capacity"))
-    import summary  # the study's compact results.json is collected from these JSONs
-
-    collected = summary.collect([f"2layer:tiny={out / 'experiments_capacity.json'}"])["2layer"]["tiny"]["0"]
-    assert collected["auto from d_head 1"]["d_head"] == found
-    assert collected["auto from d_head 1"]["growths"][0] == [auto["events"][0]["step"], auto["events"][0]["d_head"]]
-
-    with pytest.raises(SystemExit):
-        experiments.main(["--capacity", "--text", str(corpus), "--only", "static at the auto sizes", "--out", str(out)])
-    assert "run 'auto from d_head 1' in the same invocation" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        experiments.main(["--capacity", "--text", str(corpus), "--only", "static d_head sixteen", "--out", str(out)])
-    assert "unknown capacity rows ['static d_head sixteen']" in capsys.readouterr().err
-
-
 def test_the_capacity_studys_summary_counts_its_recorded_runs(tmp_path):
     sys.path.insert(0, str(REPO / "studies" / "capacity"))
     import summary
