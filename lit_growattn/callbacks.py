@@ -34,7 +34,7 @@ from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
-from lit_growattn.growth.capacity import pooled_with
+from lit_growattn.growth.allocation import column_costs
 from lit_growattn.growth.grouped import check_modes
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.training.lightning_private import should_update_logs
@@ -68,8 +68,8 @@ class GrowAttentionCallback(Callback):
         self.schedule, self.settings, self.statistics, self.search = schedule, growth, statistics, step_search
         self.line_search_batches = step_search.kept_batches(statistics)
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints
-        # A schedule with a capacity rule decides from two halves of each window (growth/capacity.py).
-        self.window = StatsWindow(growth.method, halves=schedule.capacity is not None)
+        # The automatic schedule decides from two halves of each window (growth/allocation.py).
+        self.window = StatsWindow(growth.method, halves=schedule.splits_window)
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
 
@@ -123,21 +123,11 @@ class GrowAttentionCallback(Callback):
             )
         self._layers = layers
         check_modes(named, self.settings.mode, self.search.line_search)
-        if self.schedule.capacity is not None:
-            self._check_auto_applies()
         report.say(trainer, check_statistics_memory(named, layers, self.statistics.layers_per_event, self.settings.method,
                                                     self.statistics.max_memory_gb))
         self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
-        self.schedule.bind(self.settings, layers, sizes)
-
-    def _check_auto_applies(self) -> None:
-        # The capacity rule's patience counts checks of every growing layer.
-        if self.statistics.layers_per_event is not None and self.statistics.layers_per_event < len(self._layers):
-            raise ValueError(
-                f"AutoSchedule checks every growing layer at each check, but statistics.layers_per_event="
-                f"{self.statistics.layers_per_event} covers {self.statistics.layers_per_event} of {len(self._layers)}: "
-                "leave layers_per_event unset with AutoSchedule (or bound memory with growth.layers), or use AtSteps"
-            )
+        self.schedule.bind(self.settings, self.statistics, layers, sizes,
+                           column_costs((f.layer, f.form.w_k) for f in named))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The optimizers exist from here on: a growth rebuilds exactly one, so refuse others before any step.
@@ -226,16 +216,13 @@ class GrowAttentionCallback(Callback):
                           "captured them overflowed); they keep their size, the other layers grow")
         forms = [f for f, _, _ in kept]
         batches = window.kept[self._rank :: self._world]
-        capacity, sizes = self.schedule.capacity, pl_module.head_sizes()
         event = GrowthEvent(
             self.settings,
             self.search,
             loss_of=lambda candidates: kept_batch_losses(trainer, pl_module, forms, batches, candidates),
             install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
-            capacity=capacity,
-            earlier={} if capacity is None else {
-                layer: pooled_with(self.history, layer, sizes[layer], capacity.pool) for layer in self._layers},
+            allowance=self.schedule.allowance(self.history),
             terms=loss_terms(window.kept),  # every rank's kept batches
         )
         try:
@@ -259,6 +246,8 @@ class GrowAttentionCallback(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.history:
             report.say(trainer, report.summary_table(self.history))
+        if (line := self.schedule.summary(self.history)) is not None:
+            report.say(trainer, line)
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -39,8 +39,7 @@ class GrowthSettings:
             or the automatic schedule chooses the count).
         rank_threshold: choose each layer's new columns from its bottleneck spectrum instead: the number of singular
             values above this fraction (in (0, 1)) of the largest, at least 1 (fixed schedules only).
-        max_columns: a cap on the columns that `rank_threshold` or the automatic schedule chooses: one int, or one
-            per layer (null: no cap).
+        max_columns: a cap on the columns that `rank_threshold` chooses: one int, or one per layer (null: no cap).
         max_d_head: largest head size a layer may reach (null: the form's input size, its largest possible rank).
         layers: the layers (0-based) that grow (null: every layer with a growable form).
         method: the growth direction: natural | gradient | pinv, or new columns not taken from the statistics:
@@ -82,7 +81,7 @@ class GrowthSettings:
                 raise ValueError("growth.columns is a fixed count, and growth.rank_threshold chooses the count from the "
                                  "spectrum: give one of them (growth.max_columns caps what rank_threshold chooses)")
         elif self.max_columns is not None and self.columns is not None:
-            raise ValueError("growth.max_columns caps a chosen count (growth.rank_threshold or the automatic schedule), "
+            raise ValueError("growth.max_columns caps the count growth.rank_threshold chooses, "
                              f"but growth.columns={self.columns} fixes it: give one of them")
         if self.max_d_head is not None and self.max_d_head <= 0:
             raise ValueError(f"growth.max_d_head must be positive, got {self.max_d_head}")
@@ -100,10 +99,11 @@ class GrowthSettings:
             if self.mode != "append":
                 raise ValueError(f"{name} sizes each layer from the gains of appended columns, and replace would also "
                                  "refactor the layers it leaves as they are: use growth.mode='append'")
-            for setting, use in [("columns", "growth.max_columns to cap it"), ("rank_threshold", f"{name}.threshold")]:
+            for setting in ("columns", "rank_threshold", "max_columns"):
                 if getattr(self, setting) is not None:
-                    raise ValueError(f"{name} chooses each layer's growth from its statistics: leave growth.{setting} "
-                                     f"out (use {use})")
+                    raise ValueError(f"{name} chooses each layer's growth from its statistics, within its K-cache "
+                                     f"budget and the budget's spending schedule: leave growth.{setting} out (set "
+                                     f"{name}.budget to bound the widths)")
         elif self.max_columns is not None and self.rank_threshold is None:
             raise ValueError(f"growth.max_columns caps a count chosen from the statistics, and {name} grows by "
                              "growth.columns: set growth.rank_threshold to choose the count, or use growth.columns for "

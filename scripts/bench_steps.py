@@ -17,7 +17,7 @@ from bench_common import StepTimer, plain_step_times
 from bench_setup import (CPU, ROUND_ROBIN_SHARE, VARIANTS, Env, Preset, Shape, auto_capture, fold, make_lm,
                          make_trainer, median, named_forms, set_capture, token_data)
 
-from lit_growattn import growth, AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn import growth, AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.growing.event import plan_growth
 from lit_growattn.growing.window import NamedForms
 from lit_growattn.module import GrowAttentionLM
@@ -40,23 +40,27 @@ def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
     bare = make_lm(shape, cls=BareLM)
     plain = copy.deepcopy(lit)  # same GPT, same initial weights
 
-    def lightning_run(module: GrowAttentionLM, tmp: str) -> list[float]:
+    def lightning_run(module: GrowAttentionLM, tmp: str, spent: bool = False) -> list[float]:
         timer = StepTimer(CPU)
         # Growth scheduled at epoch 2 of a 1-epoch fit: its statistics window (end of epoch 1) is never reached,
-        # but every hook of the callback still runs on every step.
-        grow = GrowAttentionCallback(AtEpochs([2]), statistics=StatisticsSettings(batches=1))
+        # but every hook of the callback still runs on every step. `spent`: an automatic schedule whose K-cache
+        # budget is already spent (the model starts at it), as every step after the last purchase runs.
+        schedule = AutoSchedule(budget=shape.d_head, check_every=2, spend_until=1.0) if spent else AtEpochs([2])
+        grow = GrowAttentionCallback(schedule, statistics=StatisticsSettings(batches=2))
         trainer = make_trainer(env, [grow, timer], tmp, max_epochs=1)
         trainer.fit(module, DataLoader(data, batch_size=shape.batch))
         return timer.step_times(p.fit_warmup)
 
+    spent = copy.deepcopy(lit)
     sides = {"lightning": lambda tmp: lightning_run(lit, tmp), "bare": lambda tmp: lightning_run(bare, tmp),
+             "budget_spent": lambda tmp: lightning_run(spent, tmp, spent=True),
              "plain": lambda tmp: plain_step_times(plain, DataLoader(data, batch_size=shape.batch), CPU, False,
                                                    p.fit_warmup)}
     steps = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(p.fit_repeats):
             # Rotate which side runs first, so a drift in the machine's load does not favour one side.
-            order = list(sides)[r % 3:] + list(sides)[: r % 3]
+            order = list(sides)[r % len(sides):] + list(sides)[: r % len(sides)]
             for name in order:
                 steps[name].append(median(sides[name](tmp)))
             env.log(f"  throughput repeat {r}: " + " ".join(f"{k} {v[-1]:.4f}s" for k, v in steps.items()))
@@ -65,6 +69,8 @@ def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
     return {
         "lightning_vs_plain_throughput": ratio("lightning"),
         "lightning_bare_vs_plain_throughput": ratio("bare"),
+        # AutoSchedule once its budget is spent: no statistics step, so a step costs what a plain one does.
+        "budget_spent_vs_lightning_step_ratio": median(a / b for a, b in zip(steps["budget_spent"], steps["lightning"])),
         "tokens_per_s": {name: shape.tokens / t for name, t in step_s.items()},
         "step_s": step_s,
         "lightning_step_s": step_s["lightning"],

@@ -1,8 +1,9 @@
-"""One training run of the studies (growth_pays/experiments.py, capacity/capacity_study.py, hf_growth/hf_experiment.py),
-and their results merged."""
+"""One training run of the studies (growth_pays/experiments.py, hf_growth/hf_experiment.py,
+kcache_budget/kcache_study.py), their results merged, and the static-then-shrunk peer of growth (kcache_budget)."""
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,12 @@ sys.path.insert(0, str(REPO))
 
 from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
 from lit_growattn.commands.cli import main as cli_main  # noqa: E402
+from lit_growattn.commands.convert import convert_checkpoint  # noqa: E402
+
+TEXT_SETTING = ["--trainer.max_epochs=5", "--data.init_args.samples_per_epoch=9600"]  # 750 steps, as experiments_text
+SHRINK_SHARE = 2 / 3  # the shrunk peer: static 16 for this share of the steps, then shrunk and fine-tuned for the rest
+FINE_TUNE_WARMUP = 25  # the fine-tune is a new run: a short warmup of its own instead of the config's 100 steps
+BYTES_PER_VALUE = 4  # float32 K cache
 
 
 class Curve(L.Callback):
@@ -46,6 +53,41 @@ class Curve(L.Callback):
         })
 
 
+class StepTimer(L.Callback):
+    """Wall seconds of every training step, and whether statistics were gathered in it (some form capturing) or a
+    growth check ran at its start. It must come first among the callbacks: its clock then spans the growth
+    callback's check (in on_train_batch_start) and the capture (on backward); its on_train_batch_end runs before the
+    growth callback's, so the forms still say whether they captured."""
+
+    def __init__(self):
+        self.steps: list[tuple[float, bool]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._checks = _checks(trainer)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        seconds = time.perf_counter() - self._start
+        captured = any(named.form.capture is not None for named in pl_module.growable_forms())
+        self.steps.append((seconds, captured or _checks(trainer) != self._checks))
+
+    def summary(self) -> dict:
+        """The statistics' share of training time: what the steps that gathered statistics or checked took beyond
+        as many plain steps (at the plain steps' median), over all steps' time (validation left out)."""
+        window = [s for s, stats in self.steps if stats]
+        plain = [s for s, stats in self.steps if not stats]
+        total = sum(s for s, _ in self.steps)
+        extra = sum(window) - len(window) * statistics.median(plain) if window and plain else 0.0
+        return {"steps": len(self.steps), "step_seconds": total, "statistics_steps": len(window),
+                "statistics_step_seconds": sum(window),
+                "plain_step_median": statistics.median(plain) if plain else None,
+                "statistics_share": extra / total if total else 0.0}
+
+
+def _checks(trainer) -> int:
+    return sum(len(c.history) for c in trainer.callbacks if isinstance(c, GrowAttentionCallback))
+
+
 def _flops(pl_module) -> float | None:
     """Training FLOPs seen so far, where the module counts them (GrowAttentionLM; not HFCausalLM)."""
     return float(pl_module.flops_seen) if hasattr(pl_module, "flops_seen") else None
@@ -62,7 +104,8 @@ def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path 
     )
     if not grow:
         cli.trainer.callbacks = [c for c in cli.trainer.callbacks if not isinstance(c, GrowAttentionCallback)]
-    curve = Curve()
+    curve, timer = Curve(), StepTimer()
+    cli.trainer.callbacks.insert(0, timer)
     cli.trainer.callbacks.extend([curve, *callbacks])
     start = time.perf_counter()
     cli.trainer.fit(cli.model, cli.datamodule)
@@ -79,6 +122,50 @@ def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path 
         "final": curve.points[-1],
         "curve": curve.points,
         "events": grow.history if grow else [],
+        "time": timer.summary(),
+    }
+
+
+def k_cache_bytes(n_kv_head: int, d_head: list[int]) -> int:
+    """Bytes of K cache per token: every layer keeps n_kv_head keys of its d_head."""
+    return n_kv_head * sum(d_head) * BYTES_PER_VALUE
+
+
+def sizes(d_head: list[int]) -> str:
+    """The override of a static model with one head size per layer."""
+    return f"--model.init_args.d_head=[{', '.join(map(str, d_head))}]"
+
+
+def train_to_shrink(config: str, common: list[str], steps: int, trained: Path, logs: str) -> dict:
+    """The shrunk peer's first phase: static d_head 16 for SHRINK_SHARE of `steps`, its checkpoint written to
+    `trained` (several sizes can be shrunk from it)."""
+    at = round(SHRINK_SHARE * steps)
+    return run(config, [*common, "--model.init_args.d_head=16", f"--trainer.max_steps={at}"], logs, grow=False,
+               save=trained)
+
+
+def fine_tune_shrunk(config: str, common: list[str], first: dict, trained: Path, d_head: list[int], steps: int,
+                     work: Path, logs: str) -> dict:
+    """The shrunk peer's second phase: `trained` (first phase `first`) shrunk by truncated SVD to `d_head` and
+    fine-tuned for the rest of `steps`; FLOPs, curve and seconds of both phases together."""
+    at = first["final"]["step"]
+    shrunk = work / "shrunk.ckpt"
+    convert_checkpoint(trained, shrunk, to="mha", d_head=d_head)
+    second = run(config, [*common, sizes(d_head), f"--model.init_args.init_from={shrunk}",
+                          f"--trainer.max_steps={steps - at}",
+                          f"--model.init_args.warmup_steps={FINE_TUNE_WARMUP}"], logs, grow=False)
+    # The shrunk checkpoint carries the model's FLOPs counter (a buffer): the fine-tune's counts continue it.
+    shifted = [{**p, "step": p["step"] + at} for p in second["curve"]]
+    return {
+        "params": second["params"],
+        "n_head": second["n_head"],
+        "seconds": first["seconds"] + second["seconds"],
+        "flops": second["flops"],
+        "final": shifted[-1],
+        "curve": first["curve"] + shifted,
+        "events": [{"event": f"shrink at step {at}", "step": at, "d_head_before": first["final"]["d_head"],
+                    "d_head": d_head}],
+        "time": {"static 16": first["time"], "fine-tune": second["time"]},  # step times per phase
     }
 
 

@@ -14,6 +14,7 @@ from conftest import REPO
 
 HEADLINE = (
     "lightning_vs_plain_throughput",
+    "budget_spent_vs_lightning_step_ratio",
     "stats_step_cost_ratio",
     "explicit_step_cost_ratio",
     "stats_vs_naive_cost_ratio",

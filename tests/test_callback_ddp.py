@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 
-from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 
 from callback_helpers import params, recall_data, tiny_module, trainer
 
@@ -169,3 +169,28 @@ def test_resume_on_more_ranks_than_kept_batches_rates_every_candidate(tmp_path):
         assert event["event"] == "epoch 1"
         assert event["loss_before"] == pytest.approx(uninterrupted["loss_before"], rel=1e-5)
         assert event["alpha"] == uninterrupted["alpha"]
+
+
+class DecisionRecorder(GrowAttentionCallback):
+    """Saves every rank's growth history and final parameters."""
+
+    def on_train_end(self, trainer, pl_module):
+        super().on_train_end(trainer, pl_module)
+        torch.save({"history": [{k: v for k, v in e.items() if k not in ("seconds", "timings")} for e in self.history],
+                    "params": params(pl_module)}, f"{self.out}/auto_{trainer.global_rank}.pt")
+
+
+def test_auto_schedule_decides_the_same_on_every_rank_and_stays_within_budget(tmp_path):
+    L.seed_everything(0)
+    # 2 ranks × 8 batches of 32 an epoch: 16 steps in 2 epochs, a check every 4 from a window of 4 batches a rank.
+    data = recall_data(batch_size=32, examples=512)
+    recorder = DecisionRecorder(AutoSchedule(budget=4, check_every=4, spend_until=1.0),
+                                statistics=StatisticsSettings(batches=4))
+    recorder.out = str(tmp_path)
+    trainer(tmp_path, [recorder], max_epochs=2, devices=2, strategy="ddp_spawn").fit(tiny_module(data), data)
+    r0, r1 = (torch.load(tmp_path / f"auto_{rank}.pt", weights_only=False) for rank in (0, 1))
+    assert r0["history"] == r1["history"] and [e["step"] for e in r0["history"]] == [4, 8, 12]
+    assert r0["params"].keys() == r1["params"].keys() and all(torch.equal(r0["params"][k], r1["params"][k])
+                                                               for k in r0["params"])
+    sizes = r0["history"][-1]["d_head"]
+    assert max(sizes) > 2 and sum(sizes) <= 4 * len(sizes), r0["history"]  # it grew, within a mean head size of 4

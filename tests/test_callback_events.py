@@ -220,7 +220,7 @@ def test_replace_resets_the_rotated_tensors(tmp_path, monkeypatch):
         (lambda: GrowthSettings(layers=[0, 0]), "layers must list each layer to grow once"),
         (lambda: StatisticsSettings(layers_per_step=0), "layers_per_step must be positive"),
         (lambda: GrowthSettings(columns=2, rank_threshold=0.1), "growth.columns is a fixed count"),
-        (lambda: GrowthSettings(columns=2, max_columns=3), "growth.max_columns caps a chosen count"),
+        (lambda: GrowthSettings(columns=2, max_columns=3), "growth.max_columns caps the count growth.rank_threshold chooses"),
         (lambda: GrowAttentionCallback(AtEpochs([1]), GrowthSettings(max_columns=3)),
          "growth.max_columns caps a count chosen from the statistics, and AtEpochs grows by growth.columns"),
         (lambda: GrowAttentionCallback(AtEpochs([1]), GrowthSettings(method="random"),

@@ -39,17 +39,16 @@ trainer:
       init_args:
         schedule:
           class_path: lit_growattn.AutoSchedule
-          init_args: {check_every: 8, first_check: 4}
-        growth: {method: random, size_by: natural, max_columns: 4, max_d_head: 6}
+          init_args: {budget: 4, check_every: 8, spend_until: 0.75}
+        growth: {method: random, size_by: natural, max_d_head: 6}
         statistics: {batches: 4, layers_per_step: 1, max_memory_gb: 10.0}
         step_search: {alphas: [0, 1], batches: 1}
 """
 
 
 @pytest.mark.parametrize("option, read, expected", [
-    ("schedule.init_args.patience=5", lambda g: g.schedule.patience, 5),
-    ("schedule.init_args.first_check=null", lambda g: g.schedule.first_check, 8),  # null: check_every
-    ("growth.max_columns=2", lambda g: g.settings.max_columns, 2),
+    ("schedule.init_args.spend_until=1.0", lambda g: g.schedule.spend_until, 1.0),
+    ("schedule.init_args.budget=null", lambda g: g.schedule.budget, None),  # null: no budget
     ("growth.max_d_head=null", lambda g: g.settings.max_d_head, None),
     ("growth.size_by=null", lambda g: g.settings.size_by, None),
     ("statistics.batches=6", lambda g: g.statistics.batches, 6),

@@ -1,5 +1,7 @@
 """studies/growth_pays/experiments.py: the smoke run writes its table, results and plots; results of parallel invocations merge."""
 
+import importlib.util
+import inspect
 import json
 import os
 import subprocess
@@ -8,6 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from lit_growattn import AutoSchedule
 
 sys.path.insert(0, str(REPO / "studies" / "growth_pays"))
 import experiments  # noqa: E402
@@ -86,48 +89,6 @@ def test_a_table_of_the_baseline_alone_compares_nothing():
     assert "No baseline to compare with: static d_head 16 is the only run" in table
 
 
-def test_capacity_study_shrinks_the_static_model_to_the_sizes_auto_found(tmp_path, capsys):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
-    out = tmp_path / "out"
-    tiny = ["--override=--trainer.limit_val_batches=2", "--override=--data.init_args.samples_per_epoch=384",
-            "--override=--trainer.callbacks.init_args.schedule.init_args.check_every=3",
-            "--override=--trainer.callbacks.init_args.statistics.batches=2",
-            "--override=--trainer.callbacks.init_args.schedule.init_args.threshold=1e-7",
-            "--override=--trainer.callbacks.init_args.schedule.init_args.agreement=0.01",
-            "--override=--trainer.callbacks.init_args.growth.max_columns=1"]
-    experiments.main(["--capacity", "--text", str(corpus), "--seeds", "0", "--out", str(out), *tiny,
-                      "--only", "auto from d_head 1", "static 16, shrunk, fine-tuned", "static d_head 3",
-                      "static d_head [3, 2]"])
-    results = json.loads((out / "experiments_capacity.json").read_text())
-    (auto,), (shrunk,) = results["auto from d_head 1"], results["static 16, shrunk, fine-tuned"]
-    assert results["static d_head 3"][0]["final"]["d_head"] == [3, 3] and not results["static d_head 3"][0]["events"]
-    assert results["static d_head [3, 2]"][0]["final"]["d_head"] == [3, 2]
-    found = auto["final"]["d_head"]
-    assert auto["events"][0]["d_head_before"] == [1, 1] and max(found) > 1
-    assert shrunk["final"]["d_head"] == found and shrunk["events"][0]["d_head_before"] == [16, 16]
-    assert shrunk["final"]["step"] == auto["final"]["step"]  # equal total steps: 2/3 static, 1/3 fine-tune
-    assert shrunk["kcache_bytes"] == auto["kcache_bytes"] == 4 * sum(found) * 4
-    table = (out / "experiments_capacity.md").read_text()
-    assert f"| auto from d_head 1 | 1 | {found} |" in table
-    share = f"{sum(found) / 32:.0%}"  # of static 16's two layers
-    assert f"| 0 | {found} | – | {auto['final']['loss']:.3f} | {share} | – | {shrunk['final']['loss']:.3f} | – |" in table
-    assert (out / "experiments_capacity_d_head.png").exists() and (out / "experiments_capacity_loss_vs_kcache.png").exists()
-    sys.path.insert(0, str(REPO / "studies" / "capacity"))
-    import summary  # the study's compact results.json is collected from these JSONs
-
-    collected = summary.collect([f"2layer:tiny={out / 'experiments_capacity.json'}"])["2layer"]["tiny"]["0"]
-    assert collected["auto from d_head 1"]["d_head"] == found
-    assert collected["auto from d_head 1"]["growths"][0] == [auto["events"][0]["step"], auto["events"][0]["d_head"]]
-
-    with pytest.raises(SystemExit):
-        experiments.main(["--capacity", "--text", str(corpus), "--only", "static at the auto sizes", "--out", str(out)])
-    assert "run 'auto from d_head 1' in the same invocation" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        experiments.main(["--capacity", "--text", str(corpus), "--only", "static d_head sixteen", "--out", str(out)])
-    assert "unknown capacity rows ['static d_head sixteen']" in capsys.readouterr().err
-
-
 def test_the_capacity_studys_summary_counts_its_recorded_runs(tmp_path):
     sys.path.insert(0, str(REPO / "studies" / "capacity"))
     import summary
@@ -139,3 +100,101 @@ def test_the_capacity_studys_summary_counts_its_recorded_runs(tmp_path):
     assert "| 2layer | usrdoc | +0.8 %, +3.6 % | 4 of 6 |" in summary.table(found)
     summary.plot(found, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_the_statistics_share_is_what_statistics_steps_take_beyond_plain_ones():
+    from study_runs import StepTimer
+
+    timer = StepTimer()
+    timer.steps = [(1.0, False), (1.0, False), (3.0, False), (2.0, True), (2.5, True)]
+    summary = timer.summary()
+    assert summary["plain_step_median"] == 1.0 and summary["statistics_steps"] == 2
+    assert summary["statistics_share"] == pytest.approx((4.5 - 2 * 1.0) / 9.5, rel=1e-12)
+
+
+def kcache_summary():
+    """The K-cache study's summary.py, by path: `summary` alone is the capacity study's module."""
+    spec = importlib.util.spec_from_file_location("kcache_summary", REPO / "studies" / "kcache_budget" / "summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, monkeypatch):
+    sys.path.insert(0, str(REPO / "studies" / "kcache_budget"))
+    import kcache_study
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
+    out = tmp_path / "results.json"
+    tiny = ["--override=--trainer.limit_val_batches=1", "--override=--data.init_args.samples_per_epoch=256",
+            "--override=--trainer.max_epochs=3",  # 12 steps of 64 sequences
+            "--override=--trainer.callbacks.init_args.schedule.init_args.check_every=4",
+            "--override=--trainer.callbacks.init_args.statistics.batches=2"]
+    rows = ["static 16", "uniform static", "post-hoc"]
+    # The grown rows need AutoSchedule's K-cache budget; until it has one, the static and post-hoc rows run alone.
+    grows = "budget" in inspect.signature(AutoSchedule).parameters
+    rows += ["grown", "static at the allocator's widths", "grown, no budget"] if grows else []
+    command = ["--text", str(corpus), "--corpus", "tiny", "--model", "2layer", "--seeds", "0", "--budgets", "2",
+               "--rows", *rows, "--out", str(out), *tiny]
+    kcache_study.main(command)
+    cell = json.loads(out.read_text())["runs"]["2layer"]["tiny"]
+    static, uniform, posthoc = cell["static 16"]["0"], cell["uniform static 2"]["0"], cell["post-hoc 2"]["0"]
+    assert static["d_head"] == [16, 16] and uniform["d_head"] == [2, 2]
+    assert static["step"] == uniform["step"] == posthoc["step"] == 12  # equal total steps
+    assert posthoc["growths"][0][0] == 8 and min(posthoc["d_head"]) >= 1  # shrunk after 2/3 of them
+    assert posthoc["kcache_bytes"] == 4 * sum(posthoc["d_head"]) * 4 <= uniform["kcache_bytes"] == 4 * 4 * 4
+    assert static["time"]["steps"] == 12 and static["time"]["statistics_share"] == 0.0
+    if grows:
+        grown = cell["grown 2"]["0"]
+        assert sum(grown["d_head"]) <= 4  # a mean head size of 2 over 2 layers
+        assert cell["static at the allocator's widths 2"]["0"]["d_head"] == grown["d_head"]
+        assert grown["time"]["statistics_steps"] > 0 and "grown, no budget" in cell
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a run already in the results was run again")
+
+    monkeypatch.setattr(kcache_study, "run", no_training)
+    monkeypatch.setattr(kcache_study, "train_to_shrink", no_training)
+    kcache_study.main(command)  # resumed: every row × seed is there
+    with pytest.raises(SystemExit):
+        kcache_study.main(command[:-len(tiny)])
+    assert "holds 2layer tiny runs with the overrides" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kcache_study.main([*command[:9], "4", "--rows", "post-hoc", "--out", str(out), *tiny])
+    assert "'post-hoc 4' needs 'uniform static 4': add its row kind to --rows" in capsys.readouterr().err
+
+    summary = kcache_summary()
+    summary.main(["--results", str(out), "--out", str(tmp_path / "summary")])
+    shown = (tmp_path / "summary" / "summary.md").read_text()
+    assert f"+{100 * (uniform['loss'] / static['loss'] - 1):.2f} % (1 seed)".replace("+-", "-") in shown
+    assert "| 2layer | static 16 | 1 |" in shown and (tmp_path / "summary" / "loss_vs_kcache.png").stat().st_size > 0
+
+
+def test_the_kcache_summary_pairs_seeds_and_judges_by_standard_errors():
+    summary = kcache_summary()
+
+    def runs(losses, d_head=(2, 2), share=0.1):
+        return {str(s): {"loss": x, "d_head": list(d_head), "kcache_bytes": 16 * sum(d_head), "flops": 1.0,
+                         "time": {"statistics_share": share}} for s, x in enumerate(losses)}
+
+    results = {"runs": {"2layer": {"tiny": {
+        "grown 2": runs([1.0, 1.0], (3, 1)), "uniform static 2": runs([1.01, 1.02]),
+        "post-hoc 2": runs([0.98, 0.97]), "grown, no budget": runs([1.0, 1.1], (5, 5))}}}}
+    capacity = {"2layer": {"tiny": {str(s): {"static d_head 16": 0.9, "auto from d_head 1": {"loss": x}}
+                                    for s, x in enumerate([1.0, 1.05])}}}
+    text = summary.report(results, capacity)
+    below = [100 * (1 / 1.01 - 1), 100 * (1 / 1.02 - 1)]  # grown − uniform per seed
+    se = abs(below[0] - below[1]) / 2  # the standard error of two: |d₁ − d₂| / √2 / √2
+    # Below uniform by more than its s.e. (≤), above post-hoc by more than 2 s.e. (>): the goal is not met.
+    assert f"| {sum(below) / 2:+.2f} % ± {se:.2f} |" in text and "| ≤ / > |" in text
+    assert "| 2layer | tiny | 2 | 2 | 1.0000 |" in text and "| 12.5% | 10.0% |" in text  # (3 + 1) / 32
+    # No step back: the unbudgeted run is 0 % and +4.76 % above today's rule (mean +2.38 ± 2.38): within one s.e.
+    assert "| +2.38 % ± 2.38 | 31.2% | 10.0% | met |" in text
+    assert "| 2layer | tiny | grown 2 | 3.0 (3–3), 1.0 (1–1) |" in text
+    assert "- none: every static 16 loss comes from one source" in text
+    rerun = {"runs": {"2layer": {"tiny": {"static 16": runs([0.9001])}}}}
+    both = summary.merged([results, rerun])
+    assert "- 2layer tiny seed 0: 0.90010 here, 0.90000 there" in summary.report(both, capacity)
+    with pytest.raises(ValueError, match=r"2layer tiny 'static 16' seeds \['0'\] are in two of the results files"):
+        summary.merged([rerun, rerun])

@@ -167,7 +167,7 @@ def test_rotary_forms_without_shared_keys_grow_as_the_plain_form_appends(truncat
     torch.testing.assert_close(grown.discarded_energy, twin.discarded_energy, rtol=1e-9, atol=1e-14)
     assert grown.predicted_decrease == pytest.approx(twin.predicted_decrease, rel=1e-9, abs=1e-12)
     torch.testing.assert_close(g.column_gains(), plain.column_gains(), rtol=1e-9, atol=1e-14)
-    assert g.rank(0.05, E) == plain.rank(0.05, E) and g.score() == pytest.approx(plain.score(), rel=1e-12)
+    assert g.rank(0.05, E) == plain.rank(0.05, E)
 
 
 @pytest.mark.parametrize("truncation", ["euclidean", "whitened"])
@@ -286,13 +286,9 @@ def test_gqa_rank_stays_within_e_when_zero_key_columns_leave_a_wider_bottleneck(
     assert g.rank(1e-6, E) == E - D and g.rank(1e-6, E + 5) == E - D
 
 
-def test_gqa_score_is_the_plain_forms_score_and_is_linear_in_the_gradient():
+def test_gqa_gains_against_a_float32_gradient_are_rated_in_float64():
     g = grouped("natural", "whitened")
-    assert g.score() == pytest.approx(plain_twin(g, truncation="whitened").score(), rel=1e-12) and g.score() > 0
     n = statistics(seed=3).means().n
-    assert g.score(n) == pytest.approx(-float((n * g.direction("natural")).sum()), rel=1e-12)
-    # Another gradient may come in float32 (rated in float64 all the same).
-    assert g.score(n.float()) == pytest.approx(g.score(n.float().double()), rel=1e-12)
     torch.testing.assert_close(g.column_gains(n.float()), g.column_gains(n.float().double()), rtol=1e-12, atol=0)
 
 

@@ -19,7 +19,7 @@ GROUPS = {"growth": GrowthSettings, "statistics": StatisticsSettings, "step_sear
 def test_the_product_is_importable_from_the_top_level():
     callback = GrowAttentionCallback(AtSteps([100]), GrowthSettings(columns=2))
     assert callback.schedule.points[0].name == "step 100" and GrowAttentionLM.__module__ == "lit_growattn.module"
-    assert AutoSchedule().capacity is not None and AtEpochs([1]).capacity is None
+    assert AutoSchedule().splits_window and not AtEpochs([1]).splits_window
 
 
 def test_print_config_describes_every_growth_setting():
@@ -80,7 +80,23 @@ def test_an_old_flat_config_fails_with_the_new_spelling(tmp_path):
     GrowAttentionCallback(AtEpochs([2, 4]), GrowthSettings(columns=2), StatisticsSettings(16), StepSearch([0, 1]))
 
 
-def test_an_old_flat_option_on_the_command_line_fails_with_the_new_one():
-    with pytest.raises(ValueError, match=r"write --trainer.callbacks.init_args.schedule.init_args.threshold=…"):
-        main(["fit", "--config", str(REPO / "configs/recall_auto.yaml"),
-              "--trainer.callbacks.init_args.auto_threshold=1e-5"], run=False)
+def test_an_old_flat_automatic_config_is_spelled_with_the_budget(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(OLD.replace("grow_at_epochs: [2, 4], grow_by: 2, dynamic_rank: null",
+                               "schedule: auto, check_every: 10, patience: 2, grow_by: 4"))
+    with pytest.raises(ValueError, match="old flat form") as error:
+        main(["fit", "--config", str(old)], run=False)
+    spelled = yaml.safe_load(str(error.value).split("Write its init_args as:\n", 1)[1])
+    assert spelled["schedule"] == {"class_path": "lit_growattn.AutoSchedule",
+                                   "init_args": {"budget": None, "check_every": 10, "spend_until": 0.5}}
+    assert "growth" not in spelled  # grow_by was the old rule's cap, which the budget replaces
+
+
+@pytest.mark.parametrize("option, message", [
+    ("check_every=10", r"write --trainer.callbacks.init_args.schedule.init_args.check_every=…"),
+    ("auto_threshold=1e-5", r"AutoSchedule no longer takes auto_threshold: it now spends a K-cache budget"),
+])
+def test_an_old_flat_option_on_the_command_line_fails_with_the_new_one(option, message):
+    with pytest.raises(ValueError, match=message):
+        main(["fit", "--config", str(REPO / "configs/recall_auto.yaml"), f"--trainer.callbacks.init_args.{option}"],
+             run=False)

@@ -1,12 +1,14 @@
-"""SVD shrinking of a query/key form: exact at full rank, optimal below it (float64 references)."""
+"""SVD shrinking of a query/key form: exact at full rank, optimal below it (float64 references); the per-layer sizes
+under a K-cache budget against a brute-force optimum."""
 
+import itertools
 import math
 
 import pytest
 import torch
 
 from lit_growattn.growth.factorize import FAN_IN_FLOOR
-from lit_growattn.growth.shrink import shrink_form
+from lit_growattn.growth.shrink import allocate_ranks, shrink_form
 
 
 def form(h=3, e=6, d=4, seed=0, dtype=torch.float64):
@@ -92,3 +94,52 @@ def test_vanishing_pairs_get_the_floor_of_the_largest_singular_value(scale):
     assert (zero_k == 0).all() and torch.equal(discarded, torch.zeros(3, dtype=torch.float64))
     norms = zero_q.norm(dim=1)
     torch.testing.assert_close(norms, (FAN_IN_FLOOR / tau[:, None]).sqrt().expand(3, 2), rtol=1e-10, atol=0)
+
+
+def layer(d, seed, h=2, kv=None, e=5):
+    """One layer's forms: a single (w_q, w_k, log_tau) of head size d, with kv key heads (GQA when kv < h)."""
+    w_q, w_k, log_tau = form(h=h, e=e, d=d, seed=seed)
+    return [(w_q, w_k[: kv or h], log_tau)]
+
+
+def kept(layers, ranks) -> float:
+    """The energy the shrunk forms keep, from shrink_form: ‖M‖² − discarded, summed over layers and query heads (each
+    query head with its own copy of a shared key)."""
+    total = 0.0
+    for forms, r in zip(layers, ranks):
+        for w_q, w_k, log_tau in forms:
+            w_k = w_k.repeat_interleave(w_q.shape[0] // w_k.shape[0], dim=0)
+            _, _, discarded = shrink_form(w_q, w_k, log_tau, r)
+            total += float((bilinear(w_q, w_k, log_tau).square().sum((-2, -1)) - discarded).sum())
+    return total
+
+
+def brute_force(layers, budget, costs):
+    """The ranks (1 … d per layer) within the budget that keep the most energy, by trying them all."""
+    widths = [forms[0][0].shape[-1] for forms in layers]
+    within = [r for r in itertools.product(*(range(1, d + 1) for d in widths))
+              if sum(c * x for c, x in zip(costs, r)) <= budget]
+    return max(kept(layers, r) for r in within)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_allocation_keeps_the_most_energy_within_the_budget(seed):
+    layers = [layer(d, seed=10 * seed + i) for i, d in enumerate((4, 3, 4))]
+    layers[1][0][0].mul_(3.0)  # one layer's form is much larger: it should get more of the budget
+    for budget in range(6, 2 * 11 + 1):  # 2 key heads per layer: 6 values (1 column each) … every column (22)
+        ranks = allocate_ranks(layers, budget)
+        assert 2 * sum(ranks) <= budget and min(ranks) >= 1 and ranks <= [4, 3, 4]
+        assert kept(layers, ranks) == pytest.approx(brute_force(layers, budget, [2, 2, 2]), rel=1e-12)
+    assert allocate_ranks(layers, 1e9) == [4, 3, 4]  # never wider than the layer is
+
+
+def test_allocation_costs_a_column_per_key_head_and_never_exceeds_the_budget():
+    layers = [layer(4, seed=1, h=4, kv=1), layer(4, seed=2, h=4, kv=4), layer(3, seed=3, h=4, kv=2)]
+    for budget in range(7, 4 + 16 + 6 + 1):
+        ranks = allocate_ranks(layers, budget)
+        assert ranks[0] * 1 + ranks[1] * 4 + ranks[2] * 2 <= budget and min(ranks) >= 1
+        # What is left over buys no further column: every layer is full or its next column costs too much.
+        left = budget - (ranks[0] * 1 + ranks[1] * 4 + ranks[2] * 2)
+        assert all(r == d or left < cost for r, d, cost in zip(ranks, [4, 4, 3], [1, 4, 2]))
+    with pytest.raises(ValueError, match=r"below one column per layer \(7\): give at least 7"):
+        allocate_ranks(layers, 6)

@@ -11,7 +11,6 @@ from lit_growattn.attention.qk import QKForm
 from lit_growattn.growing.event import GrowthEvent, StepChoice, plan_growth
 from lit_growattn.growing.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth import FormStats, installed
-from lit_growattn.growth.capacity import CapacityRule
 from lit_growattn.settings import GrowthSettings, StepSearch
 from test_growth import F64, Problem
 
@@ -380,7 +379,7 @@ def test_plan_growth_sizes_by_columns_rank_threshold_or_later():
 def test_the_automatic_schedule_needs_the_halves():
     p = Problem(e=8, h=2, d=2)
     event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=rated_by(p), install=lambda g: None,
-                        broadcast=lambda obj: obj, capacity=CapacityRule(ratio=1e-9))
+                        broadcast=lambda obj: obj, allowance=4.0)
     with pytest.raises(ValueError, match="^the automatic schedule decides from the two halves of the window: pass `half`$"):
         event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)
 
@@ -397,18 +396,18 @@ def test_non_finite_statistics_change_nothing():
     assert installs == [] and p.form.d_head == 2
 
 
-def test_the_automatic_schedule_sizes_from_the_halves_and_rates_the_current_loss_once():
+def test_the_automatic_schedule_buys_from_the_halves_within_its_allowance():
     p = Problem(e=8, h=2, d=2)
     stats = p.stats("natural")
     half = FormStats.from_state_dict({k: v / 2 for k, v in stats.state_dict().items()})
-    calls, installs = [], []
-    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p, calls),
-                        install=installs.append, broadcast=lambda obj: obj,
-                        capacity=CapacityRule(ratio=1e-9, agreement=1e-9, spare_below=0.0))
-    record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
-    [decision] = record["decisions"]
-    assert decision["layer"] == 0 and decision["columns"] > 0
-    assert installs[0]["form"].w_q.shape[-1] == 2 + decision["columns"]
-    # The current loss is measured once, first; the step-size search reuses it instead of a forward of None.
-    assert calls[0] == [None] and all(c is not None for call in calls[1:] for c in call)
-    assert record["loss_before"] == pytest.approx(p.loss().item(), rel=1e-12)
+    for allowance, most in [(5.0, 2), (float("inf"), 6)]:  # a column costs the form's 2 heads; room for 6 below e = 8
+        calls, installs = [], []
+        event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p, calls),
+                            install=installs.append, broadcast=lambda obj: obj, allowance=allowance)
+        record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
+        [decision] = record["decisions"]
+        assert record["allowance"] == allowance and decision["cost"] == 2
+        # Equal halves fit no noise: every column that gains clears the floor, as many as the allowance pays for.
+        assert decision["columns"] == min(most, decision["above_floor"]) > 0
+        assert installs[0]["form"].w_q.shape[-1] == 2 + decision["columns"]
+        assert calls[0][0] is None and record["loss_before"] == pytest.approx(p.loss().item(), rel=1e-12)

@@ -20,8 +20,9 @@ GROUP_OF = {
     "alphas": ("step_search", "alphas"), "line_search_batches": ("step_search", "batches"),
     "line_search": ("step_search", "line_search"), "step_size": ("step_search", "rule"),
 }
-AUTO_OF = {"check_every": "check_every", "patience": "patience", "auto_threshold": "threshold"}
-FLAT = {*GROUP_OF, *AUTO_OF, "grow_at_epochs", "grow_at_steps"}
+FLAT = {*GROUP_OF, "check_every", "patience", "auto_threshold", "grow_at_epochs", "grow_at_steps"}
+# The automatic schedule's settings before its K-cache budget.
+OLD_AUTO = {"first_check", "patience", "threshold", "agreement", "pool", "min_fall", "spare_below"}
 MOVED = {"lit_growattn.hf.entropy": "lit_growattn.dint.entropy"}  # a class a config names, in its old module
 
 
@@ -33,9 +34,9 @@ def is_flat(init_args: dict[str, Any]) -> bool:
 def grouped(init_args: dict[str, Any]) -> dict[str, Any]:
     """The flat init_args in the grouped spelling."""
     auto = init_args.get("schedule") == "auto"
-    if auto:
+    if auto:  # the flat form's rule (patience, auto_threshold) is gone: the automatic schedule spends a budget now
         schedule = {"class_path": "lit_growattn.AutoSchedule",
-                    "init_args": {AUTO_OF[k]: v for k, v in init_args.items() if k in AUTO_OF}}
+                    "init_args": {"budget": None, "check_every": init_args.get("check_every", 50), "spend_until": 0.5}}
     elif init_args.get("grow_at_steps") is not None:
         schedule = {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": init_args["grow_at_steps"]}}
     else:
@@ -44,7 +45,9 @@ def grouped(init_args: dict[str, Any]) -> dict[str, Any]:
     for key, value in init_args.items():
         if key in GROUP_OF:
             group, name = GROUP_OF[key]
-            if key == "grow_by" and (auto or init_args.get("dynamic_rank") is not None):
+            if key == "grow_by" and auto:
+                continue  # a cap of the old rule: the budget bounds the widths now
+            if key == "grow_by" and init_args.get("dynamic_rank") is not None:
                 name = "max_columns"  # grow_by was a cap there
             out.setdefault(group, {})[name] = value
     return out
@@ -67,11 +70,32 @@ def refuse_old_config(args: list[str]) -> None:
                         "read; they are grouped now. Write its init_args as:\n"
                         + yaml.safe_dump(grouped(init_args), sort_keys=False, default_flow_style=None)
                     )
+                _refuse_old_auto(init_args.get("schedule"), path)
         prefix = "--trainer.callbacks.init_args."
         option = arg.removeprefix(prefix).split("=", 1)[0]
+        name = option.rsplit(".", 1)[-1]
+        if arg.startswith(prefix) and (option in ("patience", "auto_threshold") or option.startswith(
+                "schedule.init_args.") and name in OLD_AUTO):
+            raise ValueError(f"{arg}: {_auto_rewrite({name})}")
         if arg.startswith(prefix) and option in FLAT:
             raise ValueError(f"{arg}: GrowAttentionCallback's settings are grouped now; write "
                              f"{prefix}{_new_option(option)}=… (`fit --print_config=comments` lists them all)")
+
+
+def _refuse_old_auto(schedule: Any, where: str) -> None:
+    if isinstance(schedule, dict) and str(schedule.get("class_path", "")).endswith("AutoSchedule"):
+        if old := OLD_AUTO & set(schedule.get("init_args") or {}):
+            kept = {k: v for k, v in schedule["init_args"].items() if k not in OLD_AUTO}
+            raise ValueError(f"{where}: {_auto_rewrite(old)}. Write its init_args as:\n"
+                             + yaml.safe_dump({"budget": None, **kept, "spend_until": 0.5}, sort_keys=False,
+                                              default_flow_style=None))
+
+
+def _auto_rewrite(old: set[str]) -> str:
+    return (f"AutoSchedule no longer takes {', '.join(sorted(old))}: it now spends a K-cache budget (budget: the "
+            "mean query/key head size the growing layers may reach, null for none; check_every; spend_until: the "
+            "share of the run the budget is spread over), and growth.max_columns goes with the old rule too "
+            "(docs/capacity.md)")
 
 
 def _refuse_moved(text: str, where: str) -> None:
@@ -83,8 +107,8 @@ def _refuse_moved(text: str, where: str) -> None:
 def _new_option(option: str) -> str:
     if option in GROUP_OF:
         return ".".join(GROUP_OF[option])
-    if option in AUTO_OF:
-        return f"schedule.init_args.{AUTO_OF[option]}"
+    if option == "check_every":
+        return "schedule.init_args.check_every"
     return "schedule.init_args.epochs" if option == "grow_at_epochs" else "schedule.init_args.steps"
 
 

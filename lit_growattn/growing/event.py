@@ -19,8 +19,7 @@ from torch import Tensor
 
 from lit_growattn import growth
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth.capacity import (CapacityRule, Decision, decide, gated, key_components, needs_costs,
-                                          without_key_direction)
+from lit_growattn.growth import allocation
 from lit_growattn.settings import GrowthSettings, StepSearch
 
 LossOf = Callable[[Sequence[dict[str, growth.FormWeights] | None]], Tensor]
@@ -36,7 +35,7 @@ class StepChoice:
 def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSettings, line_search: str,
                 sized_later: bool, seed: int) -> growth.GrowthPlan:
     """The GrowthPlan of `forms` (layer, name, form) from their reduced statistics; forms of a layer grow together.
-    `sized_later`: the automatic schedule sizes each layer afterwards (`decide_sizes`), from this plan's bottlenecks."""
+    `sized_later`: the automatic schedule sizes each layer afterwards (`allocation.allocate`)."""
     layer_of = {name: layer for layer, name, _ in forms}
     if sized_later:
         grow_by = 0
@@ -53,23 +52,25 @@ def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSetti
     )
 
 
-def decide_sizes(plan: growth.GrowthPlan, forms: NamedForms, stats: list[growth.FormStats],
-                 half: list[growth.FormStats], s: GrowthSettings, rule: CapacityRule,
-                 earlier: dict[int, list[dict]]) -> list[Decision]:
-    """The automatic schedule's decision for every layer of `forms`, from the plan's bottlenecks and those of the
-    window's two halves (`half` and the rest of `stats`), pooled with the layer's `earlier` decisions."""
+def offers(forms: NamedForms, stats: list[growth.FormStats], half: list[growth.FormStats],
+           s: GrowthSettings) -> list[allocation.Offer]:
+    """What every layer of `forms` offers the automatic schedule: its candidate columns' gains, fitted on one half of
+    the window (`half`, and the rest of `stats`) and measured on the other, and their K-cache cost."""
     def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth | growth.GroupedGrowth]:
         return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation, size_by=s.size_by)
                 for (_, name, form), st in zip(forms, sums)}
 
     a, b = growths(half), growths([st - h for st, h in zip(stats, half)])
+    costs = allocation.column_costs((layer, form.w_k) for layer, _, form in forms)
     by_layer: dict[int, list[str]] = {}
     for layer, name, _ in forms:
         by_layer.setdefault(layer, []).append(name)
-    pick = lambda found, names: [found[n] for n in names]  # noqa: E731
-    return [decide(layer, pick(plan.forms, names), pick(a, names), pick(b, names), rule, s.max_d_head, s.cap(layer),
-                   earlier.get(layer, ()))
-            for layer, names in by_layer.items()]
+    found = []
+    for layer, names in by_layer.items():
+        first = a[names[0]]
+        room = max(0, min(s.max_d_head, first.e_in) - first.d_head)
+        found.append(allocation.offer(layer, [a[n] for n in names], [b[n] for n in names], costs[layer], room))
+    return found
 
 
 def choose_step_size(plan: growth.GrowthPlan, names: list[str], loss_of: LossOf, s: StepSearch,
@@ -143,8 +144,7 @@ class GrowthEvent:
     install: Callable[[dict[str, growth.Growth]], None]
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
     choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str, int], StepChoice] = choose_step_size
-    capacity: CapacityRule | None = None  # the automatic schedule's rule (None: the settings size the growth)
-    earlier: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # per layer, decisions the rule pools
+    allowance: float | None = None  # K-cache values per token the automatic schedule may buy (None: the settings size)
     terms: int = 1  # values (tokens) each rated loss averages: its round-off (trainer_ops.loss_terms)
 
     def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int,
@@ -153,30 +153,22 @@ class GrowthEvent:
         `half`: the sums of half the window's micro-batches, which the automatic schedule's decision needs.
         Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""
         clock = Stopwatch(forms[0][2].w_q.device)
-        plan = plan_growth(forms, stats, self.settings, self.search.line_search, self.capacity is not None, seed)
+        plan = plan_growth(forms, stats, self.settings, self.search.line_search, self.allowance is not None, seed)
         names = [name for _, name, _ in forms]
-        decisions = None
-        if self.capacity is not None:
-            current = self.loss_of([None])
-            loss = float(current[0])
-            # Rank 0's decisions on every rank, as for the grown tensors below.
+        decided = {}
+        if self.allowance is not None:
             if half is None:
                 raise ValueError("the automatic schedule decides from the two halves of the window: pass `half`")
-            sizes = decide_sizes(plan, forms, stats, half, self.settings, self.capacity, self.earlier)
-            decisions = self.broadcast([d.as_dict() for d in sizes])
-            if any(map(needs_costs, decisions)):
-                # Every rank measures (the losses are reduced across ranks); rank 0's verdicts are kept.
-                decisions = self.broadcast([gated(d, component_costs(forms, d["layer"], self.loss_of, current))
-                                            if needs_costs(d) else d for d in decisions])
-            columns = {d["layer"]: d["columns"] for d in decisions}
+            bought = allocation.allocate(offers(forms, stats, half, self.settings), self.allowance)
+            # Rank 0's decisions on every rank, as for the grown tensors below.
+            decided = {"allowance": self.allowance, "decisions": self.broadcast([o.as_dict() for o in bought])}
+            columns = {d["layer"]: d["columns"] for d in decided["decisions"]}
             plan = plan.resized({name: form.d_head + columns[layer] for layer, name, form in forms})
             if not any(columns.values()):
                 clock.lap("plan")
-                return {"alpha": None, "loss_before": loss, "loss_after": loss, "decisions": decisions,
-                        "timings": clock.seconds, "seconds": clock.total()}, {}
+                return {"alpha": None, **decided, "timings": clock.seconds, "seconds": clock.total()}, {}
         clock.lap("plan")
-        loss_of = self.loss_of if decisions is None else _knowing_current(self.loss_of, current)
-        choice = self.choose_step_size(plan, names, loss_of, self.search, self.settings.method, self.terms)
+        choice = self.choose_step_size(plan, names, self.loss_of, self.search, self.settings.method, self.terms)
         clock.lap("rating")
         # Rank 0's tensors for every rank, so replicas are bit-identical whatever the SVD did; through the CPU,
         # since a pickled CUDA tensor would land on rank 0's device.
@@ -193,34 +185,9 @@ class GrowthEvent:
             "discarded_energy": {name: g.discarded_energy.sum().item() for name, g in grown.items()},
             "timings": clock.seconds,
             "seconds": clock.total(),
+            **decided,
         }
-        if decisions is not None:
-            record["decisions"] = decisions
         return record, {name: g.spectrum for name, g in grown.items()}
-
-
-def component_costs(forms: NamedForms, layer: int, loss_of: LossOf, current: Tensor) -> list[float]:
-    """Loss increase on the kept batches (`current`: their loss as they are) without each query/key component
-    i < d_head of `layer`: the i-th of `capacity.key_components` projected out of the keys of every form of the
-    layer at once."""
-    named = {name: form for at, name, form in forms if at == layer}
-    keys = {name: key_components(form.w_q.detach(), form.w_k.detach(), form.log_tau.detach())
-            for name, form in named.items()}
-    d_head = next(iter(named.values())).w_q.shape[-1]
-    without = [{name: growth.FormWeights(form.w_q.detach(), without_key_direction(form.w_k.detach(), keys[name][:, i]),
-                                         form.log_tau.detach()) for name, form in named.items()} for i in range(d_head)]
-    return (loss_of(without) - current[0]).tolist()
-
-
-def _knowing_current(loss_of: LossOf, current: Tensor) -> LossOf:
-    """`loss_of` that answers the forms as they are (None) with `current` instead of another forward pass."""
-
-    def rated(candidates: Sequence[dict[str, growth.Growth] | None]) -> Tensor:
-        grown = [c for c in candidates if c is not None]
-        losses = iter(loss_of(grown) if grown else [])
-        return torch.stack([current[0] if c is None else next(losses) for c in candidates])
-
-    return rated
 
 
 def _to_cpu(g: growth.Growth) -> growth.Growth:

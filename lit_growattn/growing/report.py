@@ -3,6 +3,7 @@ TensorBoard scalars and figures, and the custom-scalar layout that groups them."
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import lightning as L
@@ -38,23 +39,19 @@ def grew(event: dict) -> bool:
     return not event["skipped"] and any(d["columns"] for d in event.get("decisions", [{"columns": 1}]))
 
 
-def decision_text(decisions: list[dict]) -> str:
-    """e.g. `layer 0 +2 of 15 (2 checks: ratios 3.1 0.9 0.2 vs 0.35, agreement 0.9 0.8 0.2 vs 0.35, shares 0.31 0.09
-    0.02, bottleneck 0.62)`: per layer the columns taken, the candidates, the checks pooled, the held-out gain of the
-    first few to the existing columns' gain and the agreement of the first 1, 2, … together, each against its bar,
-    their share of this window's held-out score, and the bottleneck's energy share; where the components were
-    measured, the least-used one's cost against its bar (`, least-used component 0.004 vs 0.03: 2 wanted, width to spare`)."""
-    parts = []
-    for d in decisions:
-        wanted = d.get("wanted", d["columns"])
-        shown = lambda xs: " ".join(f"{x:.2g}" for x in xs[: wanted + 2]) or "–"  # noqa: E731
-        spare = "" if d.get("least_used") is None else (
-            f", least-used component {d['least_used']:.2g} vs {d['spare_bar']:.2g}"
-            + (f": {wanted} wanted, width to spare" if d["columns"] < wanted else ""))
-        parts.append(f"layer {d['layer']} +{d['columns']} of {d['candidates']} ({d['pooled']} "
-                     f"check{'s' if d['pooled'] > 1 else ''}: ratios {shown(d['ratios'])} vs {d['bar']:.2g}, "
-                     f"agreement {shown(d['agreement'])} vs {d['agreement_bar']:.2g}, shares {shown(d['shares'])}, "
-                     f"bottleneck {d['bottleneck']:.2f}{spare})")
+def decision_text(event: dict) -> str:
+    """e.g. `allowance 16 values per token; layer 0 +2 of 3 above the floor (held-out gains 0.031 0.012 0.004 0.001
+    vs fitted noise 0.01 0.011 0.009 0.008, 4 values per column)`: what the automatic schedule could buy, and per
+    layer the columns bought, how many cleared the noise floor, and the first candidates' held-out gains against the
+    noise their half fitted (in-sample − held-out)."""
+    shown = lambda xs: " ".join(f"{x:.2g}" for x in xs) or "–"  # noqa: E731
+    allowance = event["allowance"]
+    parts = [f"allowance {allowance:.4g} values per token" if math.isfinite(allowance) else "no budget"]
+    for d in event["decisions"]:
+        first = slice(0, d["columns"] + 2)
+        noise = [seen - held for held, seen in zip(d["held_out"], d["in_sample"])]
+        parts.append(f"layer {d['layer']} +{d['columns']} of {d['above_floor']} above the floor (held-out gains "
+                     f"{shown(d['held_out'][first])} vs fitted noise {shown(noise[first])}, {d['cost']} values per column)")
     return "; ".join(parts)
 
 
@@ -62,7 +59,7 @@ def event_line(event: dict) -> str:
     """e.g. `growth at step 1200 (epoch 1): d_head 1→8 per layer, α=1/4, loss 2.70→2.41 on the kept batches, 0.4 s`;
     an automatic check adds its decision per layer (`decision_text`)."""
     where = f"growth at step {event['step']} (epoch {event['epoch']})"
-    decided = f"; {decision_text(event['decisions'])}" if "decisions" in event else ""
+    decided = f"; {decision_text(event)}" if "decisions" in event else ""
     if event["skipped"]:
         return f"{where}: skipped, {event['reason']}; d_head stays {event['d_head']}"
     if not grew(event):
@@ -89,17 +86,15 @@ def summary_table(history: list[dict]) -> str:
 
 def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
     metrics = {"growth/skipped": float(event["skipped"])}
+    if math.isfinite(event.get("allowance", math.inf)):
+        metrics["growth/auto/allowance"] = event["allowance"]
     for d in event.get("decisions", []):
         layer = d["layer"]
         metrics[f"growth/auto/columns/layer_{layer}"] = float(d["columns"])
-        metrics[f"growth/auto/first_ratio/layer_{layer}"] = d["ratios"][0] if d["ratios"] else 0.0
-        metrics[f"growth/auto/first_share/layer_{layer}"] = d["shares"][0] if d["shares"] else 0.0
-        metrics[f"growth/auto/first_agreement/layer_{layer}"] = d["agreement"][0] if d["agreement"] else 0.0
-        metrics[f"growth/auto/bottleneck/layer_{layer}"] = d["bottleneck"]
-        metrics[f"growth/auto/pooled_checks/layer_{layer}"] = float(d["pooled"])
-        metrics[f"growth/auto/bar/layer_{layer}"] = d["bar"]
-        if d.get("least_used") is not None:
-            metrics[f"growth/auto/least_used/layer_{layer}"] = d["least_used"]
+        metrics[f"growth/auto/above_floor/layer_{layer}"] = float(d["above_floor"])
+        if d["held_out"]:
+            metrics[f"growth/auto/first_gain/layer_{layer}"] = d["held_out"][0]
+            metrics[f"growth/auto/first_noise/layer_{layer}"] = d["in_sample"][0] - d["held_out"][0]
     if not grew(event):
         return metrics
     keys = ["sign_fallbacks", "predicted_decrease", "realised_decrease", "seconds"]
@@ -140,12 +135,11 @@ def add_layout(trainer: L.Trainer, n_layer: int) -> None:
             "discarded energy": ["Multiline", per_layer("discarded_energy")],
             "sign fallbacks and skips": ["Multiline", ["growth/sign_fallbacks", "growth/skipped"]],
             "seconds": ["Multiline", ["growth/seconds"]],
-            "automatic schedule: columns taken": ["Multiline", per_layer("auto/columns")],
-            "automatic schedule: first column's ratio to the existing columns vs bar": ["Multiline", [*per_layer("auto/first_ratio"), *per_layer("auto/bar")]],
-            "automatic schedule: checks pooled": ["Multiline", per_layer("auto/pooled_checks")],
-            "automatic schedule: first column's share of the held-out score": ["Multiline", per_layer("auto/first_share")],
-            "automatic schedule: first column's agreement": ["Multiline", per_layer("auto/first_agreement")],
-            "automatic schedule: bottleneck share": ["Multiline", per_layer("auto/bottleneck")],
+            "automatic schedule: columns bought and above the noise floor": ["Multiline", [
+                *per_layer("auto/columns"), *per_layer("auto/above_floor")]],
+            "automatic schedule: first column's held-out gain vs fitted noise": ["Multiline", [
+                *per_layer("auto/first_gain"), *per_layer("auto/first_noise")]],
+            "automatic schedule: allowance (K-cache values per token)": ["Multiline", ["growth/auto/allowance"]],
         },
         "training": {
             "loss": ["Multiline", ["train/loss", "val/loss"]],

@@ -11,10 +11,10 @@ statistics window is the `statistics.batches` micro-batches just before it.
 `Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
-`AutoSchedule` checks every `check_every` optimizer steps instead, and ends by itself: after `patience` checks in a
-row where no layer grew, provided the loss no longer falls fast (by less than `min_fall` of itself per check over
-those checks), or once every growing layer is at max_d_head. Its next point is read from the history alone (one
-record per check), so a resumed run continues exactly where it stopped.
+`AutoSchedule` checks every `check_every` optimizer steps instead, until `spend_until` of the run or until its
+K-cache budget is spent, and decides at each check which layers take how many columns. Its next point and its
+allowance are read from the history alone (one record per check), so a resumed run continues exactly where it
+stopped.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
-from lit_growattn.growth.capacity import CapacityRule, loss_fall
-from lit_growattn.settings import GrowthSettings, ScheduleKind
+from lit_growattn.settings import GrowthSettings, ScheduleKind, StatisticsSettings
 
 
 @dataclass(frozen=True)
@@ -73,15 +72,25 @@ class GrowthSchedule(abc.ABC):
 
     unit: Literal["epoch", "step"]
     kind: ScheduleKind  # kept in checkpoints: a run resumes with the kind it was written by
-    capacity: CapacityRule | None = None  # the rule that sizes each growth from its statistics (None: the settings do)
+    splits_window: bool = False  # whether each event needs its statistics window in two halves
 
     @abc.abstractmethod
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         """The next point without an event in the history (None: no more growth)."""
 
-    def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
-        """Learns the growing layers and their sizes (the settings were checked against the schedule's kind when the
-        callback was built: `GrowthSettings.check_schedule`)."""
+    def bind(self, settings: GrowthSettings, statistics: StatisticsSettings, layers: list[int], start_sizes: list[int],
+             costs: dict[int, int]) -> None:
+        """At setup: learns the growing layers, their sizes and the K-cache values per token one more column of each
+        costs (`costs`, by layer), and refuses what it cannot apply (the settings were checked against the schedule's
+        kind when the callback was built: `GrowthSettings.check_schedule`)."""
+
+    def allowance(self, history: list[dict]) -> float | None:
+        """The K-cache values per token the next event may add (None: the growth settings size each event)."""
+        return None
+
+    def summary(self, history: list[dict]) -> str | None:
+        """A line for the end of fit, if the schedule has something to say."""
+        return None
 
     def check_run(self, trainer, stats_batches: int) -> None:
         """At train start, before any work: refuses a run too short for the schedule (`trainer`: its counters)."""
@@ -167,85 +176,128 @@ class AtSteps(_FixedSchedule):
 
 
 class AutoSchedule(GrowthSchedule):
-    """A check every `check_every` optimizer steps, where each layer grows by its leading columns whose held-out
-    gains are each at least `threshold` of what the layer's existing columns can still gain and together at least
-    `agreement` of their in-sample gain (`lit_growattn.growth.capacity`). It ends after `patience` checks in a row
-    grow nothing while the loss falls by less than `min_fall` of itself per check (a near miss while training still
-    moves fast is never final), once every growing layer is at max_d_head, or when the next check would come at or
-    after the run's last step; no statistics are taken after that.
+    """Spends a K-cache budget where the statistics say it pays: a check every `check_every` optimizer steps until
+    `spend_until` of the run, where every growing layer offers its next query/key columns and the best, by held-out
+    first-order gain per K-cache value, are bought across layers while the check's allowance lasts
+    (`lit_growattn.growth.allocation`). The allowance spreads the budget evenly over the checks, so the widths follow
+    the run's length: all of it is available at the last check, and what earlier checks did not spend carries over.
+    A column is bought only above a noise floor measured on the same statistics, so a budget can stay unspent (the
+    summary at the end of fit says how much). After the last check, or once the budget is spent, no statistics are
+    taken and steps cost what plain steps cost.
 
     Args:
-        check_every: optimizer steps between checks.
-        first_check: optimizer step of the first check (None: check_every); at least one statistics window in.
-        patience: checks in a row without growth after which the schedule may end.
-        threshold: a column's held-out first-order gain must be at least this ratio to the gain the layer's
-            existing query/key columns can still make (SENN's expansion score ratio; scale-free).
-        agreement: at least this share of the columns' in-sample gain, taken together, must hold out on the
-            other half of the window (½: more signal than fitted noise).
-        pool: a layer's last `pool` checks at its current width are pooled as one window that many times larger
-            before they meet the bars, so one noisy window neither grows nor stops it (1: each check decides alone).
-        min_fall: the schedule may end only once the loss falls by less than this share of itself per check.
-        spare_below: a layer that the bars would grow takes no column while removing its least-used query/key
-            component raises the loss on the kept batches by less than this share of what an average component's
-            removal does: it has width to spare (0: not measured; then the bars alone decide).
+        budget: the K cache the grown model may use, as its mean query/key head size over the growing layers,
+            weighted by their key heads (KV heads under GQA), so that it is proportional to the K cache's bytes per
+            token: budget × (key heads of the growing layers) × bytes per value. null: no budget; every column above
+            the noise floor is bought, up to growth.max_d_head.
+        check_every: optimizer steps between checks (the statistics window is the `statistics.batches`
+            micro-batches before each).
+        spend_until: the share of the run's optimizer steps over which the budget is spread (in (0, 1]); the last
+            check comes at or before it.
     """
 
-    unit, kind = "step", "auto"
+    unit, kind, splits_window = "step", "auto", True
 
-    def __init__(self, check_every: int = 50, first_check: int | None = None, patience: int = 3,
-                 threshold: float = CapacityRule.ratio,
-                 agreement: float = CapacityRule.agreement, pool: int = CapacityRule.pool,
-                 min_fall: float = CapacityRule.min_fall, spare_below: float = CapacityRule.spare_below):
+    def __init__(self, budget: float | None = None, check_every: int = 50, spend_until: float = 0.5):
+        if budget is not None and not budget > 0:
+            raise ValueError(f"budget is a mean query/key head size (> 0), or null for no budget; got {budget}")
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
-        if first_check is not None and first_check <= 0:
-            raise ValueError(f"first_check is the optimizer step of the first check (≥ 1), got {first_check}")
-        if patience <= 0:
-            raise ValueError(f"patience must be a positive number of checks, got {patience}")
-        self.check_every, self.patience = check_every, patience
-        self.first_check = check_every if first_check is None else first_check
-        self.capacity = CapacityRule(threshold, agreement, pool, min_fall, spare_below)
-        # Learnt in `bind` and `check_run`: the growing layers, their limit, their sizes at the start, the last step.
-        self.layers: list[int] = []
+        if not 0 < spend_until <= 1:
+            raise ValueError(f"spend_until is a share of the run's optimizer steps in (0, 1], got {spend_until}")
+        self.budget, self.check_every, self.spend_until = budget, check_every, spend_until
+        # Learnt in `bind` and `check_run`: the growing layers' K-cache cost per column, their limit and sizes at the
+        # start, and the number of checks.
+        self.costs: dict[int, int] = {}
         self.max_d_head: int | None = None
         self.start_sizes: list[int] = []
-        self.end: int | None = None
+        self.checks: int | None = None
 
-    def bind(self, settings: GrowthSettings, layers: list[int], start_sizes: list[int]) -> None:
-        self.layers, self.max_d_head, self.start_sizes = layers, settings.max_d_head, start_sizes
+    def bind(self, settings: GrowthSettings, statistics: StatisticsSettings, layers: list[int], start_sizes: list[int],
+             costs: dict[int, int]) -> None:
+        if statistics.layers_per_event is not None and statistics.layers_per_event < len(layers):
+            raise ValueError(
+                f"AutoSchedule offers every growing layer's columns at each check, but statistics.layers_per_event="
+                f"{statistics.layers_per_event} covers {statistics.layers_per_event} of {len(layers)}: leave "
+                "layers_per_event unset with AutoSchedule (or bound memory with growth.layers), or use AtSteps")
+        self.costs, self.max_d_head, self.start_sizes = {i: costs[i] for i in layers}, settings.max_d_head, start_sizes
+        if self.budget is None:
+            return
+        start = self.cache(start_sizes) / sum(self.costs.values())
+        if self.budget < start:
+            raise ValueError(f"AutoSchedule(budget={self.budget}) is below the mean query/key head size the growing "
+                             f"layers start at ({start:.4g}): raise the budget, or start the model narrower")
+        if self.budget > self.max_d_head:
+            raise ValueError(f"AutoSchedule(budget={self.budget}) exceeds growth.max_d_head={self.max_d_head}, so it "
+                             "could never be spent: lower the budget (or raise max_d_head)")
 
     def check_run(self, trainer, stats_batches: int) -> None:
-        self.end = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
-        for name in ("check_every", "first_check"):
-            if getattr(self, name) * trainer.accumulate_grad_batches < stats_batches:
-                raise ValueError(
-                    f"{name}={getattr(self, name)} optimizer steps hold fewer than statistics.batches={stats_batches} "
-                    f"micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): raise {name} or "
-                    "lower statistics.batches"
-                )
+        steps = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        # A check needs a batch after it: none comes at the run's last step.
+        self.checks = min(int(self.spend_until * steps), int(steps) - 1) // self.check_every
+        if self.checks == 0:
+            warnings.warn(f"AutoSchedule checks every {self.check_every} optimizer steps until spend_until="
+                          f"{self.spend_until} of the run's {int(steps)}: no check fits, so nothing will grow; lower "
+                          "check_every or raise spend_until")
+        if self.check_every * trainer.accumulate_grad_batches < stats_batches:
+            raise ValueError(
+                f"check_every={self.check_every} optimizer steps hold fewer than statistics.batches={stats_batches} "
+                f"micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): raise check_every or "
+                "lower statistics.batches")
 
-    def finished(self, history: list[dict]) -> bool:
-        recent = history[-self.patience:]
-        if len(recent) == self.patience and all(e["d_head"] == e["d_head_before"] for e in recent):
-            fall = loss_fall(history, self.patience)
-            if fall is not None and fall < self.capacity.min_fall:
-                return True
-        sizes = history[-1]["d_head"] if history else self.start_sizes
-        return all(sizes[i] >= self.max_d_head for i in self.layers)
+    def cache(self, sizes: list[int]) -> int:
+        """K-cache values per token of the growing layers at `sizes` (one per layer of the model)."""
+        return sum(cost * sizes[layer] for layer, cost in self.costs.items())
+
+    def _sizes(self, history: list[dict]) -> list[int]:
+        return history[-1]["d_head"] if history else self.start_sizes
+
+    def _start(self, history: list[dict]) -> list[int]:
+        # A resumed model is built at its grown sizes: where the run started is in its history.
+        return history[0]["d_head_before"] if history else self.start_sizes
+
+    def spent(self, history: list[dict]) -> int:
+        return self.cache(self._sizes(history)) - self.cache(self._start(history))
+
+    def total(self, history: list[dict]) -> float:
+        """The K-cache values per token the budget adds to the run's start (inf: no budget)."""
+        if self.budget is None:
+            return float("inf")
+        return self.budget * sum(self.costs.values()) - self.cache(self._start(history))
+
+    def allowance(self, history: list[dict]) -> float:
+        checks_done = len(history) + 1  # counting the one about to happen
+        return self.total(history) * min(checks_done / self.checks, 1.0) - self.spent(history)
 
     def pending(self, history: list[dict]) -> GrowthPoint | None:
-        if self.finished(history):
+        sizes = self._sizes(history)
+        room = {layer for layer in self.costs if sizes[layer] < self.max_d_head}
+        affordable = any(self.costs[layer] <= self.total(history) - self.spent(history) for layer in room)
+        if len(history) >= self.checks or not affordable:
             return None
-        point = GrowthPoint("step", self.first_check + self.check_every * len(history))
-        return None if self.end is not None and point.at >= self.end else point
+        return GrowthPoint("step", self.check_every * (len(history) + 1))
+
+    def summary(self, history: list[dict]) -> str:
+        sizes, weight = self._sizes(history), sum(self.costs.values())
+        mean = self.cache(sizes) / weight
+        if self.budget is None:
+            return f"K cache: mean query/key head size {mean:.4g} (no budget), {self.cache(sizes)} values per token"
+        unspent = self.budget * weight - self.cache(sizes)
+        return (f"K-cache budget: mean query/key head size {mean:.4g} of {self.budget:.4g}, {self.cache(sizes)} of "
+                f"{self.budget * weight:.6g} values per token; {unspent:.6g} unspent")
 
 
 def check_same_schedule(state_dict: dict, kind: str) -> None:
     """A resumed run keeps its schedule kind: the other kind's history would be read as its own (an automatic
-    schedule would count a fixed run's growths, or skip catch-up checks without statistics, against `patience`)."""
+    schedule would count a fixed run's growths as its checks, and spend its budget by them). A run of the automatic
+    rule before the K-cache budget (its decisions have `ratios`) cannot continue under the budget's checks."""
     history = state_dict["history"]
     saved = state_dict.get("schedule") or (
         ("auto" if any("decisions" in e for e in history) else "fixed") if history else None)  # older checkpoints
+    if any("ratios" in d for e in history for d in e.get("decisions", ())):
+        raise ValueError("the checkpoint was written by the automatic schedule before its K-cache budget, whose checks "
+                         "this one cannot continue: start a new run from its weights with "
+                         "--model.init_args.init_from=CHECKPOINT")
     if saved is not None and saved != kind:
         named = {"fixed": "a fixed schedule (AtEpochs or AtSteps)", "auto": "the automatic schedule (AutoSchedule)"}
         raise ValueError(f"the checkpoint was written by a run with {named[saved]}, this one has {named[kind]}: resume "

@@ -8,8 +8,9 @@ grouped    GroupedGrowth: the same for forms with shared keys (GQA) or rotary co
 choices    the allowed values of every setting (one Literal each; the methods come from the registry).
 step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
-capacity   the automatic schedule's rule: predicted gain of each candidate column, calibrated.
-shrink     the closest form of a smaller head size (truncated SVD).
+allocation the automatic schedule's rule: held-out gain of each candidate column per K-cache value, bought
+           across layers within an allowance.
+shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
 """
 

@@ -151,12 +151,6 @@ class FormGrowth(FormShape):
         n = self.moments.n if n is None else n
         return -s * torch.einsum("hej,hef,hfj->hj", u, n.to(u.dtype), v)
 
-    def score(self, n: Tensor | None = None) -> float:
-        """First-order loss decrease −⟨N̄, ΔM⟩ of the whole direction at α = 1, summed over heads; against this form's
-        N̄ or a given one."""
-        n = self.moments.n if n is None else n
-        return -float((n.to(self.m.dtype) * self.direction(self.sizing_method)).sum())
-
     def grow(
         self,
         alpha: float,

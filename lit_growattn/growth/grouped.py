@@ -12,10 +12,9 @@ bottleneck's projections use M, and new columns are NoPE, for which N̄_j = Σ X
 - replace is refused: it would refactor the rotary columns (not one bilinear form of X), and one K factor cannot
   hold the SVDs of several heads' forms.
 The same `Growth` records as `factorize.FormGrowth`; `growth_for` picks the class for a form.
-The automatic schedule's quantities (`capacity`) per group: column j of group g is its shared K column v_j with
+The automatic schedule's gains (`allocation`) per group: column j of group g is its shared K column v_j with
 per-head Q parts u_{j,h}, so its first-order decrease at α = 1 is −σ_j Σ_{h in g} u_{j,h}ᵀ N̄_h v_j (`column_gains`),
-the whole direction's −Σ_h ⟨N̄_h, ΔM_h⟩ (`score`). Both are exact for the appended (NoPE) columns; the existing
-columns' share (`capacity`'s `existing` = score − Σ gains) counts the rotary columns at relative position 0, as M does.
+exact for the appended (NoPE) columns.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ class GroupedGrowth(FormShape):
     def column_gains(self, n: Tensor | None = None) -> Tensor:
         """First-order loss decrease −σ_j Σ_{h in group} u_{j,h}ᵀ N̄_h v_j of appending the group's bottleneck pair j
         at α = 1, per group (KV, e′), in the order `append` takes the pairs; against this form's N̄ or a given one
-        (H, e′, e′). Summed over groups it is the layer's gain of column j (`capacity.layer_gains`)."""
+        (H, e′, e′). Summed over groups it is the layer's gain of column j (`allocation.layer_gains`)."""
         u, s, v, _ = self.bottleneck(self.sizing_method)
         kv, e = self.w_k.shape[0], self.e_in
         n = self.moments.n if n is None else n
@@ -128,13 +127,6 @@ class GroupedGrowth(FormShape):
         v_heads = self.keys_per_head(self._cols(v, 1))
         per_head = torch.einsum("hej,hef,hfj->hj", u_heads, n.to(u.dtype), v_heads)
         return -s * per_head.reshape(kv, self.group, -1).sum(1)
-
-    def score(self, n: Tensor | None = None) -> float:
-        """First-order loss decrease −Σ_h ⟨N̄_h, ΔM_h⟩ of the whole direction at α = 1; against this form's N̄ or a
-        given one."""
-        n = self.moments.n if n is None else n
-        delta = self.direction(self.sizing_method)
-        return -float((n.to(delta.dtype) * delta).sum())
 
     def grow(self, alpha: float, d_new: int, *, mode: str = "append", temperature: str = "keep",
              generator: torch.Generator | None = None) -> Growth:

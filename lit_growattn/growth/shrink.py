@@ -5,9 +5,14 @@ truncated SVD U_r Σ_r V_rᵀ (Eckart–Young), so the shrunk form keeps τ and 
 W_Q′ = U_r (Σ_r/τ)^½, W_K′ = V_r (Σ_r/τ)^½. When r ≥ rank M nothing is lost. A pair whose singular value
 vanishes would be two zero columns, which never receive gradient; it becomes zero fan-in instead (Q column
 from U, K column zero), which leaves the function unchanged and lets the K column learn at once.
+
+`allocate_ranks` chooses the per-layer sizes to shrink to under a K-cache budget (the post-hoc allocation growth
+is compared with).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,3 +41,40 @@ def shrink_form(w_q: Tensor, w_k: Tensor, log_tau: Tensor, d_new: int) -> tuple[
     new_q = torch.where(live.unsqueeze(1), new_q, u[:, :, :d_new] * floor)
     discarded = s[:, d_new:].square().sum(-1)
     return new_q.to(w_q.dtype), new_k.to(w_k.dtype), discarded
+
+
+def allocate_ranks(layers: Sequence[Sequence[tuple[Tensor, Tensor, Tensor]]], budget: float) -> list[int]:
+    """Per-layer head sizes to shrink to within a K-cache budget, by SVD energy (Palu's and Eigen Attention's
+    post-hoc allocation).
+
+    layers: each layer's forms as (w_q, w_k, log_tau) (one for mha; the forms of a layer share its d_head).
+    budget: K-cache values per token, Σ_layers kv_l × d_l, where kv_l is the layer's key heads summed over its forms.
+    Every layer keeps at least one column; each further column goes, greedily, to the layer whose next singular
+    value adds the most energy per cache value: Σ over the layer's forms and query heads of σ_r² of
+    M = τ W_Q W_Kᵀ, which is what `shrink_form` keeps. A layer never exceeds its current d_head, and the budget is
+    never exceeded. With equal key heads per layer this is the optimum (each layer's gains fall with r); with
+    unequal ones it is the greedy knapsack. Under GQA the query heads sharing a key are rated one by one, an
+    upper bound on what a shared key keeps.
+    """
+    gains = [sum(_energy_per_column(*form) for form in forms) for forms in layers]
+    costs = [sum(w_k.shape[0] for _, w_k, _ in forms) for forms in layers]
+    spent = sum(costs)
+    if spent > budget:
+        raise ValueError(f"a budget of {budget} K-cache values per token is below one column per layer ({spent}): "
+                         f"give at least {spent}")
+    ranks = [1] * len(layers)
+    while True:
+        fits = [i for i, gain in enumerate(gains) if ranks[i] < len(gain) and spent + costs[i] <= budget]
+        if not fits:
+            return ranks
+        best = max(fits, key=lambda i: float(gains[i][ranks[i]]) / costs[i])
+        ranks[best] += 1
+        spent += costs[best]
+
+
+def _energy_per_column(w_q: Tensor, w_k: Tensor, log_tau: Tensor) -> Tensor:
+    """(d_head,) float64: σ_r² of τ W_Q W_Kᵀ summed over the query heads, r = 0 … d_head − 1."""
+    n_head, n_kv = w_q.shape[0], w_k.shape[0]
+    keys = w_k.detach().double().repeat_interleave(n_head // n_kv, dim=0)  # query head j reads key head j // group
+    m = log_tau.detach().double().exp()[:, None, None] * w_q.detach().double() @ keys.mT
+    return torch.linalg.svdvals(m)[:, : w_q.shape[-1]].square().sum(0)

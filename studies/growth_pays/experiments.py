@@ -5,15 +5,13 @@
     python studies/growth_pays/experiments.py --quick      # a smoke run: 1 seed, a few steps, 3 runs
     python studies/growth_pays/experiments.py --attention  # mha vs diff vs dint vs lowrank_dint (static),
                                                            # at about equal parameter count
-    python studies/growth_pays/experiments.py --capacity --text …  # the automatic schedule against static and
-                                                    # shrunk widths (studies/capacity/capacity_study.py)
 
 Every run is the project's own CLI config (configs/recall_grow.yaml or configs/text_grow.yaml) with
 overrides, trained in this process; static runs keep the config's callbacks except growth (the attention
 analysis of text_grow.yaml included). Writes OUT/experiments_<task>.md (the table, also printed), the results
 as OUT/experiments_<task>.json (each run with its task, every validation set and the attention entropy) and
 OUT/experiments_<task>_loss_vs_flops.png, OUT/experiments_<task>_d_head.png; OUT is --out, by default this
-folder (studies/capacity with --capacity).
+folder.
 """
 
 from __future__ import annotations
@@ -167,8 +165,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", help="run names to keep (e.g. 'static d_head 1' 'grow natural/append')")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, 3 runs, a few steps")
     parser.add_argument("--attention", action="store_true", help="compare attention variants instead of growth")
-    parser.add_argument("--capacity", action="store_true", help="the automatic schedule against static and shrunk "
-                        "widths (needs --text; --only picks among its rows)")
     parser.add_argument("--out", help="folder for the results (default: the study's own folder)")
     parser.add_argument("--from-json", nargs="+", help="re-render the table and plots from the results JSONs of "
                         "earlier runs, merged run by run (e.g. parallel invocations with different --only); pass "
@@ -176,13 +172,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides for every run, e.g. --trainer.max_epochs=4")
     args = parser.parse_args(argv)
 
-    if args.capacity:
-        sys.path.insert(0, str(STUDIES / "capacity"))  # the capacity study's rows, in its own folder
-        import capacity_study
-
-        args.out = args.out or str(STUDIES / "capacity")
-
-        return capacity_study.main(args, parser)
     task = "text" if args.text else "recall"
     config = TASKS[task][0]
     runs = attention_variants(task) if args.attention else variants(task)

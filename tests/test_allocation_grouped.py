@@ -1,6 +1,6 @@
-"""The automatic schedule's quantities on forms whose query heads share keys (GQA) or carry rotary columns
+"""The automatic schedule's gains on forms whose query heads share keys (GQA) or carry rotary columns
 (growth/grouped.py), float64: each group's column gain is the first-order loss change of actually appending that
-column, the score that of the whole direction, on a hand-built GQA form and on a tiny Llama (RoPE and GQA)."""
+column, on a hand-built GQA form and on a tiny Llama (RoPE and GQA)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_gqa_column_gains_are_the_first_order_change_of_appending_each_column(me
 
 
 @pytest.mark.parametrize("truncation", ["euclidean", "whitened"])
-def test_gqa_gains_add_up_to_the_prediction_of_growing_and_score_is_the_whole_direction(truncation):
+def test_gqa_gains_add_up_to_the_prediction_of_growing_and_are_linear_in_the_gradient(truncation):
     p = GroupedProblem()
     g = p.growth("natural", truncation)
     gains = g.column_gains()
@@ -99,14 +99,10 @@ def test_gqa_gains_add_up_to_the_prediction_of_growing_and_score_is_the_whole_di
         grown = g.grow(1.0, 2 + cols)
         assert not grown.fell_back
         assert float(gains[:, :cols].sum()) == pytest.approx(grown.predicted_decrease, rel=1e-9, abs=1e-14)
-    delta = g.direction("natural")
-    slope = central_slope(lambda a: float(p.loss_of_m(p.m() + a * delta)), 1e-4)
-    assert g.score() == pytest.approx(slope, rel=1e-6) and g.score() > 0
-    # Against another gradient both are linear in it (what the held-out halves of the window use).
+    # Against another gradient the gains are linear in it (what the held-out halves of the window use).
     n1, n2 = torch.randn(2, *g.moments.n.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
     gains_of = g.column_gains
     assert torch.allclose(gains_of(n1 + 2 * n2), gains_of(n1) + 2 * gains_of(n2), rtol=1e-12, atol=1e-14)
-    assert g.score(n1 + 2 * n2) == pytest.approx(g.score(n1) + 2 * g.score(n2), rel=1e-12)
     # The bottleneck's energy is per group, as the stacked SVD is.
     u, s, v, energy = g.bottleneck("natural")
     assert energy.shape == (2,) and (s.square().sum(-1) <= energy * (1 + 1e-12)).all()

@@ -1,0 +1,103 @@
+"""Where the query/key width goes under a K-cache budget: the automatic schedule's rule (docs/capacity.md).
+
+At each check every growing layer offers its next columns: the leading pairs of the SVD of its bottleneck ΔM⊥ =
+(I − P_Q)ΔM(I − P_K), the part of the direction ΔM that its current columns cannot express, in the order `append`
+takes them. Each column is rated by its first-order loss decrease per K-cache value it costs, and the best are bought
+across layers while the check's allowance lasts (`allocate`).
+
+Held out. The statistics window is split in two halves A and B (alternate micro-batches). The pairs fitted on one half
+are scored against the other half's score gradient N̄: with pair j of half X (σ_j, u_j, v_j),
+
+    g_j^{XY} = −σ_j u_jᵀ N̄^Y v_j,   the first-order decrease at α = 1 of appending pair j of X, measured on Y.
+
+Its held-out gain g_j = ½(g_j^{AB} + g_j^{BA}) carries no noise fitted on the half it is measured on, so in
+expectation it is the column's signal alone; its in-sample gain ĝ_j = ½(g_j^{AA} + g_j^{BB}) is that signal plus the
+noise the SVD fitted.
+
+Noise floor. A column is worth buying only when it gains, held out, more than the noise its own half fitted,
+g_j > max(ĝ_j − g_j, 0): the halves agree on more than they disagree. Both sides come from the same statistics, so nothing is
+calibrated to the loss's scale, the corpus or the learning rate. A layer's columns are bought in order, so its first
+column below the floor closes it for this check.
+
+Cost. A column of a layer adds one value per token to the K cache of every key head of the layer's forms (with GQA
+one per KV head, not per query head; DIFF's two maps both). Forms whose query heads share keys or carry rotary
+columns (`grouped.GroupedGrowth`) give their gains per group of heads, summed here over the layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from lit_growattn.growth.factorize import FormGrowth
+from lit_growattn.growth.grouped import GroupedGrowth
+
+Growths = Sequence[FormGrowth | GroupedGrowth]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One layer at one check: its head size, the K-cache values per token one more column costs, and per candidate
+    column (in the order they would be appended) the held-out and in-sample gains; `columns`: how many it bought."""
+
+    layer: int
+    d_head: int
+    cost: int
+    held_out: list[float]
+    in_sample: list[float]
+    columns: int = 0
+
+    @property
+    def above_floor(self) -> int:
+        """The leading columns that gain, held out, more than the noise their half fitted (g > max(ĝ − g, 0))."""
+        count = 0
+        for held, seen in zip(self.held_out, self.in_sample):
+            if not held > max(seen - held, 0.0):
+                break
+            count += 1
+        return count
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"above_floor": self.above_floor}
+
+
+def layer_gains(growths: Growths, n: Sequence[Tensor] | None = None) -> Tensor:
+    """(e′,) first-order decrease at α = 1 of appending column j to every head (every group of heads sharing keys)
+    of every form of one layer, against each form's own N̄ or the given ones (held out)."""
+    held = n if n is not None else [None] * len(growths)
+    return torch.stack([g.column_gains(h).sum(0) for g, h in zip(growths, held)]).sum(0)
+
+
+def offer(layer: int, a: Growths, b: Growths, cost: int, room: int) -> Offer:
+    """What `layer` offers: its forms' growths fitted on the halves `a` and `b` of the window, at most `room` columns."""
+    n_a, n_b = [g.moments.n for g in a], [g.moments.n for g in b]
+    held_out = (layer_gains(a, n_b) + layer_gains(b, n_a)) / 2
+    in_sample = (layer_gains(a) + layer_gains(b)) / 2
+    return Offer(layer, a[0].d_head, cost, held_out[:room].tolist(), in_sample[:room].tolist())
+
+
+def allocate(offers: Sequence[Offer], allowance: float) -> list[Offer]:
+    """The offers with the columns bought: repeatedly the next column above the floor with the largest held-out gain
+    per cache value, among the layers whose next column the remaining allowance pays for (ties: the lower layer)."""
+    bought = {o.layer: 0 for o in offers}
+    left = allowance
+    while True:
+        options = [(o.held_out[bought[o.layer]] / o.cost, -o.layer, o) for o in offers
+                   if bought[o.layer] < o.above_floor and o.cost <= left]
+        if not options:
+            return [Offer(**{**asdict(o), "columns": bought[o.layer]}) for o in offers]
+        *_, best = max(options, key=lambda option: option[:2])
+        bought[best.layer] += 1
+        left -= best.cost
+
+
+def column_costs(forms: Iterable[tuple[int, Tensor]]) -> dict[int, int]:
+    """Per layer, the K-cache values per token one more query/key column costs: the key heads (w_k's first
+    dimension) of every form of the layer, from (layer, w_k) pairs."""
+    costs: dict[int, int] = {}
+    for layer, w_k in forms:
+        costs[layer] = costs.get(layer, 0) + w_k.shape[0]
+    return costs
