@@ -2,13 +2,16 @@
 the sums a window folds against FormStats fed directly, a resumed window against an uninterrupted one, and the
 growth an event installs against the plan it was chosen from."""
 
+import time
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lit_growattn import growth
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.growing.event import GrowthEvent, StepChoice, plan_growth
+from lit_growattn.growing.event import GrowthEvent, StepChoice, Stopwatch, choose_step_size, plan_growth
 from lit_growattn.growing.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth import FormStats, installed
 from lit_growattn.growth.capacity import CapacityRule
@@ -412,3 +415,145 @@ def test_the_automatic_schedule_sizes_from_the_halves_and_rates_the_current_loss
     # The current loss is measured once, first; the step-size search reuses it instead of a forward of None.
     assert calls[0] == [None] and all(c is not None for call in calls[1:] for c in call)
     assert record["loss_before"] == pytest.approx(p.loss().item(), rel=1e-12)
+
+
+# -- choose_step_size and Stopwatch ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a CurvePlan hands out: how it is rated (`grow`: the truncated growth; `trial`: the full-rank
+    candidate of line_search='full_rank'), for which form and step, and the first-order prediction."""
+    kind: str
+    name: str
+    alpha: float
+    predicted_decrease: float
+
+
+class CurvePlan:
+    """Stands in for a GrowthPlan of forms "a" and "b": `loss_of` rates a candidate growth at α on a known curve
+    (float64), so that every step-size choice has an exact answer. `current`: the loss of the forms as they are
+    (None); `predicted(α)`: the first-order predicted decrease, shared 1 : 3 between the two forms."""
+
+    names = ["a", "b"]
+
+    def __init__(self, grown, trial=None, current=None, predicted=lambda a: a):
+        self.curves = {"grow": grown, "trial": trial or grown}
+        self.current = grown(0.0) if current is None else current
+        self.predicted, self.calls = predicted, []
+
+    def grow(self, name, alpha):
+        return self._candidate("grow", name, alpha)
+
+    def trial(self, name, alpha):
+        return self._candidate("trial", name, alpha)
+
+    def _candidate(self, kind, name, alpha):
+        return Candidate(kind, name, alpha, self.predicted(alpha) * {"a": 0.25, "b": 0.75}[name])
+
+    def at(self, kind, alpha):
+        """The candidate `loss_of` receives: every form at step α."""
+        return {n: self._candidate(kind, n, alpha) for n in self.names}
+
+    def loss_of(self, candidates):
+        self.calls.append(candidates)
+        losses = []
+        for grown in candidates:
+            if grown is None:
+                losses.append(self.current)
+                continue
+            assert sorted(grown) == self.names and all(g.name == n for n, g in grown.items())
+            [(kind, alpha)] = {(g.kind, g.alpha) for g in grown.values()}  # every form at the same step
+            losses.append(self.curves[kind](alpha))
+        return torch.tensor(losses, dtype=F64)
+
+    def choose(self, search, method="natural", terms=1):
+        return choose_step_size(self, self.names, self.loss_of, search, method, terms)
+
+
+def test_the_grid_rates_each_positive_candidate_once_and_takes_the_best():
+    plan = CurvePlan(lambda a: 1 - a + a**2)  # lowest at α = 1/2
+    with pytest.warns(UserWarning, match=r"^alphas \[0\.25, 0\.5, 1\.0\] has no 0"):
+        assert plan.choose(StepSearch(alphas=[1.0, 0.5, 0.25, 0.5])) == StepChoice(0.5, 1.0, 0.75)
+    assert plan.calls == [[None, plan.at("trial", 0.25), plan.at("trial", 0.5), plan.at("trial", 1.0)]]
+    # α = 0 keeps the function: its loss is the current one, measured once, never a forward pass of its own.
+    plan = CurvePlan(lambda a: 1 + a, current=1.0)
+    assert plan.choose(StepSearch(alphas=[0.0, 0.5, 1.0])) == StepChoice(0.0, 1.0, 1.0)
+    assert plan.calls == [[None, plan.at("trial", 0.5), plan.at("trial", 1.0)]]
+
+
+@pytest.mark.parametrize("line_search", ["low_rank", "full_rank"])
+def test_a_step_must_beat_alpha_zero_by_more_than_the_round_off_of_its_terms(line_search):
+    # The grown loss is lower by 1e-9 (relative): more than the round-off of one float64 value (2.2e-16), less
+    # than that of a mean of 1e16 values (1e8 · 2.2e-16). full_rank: the full-rank trial wins clearly, and the
+    # round-off decides between the truncated growth and α = 0.
+    grown = lambda a: 1 - 1e-9 * a  # noqa: E731
+    trial = (lambda a: 1 - a / 2) if line_search == "full_rank" else None
+    search = StepSearch(alphas=[0.0, 1.0], line_search=line_search)
+    assert CurvePlan(grown, trial).choose(search, terms=1).alpha == 1.0
+    assert CurvePlan(grown, trial).choose(search, terms=10**16) == StepChoice(0.0, 1.0, 1.0)
+
+
+def test_full_rank_rates_the_grid_before_truncation_then_checks_the_truncated_growth_against_alpha_zero():
+    trial = lambda a: 1 - a + a**2  # noqa: E731  (the full-rank candidates: lowest at α = 1/2)
+    search = StepSearch(alphas=[0.0, 0.25, 0.5, 1.0], line_search="full_rank")
+    kept = CurvePlan(lambda a: 1 - a / 4, trial)  # truncated, α = 1/2 still lowers the loss: taken
+    assert kept.choose(search) == StepChoice(0.5, 1.0, 0.875)
+    assert kept.calls == [[None, *(kept.at("trial", a) for a in (0.25, 0.5, 1.0))],
+                          [kept.at("grow", 0.0), kept.at("grow", 0.5)]]
+    dropped = CurvePlan(lambda a: 1 + a, trial)  # truncated, α = 1/2 raises it: α = 0 instead
+    assert dropped.choose(search) == StepChoice(0.0, 1.0, 1.0)
+
+
+def test_the_quadratic_rule_adds_the_fitted_minimiser_and_takes_it_when_it_wins():
+    # L(α) = 1 − α + 4α²: the slope 1 comes from the first-order prediction at the smallest positive candidate
+    # (1/16: 1/16 per unit α; further out the prediction bends, so another probe would give another slope), the
+    # curvature from the candidates up to the best measured one (1/16 alone), so α* = 1/(2·4) = 1/8.
+    plan = CurvePlan(lambda a: 1 - a + 4 * a**2, predicted=lambda a: a * (1 + (a - 1 / 16)))
+    search = StepSearch(alphas=[0.0, 1 / 16, 1 / 4, 1.0], rule="quadratic")
+    choice = plan.choose(search)
+    assert choice.alpha == pytest.approx(1 / 8, rel=1e-12)
+    assert (choice.loss_before, choice.loss_after) == (1.0, pytest.approx(1 - 1 / 8 + 4 / 64, rel=1e-12))
+    assert plan.calls[0] == [None, *(plan.at("trial", a) for a in (1 / 16, 1 / 4, 1.0))]
+    [[star]] = plan.calls[1:]
+    assert star == plan.at("grow", choice.alpha)
+    # The grid's best is kept when the fitted minimiser loses to it: with 20α³ more past α = 0.1, L(1/8) is above
+    # L(1/16).
+    plan = CurvePlan(lambda a: 1 - a + 4 * a**2 + 20 * a**3 * (a > 0.1))
+    assert plan.choose(search).alpha == 1 / 16 and len(plan.calls) == 2
+
+
+def test_the_quadratic_step_stays_within_the_grid_and_is_not_rated_twice():
+    # L(α) = 1 − α + α²/10: α* = 5 is past the largest candidate, 1/4, which is taken without another forward.
+    plan = CurvePlan(lambda a: 1 - a + a**2 / 10)
+    choice = plan.choose(StepSearch(alphas=[0.0, 1 / 16, 1 / 4], rule="quadratic"))
+    assert choice == StepChoice(0.25, 1.0, pytest.approx(1 - 0.25 + 0.0625 / 10, rel=1e-12))
+    assert len(plan.calls) == 1
+    # No descent predicted (slope ≤ 0): α* = 0, already a candidate.
+    plan = CurvePlan(lambda a: 1 + a, predicted=lambda a: -a)
+    assert plan.choose(StepSearch(alphas=[0.0, 0.5], rule="quadratic")) == StepChoice(0.0, 1.0, 1.0)
+    assert len(plan.calls) == 1
+
+
+@pytest.mark.parametrize("method", ["random", "zero"])
+def test_a_baseline_is_rated_once_beside_the_current_loss(method):
+    plan = CurvePlan(lambda a: 0.5 + a, current=2.0)  # α does not enter a baseline: grown at 0
+    assert plan.choose(StepSearch(alphas=[0.0, 0.5, 1.0]), method=method) == StepChoice(None, 2.0, 0.5)
+    assert plan.calls == [[None, plan.at("grow", 0.0)]]
+
+
+def test_the_stopwatch_times_each_piece_from_the_last_lap(monkeypatch):
+    clock_readings = iter([10.0, 12.5, 13.0, 20.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock_readings))
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    watch = Stopwatch(torch.device("cpu"))
+    watch.lap("plan")
+    watch.lap("rating")
+    assert watch.seconds == {"plan_s": 2.5, "rating_s": 0.5}
+    assert watch.total() == 10.0 and synced == []  # nothing to wait for on the CPU
+    # On CUDA every reading waits for the queued kernels first (here only recorded: no GPU needed).
+    clock_readings = iter([1.0, 4.0, 6.0])
+    gpu = torch.device("cuda", 1)
+    watch = Stopwatch(gpu)
+    watch.lap("apply")
+    assert watch.seconds == {"apply_s": 3.0} and watch.total() == 5.0 and synced == [gpu] * 3
