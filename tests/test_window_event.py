@@ -252,6 +252,33 @@ def test_a_window_of_the_other_schedule_kind_is_dropped():
     assert empty.stats is None and empty.event is None
 
 
+def test_a_window_saved_by_an_earlier_version_resumes_a_fixed_schedule():
+    forms, window = make_forms(), StatsWindow("gradient")
+    window_step(window, forms, 0, {0, 1}, keep={"ids": torch.tensor([3])})
+    state = window.state_dict(Ranks(), 1)
+    del state["halves"], state["gathered_with"]  # neither was saved before the automatic schedule
+    resumed = StatsWindow("gradient")
+    resumed.load_state_dict(state, rank=0, world=1)
+    for got, want in zip(resumed.stats, window.stats):
+        assert_stats_equal(got, want)
+    assert resumed.event == "e1" and resumed.half is None and resumed.gathered_with is None
+    assert [int(b["ids"]) for b in resumed.kept] == [3]
+    automatic = StatsWindow("gradient", halves=True)  # its sums hold no halves: that event is skipped
+    automatic.load_state_dict(state, rank=0, world=1)
+    assert automatic.stats is None and automatic.event is None
+
+
+def test_a_one_form_window_keeps_pinv_sums_in_both_halves():
+    forms, window = make_forms()[:1], StatsWindow("pinv", halves=True)
+    for k in range(2):
+        window_step(window, forms, k, {0}, weight=0.5)
+    pairs = [captured_reference(k, 0, 0.5) for k in range(2)]
+    for got, want in [(window.stats[0], reference_stats(pairs[0] + pairs[1], "pinv")),
+                      (window.half[0], reference_stats(pairs[0], "pinv"))]:
+        assert_stats_equal(got, want)
+        torch.testing.assert_close(got.pinv_sum, want.pinv_sum, rtol=1e-12, atol=1e-14)
+
+
 def test_a_window_resumed_under_other_settings_is_refused():
     forms, window = make_forms(), StatsWindow("gradient")
     window.check_resumed({"batches": 1})  # no window open
@@ -322,6 +349,22 @@ def test_the_event_installs_the_chosen_growth_and_records_what_it_did():
     assert p.loss(fresh).item() == pytest.approx(record["loss_after"], rel=1e-12)
 
 
+def test_when_no_step_wins_the_event_installs_alpha_zero_and_keeps_the_function():
+    p = Problem(e=8, h=2, d=2)
+    loss_before, installs = p.loss().item(), []
+
+    def every_step_loses(candidates):
+        return torch.tensor([loss_before if c is None else loss_before + 1 for c in candidates], dtype=F64)
+
+    event = GrowthEvent(GrowthSettings(columns=2), StepSearch(alphas=[0.0, 0.5, 1.0]), loss_of=every_step_loses,
+                        install=installs.append, broadcast=lambda obj: obj)
+    record, _ = event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)
+    assert (record["alpha"], record["loss_before"], record["loss_after"]) == (0.0, loss_before, loss_before)
+    grown = installs[0]["form"]
+    assert grown.w_q.shape[-1] == 4 and float(record["predicted_decrease"]) == 0.0
+    assert p.loss(p.installed(grown)).item() == pytest.approx(loss_before, rel=1e-12)
+
+
 def test_the_event_installs_what_the_broadcast_hands_every_rank():
     p = Problem(e=8, h=2, d=2)
     stats = p.stats("natural")
@@ -378,6 +421,48 @@ def test_plan_growth_sizes_by_columns_rank_threshold_or_later():
     assert plan_growth(forms, [stats], GrowthSettings(columns=[2]), "low_rank", False, 0).grow("form", 0.0).w_q.shape[-1] == 4
     capped = plan_growth(forms, [stats], GrowthSettings(rank_threshold=1e-9, max_columns=1), "low_rank", False, 0)
     assert capped.grow("form", 0.0).w_q.shape[-1] == 3
+
+
+THREE = [(0, "a", 0), (0, "b", 1), (1, "c", 2)]  # (layer, name, Problem seed): "a" and "b" share layer 0
+LAYER_OF = {name: layer for layer, name, _ in THREE}
+
+
+def plans_equal(x, y):
+    """The same head sizes, and the same growth and full-rank trial of every form at α = 1/2."""
+    if x.d_new != y.d_new:
+        return False
+    grown = [(p.grow(n, 0.5), p.trial(n, 0.5)) for p in (x, y) for n in x.d_new]
+    half = len(grown) // 2
+    return all(torch.equal(getattr(g, k), getattr(h, k)) for a, b in zip(grown[:half], grown[half:])
+               for g, h in zip(a, b) for k in ("w_q", "w_k", "log_tau"))
+
+
+@pytest.mark.parametrize("settings, line_search, matters, also", [
+    # rank_threshold sizes each form from its spectrum (natural ranks at 0.3: a 3, b 4, c 3), max_columns caps it
+    # per layer, and the forms of a layer take the largest.
+    (GrowthSettings(rank_threshold=0.3, max_columns=[5, 2]), "low_rank",
+     {"dynamic_rank": 0.3, "grow_by": {"a": 5, "b": 5, "c": 2}, "group_of": LAYER_OF.get}, {}),
+    (GrowthSettings(columns=3, max_d_head=4), "low_rank", {"max_d_head": 4}, {"grow_by": 3}),
+    (GrowthSettings(columns=2, mode="replace", temperature="rescale", truncation="whitened"), "full_rank",
+     {"mode": "replace", "temperature": "rescale", "truncation": "whitened", "line_search": "full_rank"},
+     {"grow_by": 2}),
+    # A baseline sized by another direction's spectrum (pinv ranks at 0.3: a 3, b 3, c 2; gradient's: 4, 2, 3).
+    (GrowthSettings(method="random", size_by="pinv", rank_threshold=0.3), "low_rank", {"size_by": "pinv"},
+     {"method": "random", "dynamic_rank": 0.3, "grow_by": None, "group_of": LAYER_OF.get}),
+])
+def test_plan_growth_hands_every_setting_to_the_plan(settings, line_search, matters, also):
+    problems = {name: Problem(seed=seed, e=8, h=2, d=2) for _, name, seed in THREE}
+    forms = [(layer, name, problems[name].form) for layer, name, _ in THREE]
+    stats = [problems[name].stats("pinv") for _, name, _ in THREE]
+
+    def build(**kwargs):
+        return growth.GrowthPlan.build({name: form for _, name, form in forms}, stats,
+                                       generator=torch.Generator().manual_seed(4), **kwargs)
+
+    planned = plan_growth(forms, stats, settings, line_search, sized_later=False, seed=4)
+    assert plans_equal(planned, build(**matters, **also))
+    for setting in matters:  # each of them changes the plan: the comparison above can fail
+        assert not plans_equal(planned, build(**{k: v for k, v in matters.items() if k != setting}, **also)), setting
 
 
 def test_the_automatic_schedule_needs_the_halves():
