@@ -2,13 +2,16 @@
 the sums a window folds against FormStats fed directly, a resumed window against an uninterrupted one, and the
 growth an event installs against the plan it was chosen from."""
 
+import time
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lit_growattn import growth
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.growing.event import GrowthEvent, StepChoice, plan_growth
+from lit_growattn.growing.event import GrowthEvent, StepChoice, Stopwatch, choose_step_size, plan_growth
 from lit_growattn.growing.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth import FormStats, installed
 from lit_growattn.settings import GrowthSettings, StepSearch
@@ -248,6 +251,33 @@ def test_a_window_of_the_other_schedule_kind_is_dropped():
     assert empty.stats is None and empty.event is None
 
 
+def test_a_window_saved_by_an_earlier_version_resumes_a_fixed_schedule():
+    forms, window = make_forms(), StatsWindow("gradient")
+    window_step(window, forms, 0, {0, 1}, keep={"ids": torch.tensor([3])})
+    state = window.state_dict(Ranks(), 1)
+    del state["halves"], state["gathered_with"]  # neither was saved before the automatic schedule
+    resumed = StatsWindow("gradient")
+    resumed.load_state_dict(state, rank=0, world=1)
+    for got, want in zip(resumed.stats, window.stats):
+        assert_stats_equal(got, want)
+    assert resumed.event == "e1" and resumed.half is None and resumed.gathered_with is None
+    assert [int(b["ids"]) for b in resumed.kept] == [3]
+    automatic = StatsWindow("gradient", halves=True)  # its sums hold no halves: that event is skipped
+    automatic.load_state_dict(state, rank=0, world=1)
+    assert automatic.stats is None and automatic.event is None
+
+
+def test_a_one_form_window_keeps_pinv_sums_in_both_halves():
+    forms, window = make_forms()[:1], StatsWindow("pinv", halves=True)
+    for k in range(2):
+        window_step(window, forms, k, {0}, weight=0.5)
+    pairs = [captured_reference(k, 0, 0.5) for k in range(2)]
+    for got, want in [(window.stats[0], reference_stats(pairs[0] + pairs[1], "pinv")),
+                      (window.half[0], reference_stats(pairs[0], "pinv"))]:
+        assert_stats_equal(got, want)
+        torch.testing.assert_close(got.pinv_sum, want.pinv_sum, rtol=1e-12, atol=1e-14)
+
+
 def test_a_window_resumed_under_other_settings_is_refused():
     forms, window = make_forms(), StatsWindow("gradient")
     window.check_resumed({"batches": 1})  # no window open
@@ -318,6 +348,22 @@ def test_the_event_installs_the_chosen_growth_and_records_what_it_did():
     assert p.loss(fresh).item() == pytest.approx(record["loss_after"], rel=1e-12)
 
 
+def test_when_no_step_wins_the_event_installs_alpha_zero_and_keeps_the_function():
+    p = Problem(e=8, h=2, d=2)
+    loss_before, installs = p.loss().item(), []
+
+    def every_step_loses(candidates):
+        return torch.tensor([loss_before if c is None else loss_before + 1 for c in candidates], dtype=F64)
+
+    event = GrowthEvent(GrowthSettings(columns=2), StepSearch(alphas=[0.0, 0.5, 1.0]), loss_of=every_step_loses,
+                        install=installs.append, broadcast=lambda obj: obj)
+    record, _ = event.run([(0, "form", p.form)], [p.stats("natural")], seed=0)
+    assert (record["alpha"], record["loss_before"], record["loss_after"]) == (0.0, loss_before, loss_before)
+    grown = installs[0]["form"]
+    assert grown.w_q.shape[-1] == 4 and float(record["predicted_decrease"]) == 0.0
+    assert p.loss(p.installed(grown)).item() == pytest.approx(loss_before, rel=1e-12)
+
+
 def test_the_event_installs_what_the_broadcast_hands_every_rank():
     p = Problem(e=8, h=2, d=2)
     stats = p.stats("natural")
@@ -376,6 +422,48 @@ def test_plan_growth_sizes_by_columns_rank_threshold_or_later():
     assert capped.grow("form", 0.0).w_q.shape[-1] == 3
 
 
+THREE = [(0, "a", 0), (0, "b", 1), (1, "c", 2)]  # (layer, name, Problem seed): "a" and "b" share layer 0
+LAYER_OF = {name: layer for layer, name, _ in THREE}
+
+
+def plans_equal(x, y):
+    """The same head sizes, and the same growth and full-rank trial of every form at α = 1/2."""
+    if x.d_new != y.d_new:
+        return False
+    grown = [(p.grow(n, 0.5), p.trial(n, 0.5)) for p in (x, y) for n in x.d_new]
+    half = len(grown) // 2
+    return all(torch.equal(getattr(g, k), getattr(h, k)) for a, b in zip(grown[:half], grown[half:])
+               for g, h in zip(a, b) for k in ("w_q", "w_k", "log_tau"))
+
+
+@pytest.mark.parametrize("settings, line_search, matters, also", [
+    # rank_threshold sizes each form from its spectrum (natural ranks at 0.3: a 3, b 4, c 3), max_columns caps it
+    # per layer, and the forms of a layer take the largest.
+    (GrowthSettings(rank_threshold=0.3, max_columns=[5, 2]), "low_rank",
+     {"dynamic_rank": 0.3, "grow_by": {"a": 5, "b": 5, "c": 2}, "group_of": LAYER_OF.get}, {}),
+    (GrowthSettings(columns=3, max_d_head=4), "low_rank", {"max_d_head": 4}, {"grow_by": 3}),
+    (GrowthSettings(columns=2, mode="replace", temperature="rescale", truncation="whitened"), "full_rank",
+     {"mode": "replace", "temperature": "rescale", "truncation": "whitened", "line_search": "full_rank"},
+     {"grow_by": 2}),
+    # A baseline sized by another direction's spectrum (pinv ranks at 0.3: a 3, b 3, c 2; gradient's: 4, 2, 3).
+    (GrowthSettings(method="random", size_by="pinv", rank_threshold=0.3), "low_rank", {"size_by": "pinv"},
+     {"method": "random", "dynamic_rank": 0.3, "grow_by": None, "group_of": LAYER_OF.get}),
+])
+def test_plan_growth_hands_every_setting_to_the_plan(settings, line_search, matters, also):
+    problems = {name: Problem(seed=seed, e=8, h=2, d=2) for _, name, seed in THREE}
+    forms = [(layer, name, problems[name].form) for layer, name, _ in THREE]
+    stats = [problems[name].stats("pinv") for _, name, _ in THREE]
+
+    def build(**kwargs):
+        return growth.GrowthPlan.build({name: form for _, name, form in forms}, stats,
+                                       generator=torch.Generator().manual_seed(4), **kwargs)
+
+    planned = plan_growth(forms, stats, settings, line_search, sized_later=False, seed=4)
+    assert plans_equal(planned, build(**matters, **also))
+    for setting in matters:  # each of them changes the plan: the comparison above can fail
+        assert not plans_equal(planned, build(**{k: v for k, v in matters.items() if k != setting}, **also)), setting
+
+
 def test_the_automatic_schedule_needs_the_halves():
     p = Problem(e=8, h=2, d=2)
     event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=rated_by(p), install=lambda g: None,
@@ -411,3 +499,145 @@ def test_the_automatic_schedule_buys_from_the_halves_within_its_allowance():
         assert decision["columns"] == min(most, decision["above_floor"]) > 0
         assert installs[0]["form"].w_q.shape[-1] == 2 + decision["columns"]
         assert calls[0][0] is None and record["loss_before"] == pytest.approx(p.loss().item(), rel=1e-12)
+
+
+# -- choose_step_size and Stopwatch ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a CurvePlan hands out: how it is rated (`grow`: the truncated growth; `trial`: the full-rank
+    candidate of line_search='full_rank'), for which form and step, and the first-order prediction."""
+    kind: str
+    name: str
+    alpha: float
+    predicted_decrease: float
+
+
+class CurvePlan:
+    """Stands in for a GrowthPlan of forms "a" and "b": `loss_of` rates a candidate growth at α on a known curve
+    (float64), so that every step-size choice has an exact answer. `current`: the loss of the forms as they are
+    (None); `predicted(α)`: the first-order predicted decrease, shared 1 : 3 between the two forms."""
+
+    names = ["a", "b"]
+
+    def __init__(self, grown, trial=None, current=None, predicted=lambda a: a):
+        self.curves = {"grow": grown, "trial": trial or grown}
+        self.current = grown(0.0) if current is None else current
+        self.predicted, self.calls = predicted, []
+
+    def grow(self, name, alpha):
+        return self._candidate("grow", name, alpha)
+
+    def trial(self, name, alpha):
+        return self._candidate("trial", name, alpha)
+
+    def _candidate(self, kind, name, alpha):
+        return Candidate(kind, name, alpha, self.predicted(alpha) * {"a": 0.25, "b": 0.75}[name])
+
+    def at(self, kind, alpha):
+        """The candidate `loss_of` receives: every form at step α."""
+        return {n: self._candidate(kind, n, alpha) for n in self.names}
+
+    def loss_of(self, candidates):
+        self.calls.append(candidates)
+        losses = []
+        for grown in candidates:
+            if grown is None:
+                losses.append(self.current)
+                continue
+            assert sorted(grown) == self.names and all(g.name == n for n, g in grown.items())
+            [(kind, alpha)] = {(g.kind, g.alpha) for g in grown.values()}  # every form at the same step
+            losses.append(self.curves[kind](alpha))
+        return torch.tensor(losses, dtype=F64)
+
+    def choose(self, search, method="natural", terms=1):
+        return choose_step_size(self, self.names, self.loss_of, search, method, terms)
+
+
+def test_the_grid_rates_each_positive_candidate_once_and_takes_the_best():
+    plan = CurvePlan(lambda a: 1 - a + a**2)  # lowest at α = 1/2
+    with pytest.warns(UserWarning, match=r"^alphas \[0\.25, 0\.5, 1\.0\] has no 0"):
+        assert plan.choose(StepSearch(alphas=[1.0, 0.5, 0.25, 0.5])) == StepChoice(0.5, 1.0, 0.75)
+    assert plan.calls == [[None, plan.at("trial", 0.25), plan.at("trial", 0.5), plan.at("trial", 1.0)]]
+    # α = 0 keeps the function: its loss is the current one, measured once, never a forward pass of its own.
+    plan = CurvePlan(lambda a: 1 + a, current=1.0)
+    assert plan.choose(StepSearch(alphas=[0.0, 0.5, 1.0])) == StepChoice(0.0, 1.0, 1.0)
+    assert plan.calls == [[None, plan.at("trial", 0.5), plan.at("trial", 1.0)]]
+
+
+@pytest.mark.parametrize("line_search", ["low_rank", "full_rank"])
+def test_a_step_must_beat_alpha_zero_by_more_than_the_round_off_of_its_terms(line_search):
+    # The grown loss is lower by 1e-9 (relative): more than the round-off of one float64 value (2.2e-16), less
+    # than that of a mean of 1e16 values (1e8 · 2.2e-16). full_rank: the full-rank trial wins clearly, and the
+    # round-off decides between the truncated growth and α = 0.
+    grown = lambda a: 1 - 1e-9 * a  # noqa: E731
+    trial = (lambda a: 1 - a / 2) if line_search == "full_rank" else None
+    search = StepSearch(alphas=[0.0, 1.0], line_search=line_search)
+    assert CurvePlan(grown, trial).choose(search, terms=1).alpha == 1.0
+    assert CurvePlan(grown, trial).choose(search, terms=10**16) == StepChoice(0.0, 1.0, 1.0)
+
+
+def test_full_rank_rates_the_grid_before_truncation_then_checks_the_truncated_growth_against_alpha_zero():
+    trial = lambda a: 1 - a + a**2  # noqa: E731  (the full-rank candidates: lowest at α = 1/2)
+    search = StepSearch(alphas=[0.0, 0.25, 0.5, 1.0], line_search="full_rank")
+    kept = CurvePlan(lambda a: 1 - a / 4, trial)  # truncated, α = 1/2 still lowers the loss: taken
+    assert kept.choose(search) == StepChoice(0.5, 1.0, 0.875)
+    assert kept.calls == [[None, *(kept.at("trial", a) for a in (0.25, 0.5, 1.0))],
+                          [kept.at("grow", 0.0), kept.at("grow", 0.5)]]
+    dropped = CurvePlan(lambda a: 1 + a, trial)  # truncated, α = 1/2 raises it: α = 0 instead
+    assert dropped.choose(search) == StepChoice(0.0, 1.0, 1.0)
+
+
+def test_the_quadratic_rule_adds_the_fitted_minimiser_and_takes_it_when_it_wins():
+    # L(α) = 1 − α + 4α²: the slope 1 comes from the first-order prediction at the smallest positive candidate
+    # (1/16: 1/16 per unit α; further out the prediction bends, so another probe would give another slope), the
+    # curvature from the candidates up to the best measured one (1/16 alone), so α* = 1/(2·4) = 1/8.
+    plan = CurvePlan(lambda a: 1 - a + 4 * a**2, predicted=lambda a: a * (1 + (a - 1 / 16)))
+    search = StepSearch(alphas=[0.0, 1 / 16, 1 / 4, 1.0], rule="quadratic")
+    choice = plan.choose(search)
+    assert choice.alpha == pytest.approx(1 / 8, rel=1e-12)
+    assert (choice.loss_before, choice.loss_after) == (1.0, pytest.approx(1 - 1 / 8 + 4 / 64, rel=1e-12))
+    assert plan.calls[0] == [None, *(plan.at("trial", a) for a in (1 / 16, 1 / 4, 1.0))]
+    [[star]] = plan.calls[1:]
+    assert star == plan.at("grow", choice.alpha)
+    # The grid's best is kept when the fitted minimiser loses to it: with 20α³ more past α = 0.1, L(1/8) is above
+    # L(1/16).
+    plan = CurvePlan(lambda a: 1 - a + 4 * a**2 + 20 * a**3 * (a > 0.1))
+    assert plan.choose(search).alpha == 1 / 16 and len(plan.calls) == 2
+
+
+def test_the_quadratic_step_stays_within_the_grid_and_is_not_rated_twice():
+    # L(α) = 1 − α + α²/10: α* = 5 is past the largest candidate, 1/4, which is taken without another forward.
+    plan = CurvePlan(lambda a: 1 - a + a**2 / 10)
+    choice = plan.choose(StepSearch(alphas=[0.0, 1 / 16, 1 / 4], rule="quadratic"))
+    assert choice == StepChoice(0.25, 1.0, pytest.approx(1 - 0.25 + 0.0625 / 10, rel=1e-12))
+    assert len(plan.calls) == 1
+    # No descent predicted (slope ≤ 0): α* = 0, already a candidate.
+    plan = CurvePlan(lambda a: 1 + a, predicted=lambda a: -a)
+    assert plan.choose(StepSearch(alphas=[0.0, 0.5], rule="quadratic")) == StepChoice(0.0, 1.0, 1.0)
+    assert len(plan.calls) == 1
+
+
+@pytest.mark.parametrize("method", ["random", "zero"])
+def test_a_baseline_is_rated_once_beside_the_current_loss(method):
+    plan = CurvePlan(lambda a: 0.5 + a, current=2.0)  # α does not enter a baseline: grown at 0
+    assert plan.choose(StepSearch(alphas=[0.0, 0.5, 1.0]), method=method) == StepChoice(None, 2.0, 0.5)
+    assert plan.calls == [[None, plan.at("grow", 0.0)]]
+
+
+def test_the_stopwatch_times_each_piece_from_the_last_lap(monkeypatch):
+    clock_readings = iter([10.0, 12.5, 13.0, 20.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock_readings))
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    watch = Stopwatch(torch.device("cpu"))
+    watch.lap("plan")
+    watch.lap("rating")
+    assert watch.seconds == {"plan_s": 2.5, "rating_s": 0.5}
+    assert watch.total() == 10.0 and synced == []  # nothing to wait for on the CPU
+    # On CUDA every reading waits for the queued kernels first (here only recorded: no GPU needed).
+    clock_readings = iter([1.0, 4.0, 6.0])
+    gpu = torch.device("cuda", 1)
+    watch = Stopwatch(gpu)
+    watch.lap("apply")
+    assert watch.seconds == {"apply_s": 3.0} and watch.total() == 5.0 and synced == [gpu] * 3

@@ -59,16 +59,18 @@ class StatsWindow:
     """Pending statistics of the next growth event, tagged with its name; `state_dict` survives checkpoints.
     With `halves`, `half` holds the sums of every other micro-batch of each form (`fold_captured`)."""
 
+    event: str | None
+    stats: list[growth.FormStats] | None
+    half: list[growth.FormStats] | None
+    kept: list[Any]  # batches kept for the step-size evaluations, as the dataloader yields them
+    reduced: bool  # the sums are already summed over ranks (the window has closed)
+    # The settings that decide what the sums and kept batches hold (statistics.batches,
+    # accumulate_grad_batches, …), as the window began: a run resumed inside it must have the same.
+    gathered_with: dict[str, Any] | None
+
     def __init__(self, method: str, halves: bool = False):
         self.method, self.halves = method, halves
-        self.event: str | None = None
-        self.stats: list[growth.FormStats] | None = None
-        self.half: list[growth.FormStats] | None = None
-        self.kept: list[Any] = []  # batches kept for the step-size evaluations, as the dataloader yields them
-        self.reduced = False  # the sums are already summed over ranks (the window has closed)
-        # The settings that decide what the sums and kept batches hold (statistics.batches,
-        # accumulate_grad_batches, …), as the window began: a run resumed inside it must have the same.
-        self.gathered_with: dict[str, Any] | None = None
+        self.clear()
 
     def clear(self) -> None:
         self.event, self.stats, self.half, self.kept, self.reduced, self.gathered_with = None, None, None, [], False, None
