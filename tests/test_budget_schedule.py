@@ -1,0 +1,86 @@
+"""AutoSchedule's K-cache budget, unit by unit: the allowance spread over the checks, the checks' steps, the cost of
+a column per key head, the end, the summary, and the settings it refuses (fast: in the mutation selection)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings
+from lit_growattn.settings import StatisticsSettings
+
+
+def bound(budget=4.0, check_every=10, spend_until=0.5, steps=100, costs=None, start=None, max_d_head=16):
+    """An AutoSchedule bound to two growing layers (4 key heads each, d_head 1) of a run of `steps` steps."""
+    schedule = AutoSchedule(budget, check_every, spend_until)
+    costs = costs or {0: 4, 1: 4}
+    schedule.bind(GrowthSettings(max_d_head=max_d_head), StatisticsSettings(), sorted(costs),
+                  start or [1] * len(costs), costs)
+    schedule.check_run(SimpleNamespace(max_steps=steps, accumulate_grad_batches=1), stats_batches=8)
+    return schedule
+
+
+def check(before, after):
+    return {"d_head_before": before, "d_head": after}
+
+
+def test_the_budget_is_spread_evenly_over_the_checks_and_unspent_allowance_carries_over():
+    schedule = bound()  # 5 checks (steps 10 … 50); 4 × 8 − 8 = 24 values per token to spend
+    assert schedule.checks == 5 and schedule.total([]) == 24
+    assert schedule.allowance([]) == pytest.approx(24 / 5)
+    one = [check([1, 1], [2, 1])]  # spent 4 at the first check
+    assert schedule.allowance(one) == pytest.approx(2 * 24 / 5 - 4)
+    idle = [check([1, 1], [1, 1])] * 4  # nothing spent in four checks: the last has the whole budget
+    assert schedule.allowance(idle) == pytest.approx(24)
+    assert [schedule.pending([check([1, 1], [1, 1])] * n).at for n in range(5)] == [10, 20, 30, 40, 50]
+    assert schedule.pending(idle + [check([1, 1], [1, 1])]) is None  # spend_until reached: no sixth check
+    assert schedule.pending([check([1, 1], [4, 4])]) is None  # the budget is spent
+    # A resumed run's model starts at its grown sizes: the budget still counts from where the run started.
+    schedule.start_sizes = [2, 1]
+    assert schedule.total(one) == 24 and schedule.allowance(one) == pytest.approx(2 * 24 / 5 - 4)
+    assert "4 of 4, 32 of 32 values per token; 0 unspent" in schedule.summary([check([1, 1], [4, 4])])
+    assert "mean query/key head size 2.5 of 4" in schedule.summary([check([1, 1], [3, 2])])
+    assert "; 12 unspent" in schedule.summary([check([1, 1], [3, 2])])
+
+
+def test_a_budget_is_counted_in_key_heads_so_a_gqa_layer_costs_its_kv_heads():
+    # Layer 0: 8 key heads (mha); layer 1: 2 (GQA). Budget mean 3 over 10 key heads: 30 values, 10 at the start.
+    schedule = bound(budget=3, costs={0: 8, 1: 2}, max_d_head=4)
+    assert schedule.total([]) == 20
+    assert schedule.cache([3, 3]) == 30 and schedule.pending([check([1, 1], [3, 3])]) is None  # spent
+    assert schedule.pending([check([1, 1], [3, 2])]) is not None  # 28 of 30: a GQA column (2 values) still fits
+    assert schedule.pending([check([1, 1], [2, 3])]) is not None  # 22 of 30: an mha column (8) fits exactly
+    assert schedule.pending([check([1, 1], [2, 4])]) is None  # 24 of 30: it does not, and layer 1 is at max_d_head
+
+
+def test_no_budget_buys_until_spend_until_and_max_d_head():
+    schedule = bound(budget=None, max_d_head=4)
+    assert schedule.allowance([]) == float("inf")
+    assert schedule.pending([check([1, 1], [4, 3])]).at == 20
+    assert schedule.pending([check([1, 1], [4, 4])]) is None  # every layer at max_d_head
+    assert "(no budget)" in schedule.summary([check([1, 1], [4, 3])])
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: AutoSchedule(budget=0), "budget is a mean query/key head size"),
+    (lambda: AutoSchedule(check_every=0), "check_every must be a positive number of optimizer steps"),
+    (lambda: AutoSchedule(spend_until=0), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
+    (lambda: AutoSchedule(spend_until=1.5), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
+    (lambda: bound(budget=0.5), r"budget=0.5\) is below the mean query/key head size the growing layers start at \(1\)"),
+    (lambda: bound(budget=17), "exceeds growth.max_d_head=16, so it could never be spent"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(rank_threshold=0.5)),
+     "leave growth.rank_threshold out"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(columns=2)), "leave growth.columns out"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(max_columns=2)), "leave growth.max_columns out"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(mode="replace")), "use growth.mode='append'"),
+])
+def test_bad_auto_settings_fail_with_message(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_a_run_too_short_for_a_check_warns_that_nothing_will_grow():
+    with pytest.warns(UserWarning, match="until spend_until=0.5 of the run's 100: no check fits, so nothing will grow"):
+        schedule = bound(check_every=60)
+    assert schedule.pending([]) is None
+
+
