@@ -9,13 +9,14 @@ from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings
 from lit_growattn.settings import StatisticsSettings
 
 
-def bound(budget=4.0, check_every=10, spend_until=0.5, steps=100, costs=None, start=None, max_d_head=16):
+def bound(budget=4.0, check_every=10, spend_until=0.5, steps=100, costs=None, start=None, max_d_head=16,
+          statistics=StatisticsSettings(), accumulate=1, stats_batches=8):
     """An AutoSchedule bound to two growing layers (4 key heads each, d_head 1) of a run of `steps` steps."""
     schedule = AutoSchedule(budget, check_every, spend_until)
     costs = costs or {0: 4, 1: 4}
-    schedule.bind(GrowthSettings(max_d_head=max_d_head), StatisticsSettings(), sorted(costs),
-                  start or [1] * len(costs), costs)
-    schedule.check_run(SimpleNamespace(max_steps=steps, accumulate_grad_batches=1), stats_batches=8)
+    schedule.bind(GrowthSettings(max_d_head=max_d_head), statistics, sorted(costs), start or [1] * len(costs), costs)
+    trainer = SimpleNamespace(max_steps=steps, estimated_stepping_batches=1000, accumulate_grad_batches=accumulate)
+    schedule.check_run(trainer, stats_batches=stats_batches)
     return schedule
 
 
@@ -84,3 +85,52 @@ def test_a_run_too_short_for_a_check_warns_that_nothing_will_grow():
     assert schedule.pending([]) is None
 
 
+
+
+def test_checks_come_every_check_every_steps_and_the_last_leaves_a_batch_after_it():
+    schedule = bound()
+    point = schedule.pending([])
+    assert (point.unit, point.at, point.name) == ("step", 10, "step 10")
+    assert bound(check_every=50, spend_until=1.0).checks == 1  # a check at step 100 of 100 would never run
+    assert bound(check_every=99, spend_until=1.0).checks == 1  # step 99 does
+    assert bound(steps=-1).checks == 50  # no max_steps: the estimate from the epochs (1000 steps here)
+    with pytest.warns(UserWarning, match="no check fits"):
+        assert bound(steps=1).checks == 0
+    assert bound(check_every=1, spend_until=1.0, stats_batches=1).checks == 99
+
+
+def test_the_whole_budget_is_the_limit_once_the_checks_are_over():
+    schedule = bound()
+    idle = [check([1, 1], [1, 1])] * 5
+    assert schedule.allowance(idle) == pytest.approx(24)  # a sixth check (there is none) would get no more
+
+
+def test_a_resumed_run_counts_its_budget_from_where_it_started():
+    schedule = bound(start=[2, 2])  # the resumed model is built at its grown sizes
+    grown = [check([1, 1], [4, 3])]  # 28 of 32 values: 4 left, exactly one more column
+    assert schedule.total(grown) == 24 and schedule.spent(grown) == 20
+    assert schedule.pending(grown).at == 20
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(budget=1.0),  # exactly the width the layers start at
+    dict(budget=16.0),  # exactly max_d_head
+    dict(check_every=1, spend_until=1.0, stats_batches=1),
+    dict(statistics=StatisticsSettings(layers_per_event=2)),  # every growing layer at each event
+    dict(check_every=4, accumulate=2, stats_batches=8),  # 4 steps of 2 micro-batches hold the window exactly
+])
+def test_settings_at_their_bounds_are_accepted(kwargs):
+    assert bound(**kwargs).checks >= 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(statistics=StatisticsSettings(layers_per_event=1)),
+     r"^AutoSchedule offers every growing layer's columns at each check, but statistics.layers_per_event=1 covers 1 "
+     r"of 2: leave layers_per_event unset with AutoSchedule \(or bound memory with growth.layers\), or use AtSteps$"),
+    (dict(check_every=3, accumulate=2, stats_batches=8),
+     r"^check_every=3 optimizer steps hold fewer than statistics.batches=8 micro-batches \(accumulate_grad_batches=2\): "
+     r"raise check_every or lower statistics.batches$"),
+])
+def test_what_the_run_cannot_apply_is_refused_before_training(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        bound(**kwargs)

@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from lit_growattn import growth
+from lit_growattn.growth import allocation
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.growing.event import GrowthEvent, StepChoice, Stopwatch, choose_step_size, plan_growth
+from lit_growattn.growing.event import GrowthEvent, StepChoice, Stopwatch, choose_step_size, offers, plan_growth
 from lit_growattn.growing.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth import FormStats, installed
 from lit_growattn.settings import GrowthSettings, StepSearch
@@ -641,3 +642,24 @@ def test_the_stopwatch_times_each_piece_from_the_last_lap(monkeypatch):
     watch = Stopwatch(gpu)
     watch.lap("apply")
     assert watch.seconds == {"apply_s": 3.0} and watch.total() == 5.0 and synced == [gpu] * 3
+
+
+def test_offers_fit_each_half_with_the_growth_settings_and_measure_it_on_the_other():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    sums = stats.state_dict()
+    # Unequal halves: a third of the window in one, the rest in the other.
+    half = FormStats.from_state_dict({k: v / 3 for k, v in sums.items()})
+    settings = GrowthSettings(method="random", size_by="natural", truncation="whitened", max_d_head=6)
+    [found] = offers([(0, "form", p.form)], [stats], [half], settings)
+    a = [growth.growth_for(p.form, half.means(), "random", truncation="whitened", size_by="natural")]
+    b = [growth.growth_for(p.form, (stats - half).means(), "random", truncation="whitened", size_by="natural")]
+    expected = allocation.offer(0, a, b, cost=2, room=4)
+    assert (found.layer, found.d_head, found.cost) == (0, 2, 2)
+    assert found.held_out == pytest.approx(expected.held_out, rel=1e-12)
+    assert found.in_sample == pytest.approx(expected.in_sample, rel=1e-12)
+    # Other settings fit other columns: the offer follows them.
+    other = offers([(0, "form", p.form)], [stats], [half], GrowthSettings(max_d_head=6))[0]
+    assert other.held_out != pytest.approx(found.held_out, rel=1e-6)
+    # A layer at max_d_head offers nothing.
+    assert offers([(0, "form", p.form)], [stats], [half], GrowthSettings(max_d_head=2))[0].held_out == []
