@@ -1,6 +1,6 @@
 """AutoSchedule in training runs: spends its K-cache budget over its checks and never more, takes no statistics once
 done, grows nothing without gain, resumes with the same decisions from checkpoints written by the CLI, refuses the
-old rule's settings; the shipped auto configs grow (its unit tests: tests/test_budget_schedule.py)."""
+old rule's settings; the shipped auto configs grow (its unit tests: tests/test_schedules.py)."""
 
 
 import pytest

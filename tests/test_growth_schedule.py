@@ -4,9 +4,7 @@ written by the CLI at every step (bit-equal to the uninterrupted run), `grow_at_
 import pytest
 import torch
 
-from lit_growattn import AtEpochs, AtSteps
 from lit_growattn.commands.cli import main
-from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule
 
 from conftest import REPO
 
@@ -90,39 +88,6 @@ def test_grow_at_steps_with_accumulation_grows_between_windows_and_resumes(tmp_p
         ("step 4", 4, 1, 2), ("step 8", 8, 2, 4)]
     # step=7.ckpt lies inside the second window (epoch 2, batches 1, 2, 3).
     assert_same_run(cli_fit(tmp_path / "resumed", STEPS, ckpt_path=tmp_path / "full/ckpt/step=7.ckpt"), full)
-
-
-# -- the schedule's arithmetic -------------------------------------------------------------------------
-def test_clock_replays_lightning_steps_with_accumulation_and_epoch_end_flush():
-    clock = Clock(epoch=0, batch=0, step=0, epoch_batches=5, accumulate=2)
-    seen = []
-    for _ in range(6):
-        seen.append((clock.epoch, clock.batch, clock.step, clock.between_windows))
-        clock = clock.advance()
-    assert seen == [(0, 0, 0, True), (0, 1, 0, False), (0, 2, 1, True), (0, 3, 1, False), (0, 4, 2, True),
-                    (1, 0, 3, True)]
-
-
-def test_window_position_from_any_clock():
-    at_step_4 = GrowthPoint("step", 4)
-    before = GrowthSchedule.batches_before
-    assert before(at_step_4, Clock(1, 2, 4, 5, 2), horizon=3) == 0  # the growth happens at this batch start
-    assert before(at_step_4, Clock(1, 1, 3, 5, 2), horizon=3) == 1  # the window's last micro-batch
-    assert before(at_step_4, Clock(0, 4, 2, 5, 2), horizon=3) == 3  # the window opens at the end of epoch 0
-    assert before(at_step_4, Clock(0, 3, 1, 5, 2), horizon=3) is None
-    assert before(GrowthPoint("epoch", 1), Clock(0, 4, 3, 5, 1), horizon=3) == 1
-    assert before(GrowthPoint("epoch", 1), Clock(1, 0, 5, 5, 1), horizon=3) == 0
-
-
-@pytest.mark.parametrize("build, message", [
-    (lambda: AtEpochs([0, 2]), "growth at epoch 0"),
-    (lambda: AtEpochs([2, 2]), "must list each growth epoch once"),
-    (lambda: AtSteps([0]), "growth at step 0"),
-    (lambda: AtSteps([]), "must list each growth step once"),
-])
-def test_bad_schedules_fail_with_message(build, message):
-    with pytest.raises(ValueError, match=message):
-        build()
 
 
 def test_steps_closer_than_the_window_fail_before_training(tmp_path):

@@ -1,11 +1,14 @@
-"""AutoSchedule's K-cache budget, unit by unit: the allowance spread over the checks, the checks' steps, the cost of
-a column per key head, the end, the summary, and the settings it refuses (fast: in the mutation selection)."""
+"""The schedules, unit by unit (fast: in the mutation selection): the clock that replays Lightning's loop, the
+window's position, the fixed schedules' checks, resuming with another kind, and AutoSchedule's K-cache budget (the
+allowance spread over the checks, the checks' steps, the cost of a column per key head, the end, the summary, and
+the settings it refuses). Training runs with the schedules: tests/test_growth_schedule.py, test_auto_schedule.py."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings
+from lit_growattn import AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowthSettings
+from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
 from lit_growattn.settings import StatisticsSettings
 
 
@@ -134,3 +137,95 @@ def test_settings_at_their_bounds_are_accepted(kwargs):
 def test_what_the_run_cannot_apply_is_refused_before_training(kwargs, message):
     with pytest.raises(ValueError, match=message):
         bound(**kwargs)
+
+
+# -- the schedule's arithmetic -------------------------------------------------------------------------
+def test_clock_replays_lightning_steps_with_accumulation_and_epoch_end_flush():
+    clock = Clock(epoch=0, batch=0, step=0, epoch_batches=5, accumulate=2)
+    seen = []
+    for _ in range(6):
+        seen.append((clock.epoch, clock.batch, clock.step, clock.between_windows))
+        clock = clock.advance()
+    assert seen == [(0, 0, 0, True), (0, 1, 0, False), (0, 2, 1, True), (0, 3, 1, False), (0, 4, 2, True),
+                    (1, 0, 3, True)]
+
+
+def test_window_position_from_any_clock():
+    at_step_4 = GrowthPoint("step", 4)
+    before = GrowthSchedule.batches_before
+    assert before(at_step_4, Clock(1, 2, 4, 5, 2), horizon=3) == 0  # the growth happens at this batch start
+    assert before(at_step_4, Clock(1, 1, 3, 5, 2), horizon=3) == 1  # the window's last micro-batch
+    assert before(at_step_4, Clock(0, 4, 2, 5, 2), horizon=3) == 3  # the window opens at the end of epoch 0
+    assert before(at_step_4, Clock(0, 3, 1, 5, 2), horizon=3) is None
+    assert before(GrowthPoint("epoch", 1), Clock(0, 4, 3, 5, 1), horizon=3) == 1
+    assert before(GrowthPoint("epoch", 1), Clock(1, 0, 5, 5, 1), horizon=3) == 0
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: AtEpochs([0, 2]), "growth at epoch 0"),
+    (lambda: AtEpochs([2, 2]), "must list each growth epoch once"),
+    (lambda: AtSteps([0]), "growth at step 0"),
+    (lambda: AtSteps([]), "must list each growth step once"),
+])
+def test_bad_schedules_fail_with_message(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def run_of(max_steps=-1, max_epochs=None, batches=5, accumulate=1, estimated=float("inf")):
+    return SimpleNamespace(max_steps=max_steps, max_epochs=max_epochs, num_training_batches=batches,
+                           accumulate_grad_batches=accumulate, estimated_stepping_batches=estimated)
+
+
+def test_fixed_schedules_warn_of_points_the_run_never_reaches():
+    with pytest.warns(UserWarning, match="^AtEpochs has epoch 3 but max_epochs=3: it will never happen$"):
+        AtEpochs([1, 3]).check_run(run_of(max_epochs=3), stats_batches=2)
+    with pytest.warns(UserWarning, match="^AtSteps has step 10 but max_steps=10: it will never happen$"):
+        AtSteps([4, 10]).check_run(run_of(max_steps=10), stats_batches=2)
+    with pytest.warns(UserWarning, match=r"^AtSteps has step 12 but the run ends after about 12 optimizer steps \(max_epochs"):
+        AtSteps([4, 12]).check_run(run_of(estimated=12.0), stats_batches=2)
+    AtEpochs([1, 2]).check_run(run_of(max_epochs=3), stats_batches=5)  # in range, a window of one epoch: no warning
+    AtSteps([4, 11]).check_run(run_of(max_steps=12, estimated=12.0), stats_batches=4)
+
+
+@pytest.mark.parametrize("schedule, run, message", [
+    (AtEpochs([1]), run_of(batches=5), r"^statistics.batches=6 is more than an epoch \(5 batches\); lower it$"),
+    (AtSteps([3, 5]), run_of(accumulate=2),
+     r"^AtSteps \[5\] leave less than statistics.batches=6 micro-batches after the previous growth \(or the start\) "
+     r"with accumulate_grad_batches=2: space the steps further apart or lower statistics.batches$"),
+    (AtSteps([2]), run_of(accumulate=2), r"^AtSteps \[2\] leave less than statistics.batches=6"),
+])
+def test_fixed_schedules_refuse_windows_that_do_not_fit(schedule, run, message):
+    with pytest.raises(ValueError, match=message):
+        schedule.check_run(run, stats_batches=6)
+    schedule.check_run(run, stats_batches=4 if isinstance(schedule, AtSteps) else 5)  # windows that fit
+
+
+def test_a_fixed_schedule_takes_its_points_in_order_once_each():
+    schedule = AtSteps([8, 4])
+    assert [p.name for p in schedule.points] == ["step 4", "step 8"]
+    assert schedule.pending([]).name == "step 4" and schedule.pending([{"event": "step 4"}]).name == "step 8"
+    assert schedule.pending([{"event": "step 4"}, {"event": "step 8"}]) is None
+    assert AtEpochs([1]).pending([{"event": "step 1"}]).name == "epoch 1"  # another unit's record is not its own
+
+
+@pytest.mark.parametrize("state, kind, message", [
+    ({"history": [], "schedule": "auto"}, "fixed", "written by a run with the automatic schedule"),
+    ({"history": [{"event": "step 5", "decisions": []}]}, "fixed", "written by a run with the automatic schedule"),
+    ({"history": [{"event": "epoch 1"}]}, "auto", r"written by a run with a fixed schedule \(AtEpochs or AtSteps\), "
+     r"this one has the automatic schedule \(AutoSchedule\): resume with a fixed schedule, or start a new run"),
+    ({"history": [{"event": "step 5", "decisions": [{"ratios": [1.0]}]}], "schedule": "auto"}, "auto",
+     "written by the automatic schedule before its K-cache budget"),
+])
+def test_resuming_with_another_kind_of_schedule_is_refused(state, kind, message):
+    with pytest.raises(ValueError, match=message):
+        check_same_schedule(state, kind)
+
+
+@pytest.mark.parametrize("state, kind", [
+    ({"history": [], "schedule": "fixed"}, "fixed"),
+    ({"history": []}, "auto"),  # a run that had not grown yet
+    ({"history": [{"event": "step 5", "decisions": [{"columns": 1}]}], "schedule": "auto"}, "auto"),
+])
+def test_resuming_with_the_same_kind_is_accepted(state, kind):
+    check_same_schedule(state, kind)
