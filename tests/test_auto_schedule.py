@@ -4,17 +4,13 @@ old rule's settings; the shipped auto configs grow (its unit tests: tests/test_s
 
 
 import pytest
-import torch
 import yaml
 
-from lit_growattn import AutoSchedule, GrowAttentionCallback, GrowthSettings, StepSearch
+from lit_growattn import GrowAttentionCallback
 from lit_growattn.commands.cli import main
-from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growing.window import StatsWindow
-from lit_growattn.growth import FormStats
 
 from conftest import REPO, SHAKESPEARE, needs_shakespeare, scalar_tags
-from test_growth import Problem
 from test_growth_schedule import assert_same_run, cli_fit, growth_history
 
 S = "--trainer.callbacks.init_args.schedule.init_args"
@@ -43,20 +39,6 @@ def test_the_old_rules_settings_are_refused_with_the_new_spelling(tmp_path):
     assert "{budget: null, check_every: 20, spend_until: 0.5}" in str(refused.value)
     with pytest.raises(ValueError, match="no longer takes first_check"):
         main(["fit", "--config", str(REPO / "configs" / "recall_auto.yaml"), f"{S}.first_check=16"], run=False)
-
-
-def test_no_gain_no_growth_zero_gradient():
-    p = Problem(e=8, h=2, d=2)
-    stats = p.stats("natural")
-    still = FormStats.from_state_dict({**stats.state_dict(), "n_sum": torch.zeros_like(stats.n_sum)})
-    half = FormStats.from_state_dict({k: v / 2 for k, v in still.state_dict().items()})
-    installed = []
-    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=lambda c: pytest.fail("rated a growth"),
-                        install=installed.append, broadcast=lambda obj: obj, allowance=float("inf"))
-    record, spectra = event.run([(0, "form", p.form)], [still], seed=0, half=[half])
-    [decision] = record["decisions"]
-    assert (decision["columns"], decision["above_floor"], decision["cost"]) == (0, 0, 2)
-    assert installed == [] and spectra == {} and p.form.d_head == 2 and record["allowance"] == float("inf")
 
 
 def test_a_model_that_starts_at_its_budget_takes_no_statistics(tmp_path, tiny_cli_args, monkeypatch):

@@ -3,6 +3,7 @@ window's position, the fixed schedules' checks, resuming with another kind, and 
 allowance spread over the checks, the checks' steps, the cost of a column per key head, the end, the summary, and
 the settings it refuses). Training runs with the schedules: tests/test_growth_schedule.py, test_auto_schedule.py."""
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -97,8 +98,11 @@ def test_checks_come_every_check_every_steps_and_the_last_leaves_a_batch_after_i
     assert bound(check_every=50, spend_until=1.0).checks == 1  # a check at step 100 of 100 would never run
     assert bound(check_every=99, spend_until=1.0).checks == 1  # step 99 does
     assert bound(steps=-1).checks == 50  # no max_steps: the estimate from the epochs (1000 steps here)
-    with pytest.warns(UserWarning, match="no check fits"):
+    with pytest.warns(UserWarning, match=r"^AutoSchedule checks every 10 optimizer steps until spend_until=0.5 of the "
+                                         r"run's 1: no check fits, so nothing will grow; lower check_every or raise "
+                                         r"spend_until$"):
         assert bound(steps=1).checks == 0
+    assert bound(steps=0).checks == 50  # max_steps 0 is Lightning's "not set" too
     assert bound(check_every=1, spend_until=1.0, stats_batches=1).checks == 99
 
 
@@ -148,6 +152,12 @@ def test_clock_replays_lightning_steps_with_accumulation_and_epoch_end_flush():
         clock = clock.advance()
     assert seen == [(0, 0, 0, True), (0, 1, 0, False), (0, 2, 1, True), (0, 3, 1, False), (0, 4, 2, True),
                     (1, 0, 3, True)]
+    clock = Clock(epoch=0, batch=0, step=0, epoch_batches=7, accumulate=3)
+    steps = []
+    for _ in range(8):
+        steps.append(clock.step)
+        clock = clock.advance()
+    assert steps == [0, 0, 0, 1, 1, 1, 2, 3]  # a step after every 3rd micro-batch, and after the epoch's last
 
 
 def test_window_position_from_any_clock():
@@ -162,10 +172,10 @@ def test_window_position_from_any_clock():
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: AtEpochs([0, 2]), "growth at epoch 0"),
-    (lambda: AtEpochs([2, 2]), "must list each growth epoch once"),
-    (lambda: AtSteps([0]), "growth at step 0"),
-    (lambda: AtSteps([]), "must list each growth step once"),
+    (lambda: AtEpochs([0, 2]), r"^AtEpochs\(epochs=\[0, 2\]\): growth at epoch 0 \(or earlier\) has no statistics"),
+    (lambda: AtEpochs([2, 2]), r"^AtEpochs\(epochs=\[2, 2\]\) must list each growth epoch once"),
+    (lambda: AtSteps([0]), r"^AtSteps\(steps=\[0\]\): growth at step 0"),
+    (lambda: AtSteps([]), r"^AtSteps\(steps=\[\]\) must list each growth step once"),
 ])
 def test_bad_schedules_fail_with_message(build, message):
     with pytest.raises(ValueError, match=message):
@@ -185,7 +195,11 @@ def test_fixed_schedules_warn_of_points_the_run_never_reaches():
     with pytest.warns(UserWarning, match=r"^AtSteps has step 12 but the run ends after about 12 optimizer steps \(max_epochs"):
         AtSteps([4, 12]).check_run(run_of(estimated=12.0), stats_batches=2)
     AtEpochs([1, 2]).check_run(run_of(max_epochs=3), stats_batches=5)  # in range, a window of one epoch: no warning
-    AtSteps([4, 11]).check_run(run_of(max_steps=12, estimated=12.0), stats_batches=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AtSteps([4, 11]).check_run(run_of(max_steps=12, estimated=11.0), stats_batches=4)  # max_steps decides
+    with pytest.warns(UserWarning, match="^AtEpochs has epoch 1 but max_epochs=0"):
+        AtEpochs([1]).check_run(run_of(max_epochs=0), stats_batches=2)
 
 
 @pytest.mark.parametrize("schedule, run, message", [
@@ -210,12 +224,15 @@ def test_a_fixed_schedule_takes_its_points_in_order_once_each():
 
 
 @pytest.mark.parametrize("state, kind, message", [
-    ({"history": [], "schedule": "auto"}, "fixed", "written by a run with the automatic schedule"),
+    ({"history": [], "schedule": "auto"}, "fixed", r"^the checkpoint was written by a run with the automatic schedule "
+     r"\(AutoSchedule\), this one has a fixed schedule \(AtEpochs or AtSteps\): resume with the automatic schedule, "
+     r"or start a new run from its weights with --model.init_args.init_from=CHECKPOINT$"),
     ({"history": [{"event": "step 5", "decisions": []}]}, "fixed", "written by a run with the automatic schedule"),
     ({"history": [{"event": "epoch 1"}]}, "auto", r"written by a run with a fixed schedule \(AtEpochs or AtSteps\), "
      r"this one has the automatic schedule \(AutoSchedule\): resume with a fixed schedule, or start a new run"),
     ({"history": [{"event": "step 5", "decisions": [{"ratios": [1.0]}]}], "schedule": "auto"}, "auto",
-     "written by the automatic schedule before its K-cache budget"),
+     r"^the checkpoint was written by the automatic schedule before its K-cache budget, whose checks this one cannot "
+     r"continue: start a new run from its weights with --model.init_args.init_from=CHECKPOINT$"),
 ])
 def test_resuming_with_another_kind_of_schedule_is_refused(state, kind, message):
     with pytest.raises(ValueError, match=message):

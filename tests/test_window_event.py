@@ -646,14 +646,13 @@ def test_the_stopwatch_times_each_piece_from_the_last_lap(monkeypatch):
 
 def test_offers_fit_each_half_with_the_growth_settings_and_measure_it_on_the_other():
     p = Problem(e=8, h=2, d=2)
-    stats = p.stats("natural")
-    sums = stats.state_dict()
-    # Unequal halves: a third of the window in one, the rest in the other.
-    half = FormStats.from_state_dict({k: v / 3 for k, v in sums.items()})
-    settings = GrowthSettings(method="random", size_by="natural", truncation="whitened", max_d_head=6)
+    # Halves with different statistics: those of another batch in one half, p's in the other.
+    half = Problem(e=8, h=2, d=2, seed=1).stats("natural")
+    stats = p.stats("natural") + half
+    settings = GrowthSettings(method="gradient", size_by=None, truncation="whitened", max_d_head=6)
     [found] = offers([(0, "form", p.form)], [stats], [half], settings)
-    a = [growth.growth_for(p.form, half.means(), "random", truncation="whitened", size_by="natural")]
-    b = [growth.growth_for(p.form, (stats - half).means(), "random", truncation="whitened", size_by="natural")]
+    a = [growth.growth_for(p.form, half.means(), "gradient", truncation="whitened")]
+    b = [growth.growth_for(p.form, p.stats("natural").means(), "gradient", truncation="whitened")]
     expected = allocation.offer(0, a, b, cost=2, room=4)
     assert (found.layer, found.d_head, found.cost) == (0, 2, 2)
     assert found.held_out == pytest.approx(expected.held_out, rel=1e-12)
@@ -663,3 +662,19 @@ def test_offers_fit_each_half_with_the_growth_settings_and_measure_it_on_the_oth
     assert other.held_out != pytest.approx(found.held_out, rel=1e-6)
     # A layer at max_d_head offers nothing.
     assert offers([(0, "form", p.form)], [stats], [half], GrowthSettings(max_d_head=2))[0].held_out == []
+
+
+def test_a_check_that_buys_nothing_records_its_decision_and_installs_nothing():
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    still = FormStats.from_state_dict({**stats.state_dict(), "n_sum": torch.zeros_like(stats.n_sum)})
+    half = FormStats.from_state_dict({k: v / 2 for k, v in still.state_dict().items()})
+    installed = []
+    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(), loss_of=lambda c: pytest.fail("rated a growth"),
+                        install=installed.append, broadcast=lambda obj: obj, allowance=float("inf"))
+    record, spectra = event.run([(0, "form", p.form)], [still], seed=0, half=[half])
+    assert set(record) == {"alpha", "allowance", "decisions", "timings", "seconds"} and record["alpha"] is None
+    assert set(record["timings"]) == {"plan_s"} and record["seconds"] >= record["timings"]["plan_s"] >= 0
+    [decision] = record["decisions"]
+    assert (decision["columns"], decision["above_floor"], decision["cost"]) == (0, 0, 2)
+    assert installed == [] and spectra == {} and p.form.d_head == 2 and record["allowance"] == float("inf")
