@@ -91,6 +91,11 @@ def test_a_run_too_short_for_a_check_warns_that_nothing_will_grow():
 
 
 
+def test_the_documented_defaults():
+    schedule = AutoSchedule()
+    assert (schedule.budget, schedule.check_every, schedule.spend_until) == (None, 50, 0.5)
+
+
 def test_checks_come_every_check_every_steps_and_the_last_leaves_a_batch_after_it():
     schedule = bound()
     point = schedule.pending([])

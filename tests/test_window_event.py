@@ -660,6 +660,14 @@ def test_offers_fit_each_half_with_the_growth_settings_and_measure_it_on_the_oth
     # Other settings fit other columns: the offer follows them.
     other = offers([(0, "form", p.form)], [stats], [half], GrowthSettings(max_d_head=6))[0]
     assert other.held_out != pytest.approx(found.held_out, rel=1e-6)
+    # A baseline's columns are rated by the direction that sizes them (size_by), not by the default one.
+    baseline = GrowthSettings(method="random", size_by="natural", max_d_head=6)
+    [sized] = offers([(0, "form", p.form)], [stats], [half], baseline)
+    a = [growth.growth_for(p.form, half.means(), "random", size_by="natural")]
+    b = [growth.growth_for(p.form, p.stats("natural").means(), "random", size_by="natural")]
+    assert sized.held_out == pytest.approx(allocation.offer(0, a, b, cost=2, room=4).held_out, rel=1e-12)
+    assert sized.held_out != pytest.approx(offers([(0, "form", p.form)], [stats], [half], GrowthSettings(
+        method="random", max_d_head=6))[0].held_out, rel=1e-6)
     # A layer at max_d_head offers nothing.
     assert offers([(0, "form", p.form)], [stats], [half], GrowthSettings(max_d_head=2))[0].held_out == []
 
