@@ -62,8 +62,9 @@ def refuse_old_config(args: list[str]) -> None:
             else None
         _refuse_moved(arg, "the command line")
         if path is not None and Path(path).is_file():
-            _refuse_moved(Path(path).read_text(), path)
-            for init_args in _callback_init_args(yaml.safe_load(Path(path).read_text()) or {}):
+            text = Path(path).read_text()
+            _refuse_moved(text, path)
+            for init_args in _callback_init_args(yaml.safe_load(text) or {}):
                 if is_flat(init_args):
                     raise ValueError(
                         f"{path} gives GrowAttentionCallback its settings in the old flat form, which is no longer "

@@ -272,7 +272,8 @@ class AutoSchedule(GrowthSchedule):
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         sizes = self._sizes(history)
         room = {layer for layer in self.costs if sizes[layer] < self.max_d_head}
-        affordable = any(self.costs[layer] <= self.total(history) - self.spent(history) for layer in room)
+        left = self.total(history) - self.spent(history)
+        affordable = any(self.costs[layer] <= left for layer in room)
         if len(history) >= self.checks or not affordable:
             return None
         return GrowthPoint("step", self.check_every * (len(history) + 1))
