@@ -1,6 +1,8 @@
-"""The maths of growing the query/key head size (pure torch; docs/design.md, sections 1–5).
+"""The maths of growing the query/key head size (pure torch; docs/design.md, sections 1–5) and the value head
+size (docs/value.md).
 
-stats      FormStats: mergeable sums C, N (and C⁺NC⁺ for pinv) of one form; one flat buffer for all forms.
+stats      Sums, the mergeable sums' base; FormStats: sums C, N (and C⁺NC⁺ for pinv) of one form; one flat buffer
+           for all forms.
 solvers    directions ΔM by method name (gradient, natural, pinv; @register_direction adds one) and their normalisation.
 form       FormWeights: a form's (w_q, w_k, log_tau), the one type of them; FormShape: sizes read off them.
 factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | append), sign check, Adam carry-over.
@@ -10,6 +12,7 @@ step_size  step-size candidates, the choice among their losses, and the quadrati
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 allocation the automatic schedule's rule: held-out gain of each candidate column per K-cache value, bought
            across layers within an allowance.
+value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
 shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
 """
@@ -18,12 +21,13 @@ from lit_growattn.growth.choices import (
     BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
     LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
-from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, sizing_method
+from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, Outcome, sizing_method
 from lit_growattn.growth.form import FORM_TENSORS, FormShape, FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
-from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, flatten_stats, unflatten_stats
+from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
+from lit_growattn.growth.value import GrownValue, ValueGrowth, ValueStats, ValueWeights
 from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
 
 __all__ = [
@@ -46,6 +50,7 @@ __all__ = [
     "FormWeights",
     "FormStats",
     "GroupedGrowth",
+    "GrownValue",
     "Growth",
     "GrowthPlan",
     "LINE_SEARCHES",
@@ -53,10 +58,15 @@ __all__ = [
     "MODES",
     "Moments",
     "NonFiniteStatistics",
+    "Outcome",
     "STEP_RULES",
     "StepRule",
+    "Sums",
     "TEMPERATURES",
     "TRUNCATIONS",
+    "ValueGrowth",
+    "ValueStats",
+    "ValueWeights",
     "candidate_steps",
     "choose_step",
     "loss_rounding",

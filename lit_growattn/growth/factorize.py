@@ -48,17 +48,14 @@ class Carry:
     second_scale: float = 1.0
 
 
-@dataclass
-class Growth(FormWeights):
-    """One form grown: its new weights plus what the caller logs and needs for the optimizer.
-
-    w_q, w_k (h, e′, d_new) and log_tau (h,) in the form's dtype and device; carries per parameter name;
-    predicted_decrease = −⟨N̄, M′ − M⟩ summed over heads (first order); discarded_energy (h,) = ‖Z − M′‖²_F
-    with Z = M + αΔM, in the truncation's coordinates (replace + euclidean: Σ discarded σ²; 0 for baselines);
-    spectrum (h, k): singular values kept by the truncation: of M′ (replace, k = d_new), of the bottleneck
-    pairs appended (append, k = p, before the factor α), empty for baselines; method: the direction used
-    (`gradient` after a sign fallback).
-    """
+@dataclass(kw_only=True)
+class Outcome:
+    """What a growth carries besides its new weights (`Growth` for a query/key form, `value.GrownValue` for a
+    value map): carries per parameter name; predicted_decrease = −⟨N̄, M′ − M⟩ summed over heads (first order);
+    discarded_energy (per head or group) = ‖Z − M′‖²_F with Z = M + αΔM, in the truncation's coordinates (replace +
+    euclidean: Σ discarded σ²; 0 for baselines); spectrum (heads or groups, k): singular values kept by the
+    truncation: of M′ (replace, k = d_new), of the bottleneck pairs appended (append, k = p, before the factor α),
+    empty for baselines; method: the direction used (`gradient` after a sign fallback)."""
 
     carries: dict[str, Carry]
     predicted_decrease: float
@@ -67,6 +64,12 @@ class Growth(FormWeights):
     alpha: float
     method: str
     fell_back: bool = False
+
+
+@dataclass
+class Growth(FormWeights, Outcome):
+    """One query/key form grown: w_q, w_k (h, e′, d_new) and log_tau (h,) in the form's dtype and device, and
+    its `Outcome`."""
 
 
 def sizing_method(method: str, size_by: str | None, name: str = "size_by") -> str:

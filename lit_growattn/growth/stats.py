@@ -1,4 +1,4 @@
-"""Mergeable gradient statistics of one query/key form (docs/design.md §4–§5).
+"""Mergeable gradient statistics: the base `Sums`, and those of one query/key form (docs/design.md §4–§5).
 
 Per instance i (one sequence) with input X′ᵢ (s, e′) and score gradient Gᵢ = ∂L/∂Sᵢ per head:
     C_i = X′ᵢᵀX′ᵢ (e′, e′),   N_i = X′ᵢᵀ Gᵢ X′ᵢ (h, e′, e′) = ∂L/∂M from that instance,
@@ -35,7 +35,79 @@ class Moments(NamedTuple):
     p: Tensor | None
 
 
-class FormStats:
+class Sums:
+    """Mergeable running sums (torchmetrics' Metric in spirit): named tensors that add, subtract, move, flatten into
+    one all-reduce buffer (`flatten_stats`) and survive checkpoints. Subclasses name their tensors (`names`), fold
+    captured pairs in (`update`, through `_add`) and turn the sums into means (`means`); `instances` (sequences)
+    and `weight` (summed shares of an optimizer step's loss) are always among the names."""
+
+    rcond: float
+    instances: Tensor
+    weight: Tensor
+
+    @property
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def tensors(self) -> list[Tensor]:
+        return [getattr(self, name) for name in self.names]
+
+    def _add(self, increments: dict[str, Tensor], instances: int, weight: float, what: str) -> None:
+        """Adds the increments (name → tensor) of one captured pair; raises NonFiniteStatistics, leaving the sums
+        untouched, when they hold NaN or inf."""
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+        _check_finite(increments, what)
+        for name, inc in increments.items():
+            getattr(self, name).add_(inc)
+        self.instances += instances
+        self.weight += weight
+
+    def _checked_weight(self) -> Tensor:
+        """Σ weight in float64, after checking that the sums are finite and not empty."""
+        _check_finite(dict(zip(self.names, self.tensors())), "summed statistics")
+        if not (self.instances > 0 and self.weight > 0):
+            raise ValueError("no statistics were accumulated")
+        return self.weight.double()
+
+    def _follow(self, data: Tensor) -> None:
+        if data.device != self.weight.device:
+            self.to(data.device)  # e.g. sums restored from a checkpoint onto the CPU: they follow the data
+
+    def to(self, device: torch.device | str) -> Sums:
+        """Moves the sums in place; returns self."""
+        for name in self.names:
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def __add__(self, other: Sums) -> Sums:
+        return self._combined(other, 1.0)
+
+    def __sub__(self, other: Sums) -> Sums:
+        """The sums of self without those of other (other's micro-batches are a part of self's)."""
+        return self._combined(other, -1.0)
+
+    def _combined(self, other: Sums, sign: float) -> Sums:
+        if (type(self) is not type(other) or self.names != other.names
+                or any(a.shape != b.shape for a, b in zip(self.tensors(), other.tensors()))):
+            raise ValueError("cannot combine statistics of forms with different shapes or methods")
+        out = copy.copy(self)
+        for name, a, b in zip(self.names, self.tensors(), other.tensors()):
+            setattr(out, name, a + sign * b)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"rcond": self.rcond, **{name: t.detach().clone() for name, t in zip(self.names, self.tensors())}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state) != {"rcond", *self.names}:
+            raise ValueError(f"state has {sorted(state)}, expected {sorted(['rcond', *self.names])}")
+        self.rcond = state["rcond"]
+        for name in self.names:
+            getattr(self, name).copy_(state[name])
+
+
+class FormStats(Sums):
     """Running sums for one form with h heads and input size e′ (e′ = n_embd + 1 with a bias).
 
     Accumulates in `dtype` (float32 by default, float64 optional); the per-instance pseudo-inverses of the
@@ -73,19 +145,13 @@ class FormStats:
         """Names of the state tensors, in the order of `flatten_stats`."""
         return ["c_sum", "n_sum"] + (["pinv_sum"] if self.pinv_sum is not None else []) + ["instances", "weight"]
 
-    def tensors(self) -> list[Tensor]:
-        return [getattr(self, name) for name in self.names]
-
     @torch.no_grad()
     def update(self, xa: Tensor, gx: Tensor, weight: float = 1.0) -> None:
         """Adds one captured pair: xa = X′ (b, s, e′), gx = G X′ (b, h, s, e′) with G from the (unscaled) loss.
 
         Raises NonFiniteStatistics, leaving the sums untouched, when the pair holds NaN or inf.
         """
-        if not weight > 0:
-            raise ValueError(f"weight must be positive, got {weight}")
-        if xa.device != self.c_sum.device:
-            self.to(xa.device)  # e.g. sums restored from a checkpoint onto the CPU: they follow the data
+        self._follow(xa)
         x, g = xa.detach().to(self.c_sum), gx.detach().to(self.c_sum)
         b, s, e = x.shape
         if g.shape != (b, self.n_sum.shape[0], s, e):
@@ -94,11 +160,7 @@ class FormStats:
         increments = {"c_sum": flat.mT @ flat, "n_sum": torch.einsum("bse,bhsf->hef", x, g)}
         if self.pinv_sum is not None:
             increments["pinv_sum"] = self._pinv_increment(x, g)
-        _check_finite(increments, "captured (X′, G X′)")
-        for name, inc in increments.items():
-            getattr(self, name).add_(inc)
-        self.instances += b
-        self.weight += weight
+        self._add(increments, b, weight, "captured (X′, G X′)")
 
     def _pinv_increment(self, x: Tensor, g: Tensor) -> Tensor:
         """Σ_i C_i⁺ N_i C_i⁺ = Σ_i X_i⁺ (G_i X_i) C_i⁺ with X⁺ = C⁺X′ᵀ: e′×e′ inverses only, never s×s."""
@@ -108,43 +170,9 @@ class FormStats:
 
     def means(self) -> Moments:
         """(C̄, N̄, P̄ or None) in float64; raises NonFiniteStatistics on NaN/inf, ValueError when empty."""
-        _check_finite(dict(zip(self.names, self.tensors())), "summed statistics")
-        if not (self.instances > 0 and self.weight > 0):
-            raise ValueError("no statistics were accumulated")
-        w = self.weight.double()
+        w = self._checked_weight()
         p = None if self.pinv_sum is None else self.pinv_sum.double() / w
         return Moments(self.c_sum.double() / self.instances.double(), self.n_sum.double() / w, p)
-
-    def to(self, device: torch.device | str) -> FormStats:
-        """Moves the sums in place; returns self."""
-        for name in self.names:
-            setattr(self, name, getattr(self, name).to(device))
-        return self
-
-    def __add__(self, other: FormStats) -> FormStats:
-        return self._combined(other, 1.0)
-
-    def __sub__(self, other: FormStats) -> FormStats:
-        """The sums of self without those of other (other's micro-batches are a part of self's)."""
-        return self._combined(other, -1.0)
-
-    def _combined(self, other: FormStats, sign: float) -> FormStats:
-        if self.names != other.names or any(a.shape != b.shape for a, b in zip(self.tensors(), other.tensors())):
-            raise ValueError("cannot combine statistics of forms with different shapes or methods")
-        out = copy.copy(self)
-        for name, a, b in zip(self.names, self.tensors(), other.tensors()):
-            setattr(out, name, a + sign * b)
-        return out
-
-    def state_dict(self) -> dict:
-        return {"rcond": self.rcond, **{name: t.detach().clone() for name, t in zip(self.names, self.tensors())}}
-
-    def load_state_dict(self, state: dict) -> None:
-        if set(state) != {"rcond", *self.names}:
-            raise ValueError(f"state has {sorted(state)}, expected {sorted(['rcond', *self.names])}")
-        self.rcond = state["rcond"]
-        for name in self.names:
-            getattr(self, name).copy_(state[name])
 
     @classmethod
     def from_state_dict(cls, state: dict) -> FormStats:
@@ -162,13 +190,13 @@ def _check_finite(tensors: dict[str, Tensor], what: str) -> None:
         raise NonFiniteStatistics(f"non-finite values in the {what}: {', '.join(bad)}")
 
 
-def flatten_stats(stats: list[FormStats]) -> Tensor:
+def flatten_stats(stats: list[Sums]) -> Tensor:
     """Every sum of every form in one 1-D buffer, so that the caller does a single (sum) all-reduce."""
     return torch.cat([t.reshape(-1) for s in stats for t in s.tensors()])
 
 
-def unflatten_stats(flat: Tensor, like: list[FormStats]) -> list[FormStats]:
-    """The inverse of `flatten_stats`: new FormStats shaped as `like`, filled from `flat` (like is untouched)."""
+def unflatten_stats(flat: Tensor, like: list[Sums]) -> list[Sums]:
+    """The inverse of `flatten_stats`: new sums shaped as `like`, filled from `flat` (like is untouched)."""
     sizes = [t.numel() for s in like for t in s.tensors()]
     if flat.numel() != sum(sizes):
         raise ValueError(f"buffer has {flat.numel()} values, the statistics need {sum(sizes)}")

@@ -1,0 +1,183 @@
+"""The value side's maths (growth/value.py) against float64 references: statistics, α = 0, first order, GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_growattn.growth.linalg import psd_pinv
+from lit_growattn.growth.stats import flatten_stats, unflatten_stats
+from lit_growattn.growth.value import ValueGrowth, ValueStats, ValueWeights, value_direction
+
+F64 = torch.float64
+
+
+class ValueProblem:
+    """Fixed causal attention maps A (b, H, s, s) over LayerNorm inputs; Y = Σ_j A_j X′ W_V,j//g W_O,j; MSE to a target."""
+
+    def __init__(self, seed=0, b=3, s=10, e=6, h=4, kv=4, d=2, bias=False):
+        g = torch.Generator().manual_seed(seed)
+        x = F.layer_norm(torch.randn(b, s, e, generator=g, dtype=F64), (e,))
+        self.xa = torch.cat([x, torch.ones(b, s, 1, dtype=F64)], -1) if bias else x
+        scores = torch.randn(b, h, s, s, generator=g, dtype=F64)
+        self.a = torch.softmax(scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")), -1)
+        e_in = self.xa.shape[-1]
+        self.w_v = torch.randn(kv, e_in, d, generator=g, dtype=F64) / e_in**0.5
+        self.w_o = torch.randn(h, d, e, generator=g, dtype=F64) / d**0.5
+        self.target = torch.randn(b, s, e, generator=g, dtype=F64)
+        self.p = self.a @ self.xa.unsqueeze(1)  # (b, H, s, e′)
+
+    def output(self, w_v, w_o):
+        m = w_v.repeat_interleave(w_o.shape[0] // w_v.shape[0], 0) @ w_o
+        return torch.einsum("bhse,hef->bsf", self.p, m)
+
+    def loss(self, w_v=None, w_o=None):
+        return F.mse_loss(self.output(self.w_v if w_v is None else w_v, self.w_o if w_o is None else w_o), self.target)
+
+    def stats(self):
+        y = self.output(self.w_v, self.w_o).requires_grad_()
+        (g_y,) = torch.autograd.grad(F.mse_loss(y, self.target), y)
+        stats = ValueStats(self.p.shape[1], self.p.shape[-1], self.w_o.shape[-1], dtype=F64)
+        stats.update(self.p, g_y)
+        return stats
+
+    def growth(self, method="natural", **kwargs):
+        return ValueGrowth(self.w_v, self.w_o, self.stats().means(), method, **kwargs)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_n_is_the_gradient_of_each_heads_w_m(bias):
+    p = ValueProblem(bias=bias)
+    m = (p.w_v @ p.w_o).requires_grad_()
+    F.mse_loss(torch.einsum("bhse,hef->bsf", p.p, m), p.target).backward()
+    moments = p.stats().means()
+    torch.testing.assert_close(moments.n, m.grad, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(moments.c, torch.einsum("bhse,bhsf->hef", p.p, p.p) / p.p.shape[0])
+
+
+def test_sums_merge_and_flatten_like_the_query_key_ones():
+    p = ValueProblem()
+    whole = p.stats()
+    halves = [ValueStats(4, 6, 6, dtype=F64) for _ in range(2)]
+    y = p.output(p.w_v, p.w_o).requires_grad_()
+    (g_y,) = torch.autograd.grad(F.mse_loss(y, p.target), y)
+    halves[0].update(p.p[:1], g_y[:1], 0.5)
+    halves[1].update(p.p[1:], g_y[1:], 0.5)
+    merged = halves[0] + halves[1]
+    torch.testing.assert_close(merged.means().n, whole.means().n)  # weights 0.5 + 0.5: the same step's gradient
+    torch.testing.assert_close(merged.c_sum, whole.c_sum)
+    (back,) = unflatten_stats(flatten_stats([merged]), [merged])
+    assert back.names == merged.names and all(torch.equal(a, b) for a, b in zip(back.tensors(), merged.tensors()))
+    assert torch.equal(ValueStats.from_state_dict(merged.state_dict()).n_sum, merged.n_sum)
+    with pytest.raises(ValueError, match="do not fit"):
+        halves[0].update(p.p, g_y[..., :3])
+
+
+def test_natural_direction_is_minus_c_pinv_n_scaled_to_the_output_energy():
+    p = ValueProblem()
+    mo = p.stats().means()
+    m = p.w_v @ p.w_o
+    delta = value_direction("natural", mo, m)
+    raw = -(psd_pinv(mo.c, 1e-6) @ mo.n)
+    scale = (delta / raw)[raw.abs() > 1e-8 * raw.abs().max()]
+    torch.testing.assert_close(scale, scale.mean().expand_as(scale))  # one positive scalar for the whole map
+    assert scale.mean() > 0
+    energy = lambda w: (w * (mo.c @ w)).sum()  # noqa: E731
+    torch.testing.assert_close(energy(delta), energy(m))
+    assert (mo.n * delta).sum() < 0  # a descent direction
+
+
+@pytest.mark.parametrize("kv", [4, 2, 1])
+@pytest.mark.parametrize("method", ["natural", "gradient", "zero"])
+def test_alpha_zero_keeps_the_function_and_appends_live_value_columns(kv, method):
+    p = ValueProblem(kv=kv, bias=True)
+    grown = p.growth(method).grow(0.0, 5, generator=torch.Generator().manual_seed(0))
+    assert grown.w_v.shape == (kv, 7, 5) and grown.w_o.shape == (4, 5, 6)
+    assert torch.equal(grown.w_v[..., :2], p.w_v) and torch.equal(grown.w_o[:, :2], p.w_o)
+    assert not grown.w_o[:, 2:].any()
+    torch.testing.assert_close(p.output(grown.w_v, grown.w_o), p.output(p.w_v, p.w_o))
+    assert (grown.w_v[..., 2:].norm(dim=1) > 0).all()  # every new V column is live: its O row gets gradient at once
+
+
+@pytest.mark.parametrize("kv", [4, 2])
+@pytest.mark.parametrize("method", ["natural", "gradient"])
+def test_a_small_step_changes_the_loss_as_the_first_order_prediction(kv, method):
+    """L(α) − L(0) = −predicted(α) + O(α²): the error shrinks as α² (float64; α well above round-off)."""
+    p = ValueProblem(kv=kv)
+    vg = p.growth(method)
+    errors = []
+    for alpha in (1e-2, 1e-3):
+        grown = vg.grow(alpha, 4)
+        change = float(p.loss(grown.w_v, grown.w_o) - p.loss())
+        assert grown.predicted_decrease > 0
+        errors.append(abs(change + grown.predicted_decrease) / grown.predicted_decrease)
+    assert errors[1] < 0.2 * errors[0] and errors[1] < 1e-2
+
+
+def test_gqa_columns_are_the_truncated_svd_of_the_groups_bottlenecks_side_by_side():
+    p = ValueProblem(kv=2)
+    vg = p.growth("gradient")
+    delta = vg.direction("gradient")
+    pv = lambda w: w @ torch.linalg.pinv(w)  # noqa: E731 - projector on the column span
+    grown = vg.grow(1.0, 3)
+    for g in range(2):
+        heads = [2 * g, 2 * g + 1]
+        side = torch.cat([(torch.eye(6, dtype=F64) - pv(p.w_v[g])) @ delta[j] @ (torch.eye(6, dtype=F64) - pv(p.w_o[j].T))
+                          for j in heads], -1)  # (e′, 2e)
+        u, s, vh = torch.linalg.svd(side)
+        change = torch.cat([grown.w_v[g, :, 2:] @ grown.w_o[j, 2:] for j in heads], -1)
+        torch.testing.assert_close(change, s[0] * torch.outer(u[:, 0], vh[0]), rtol=1e-9, atol=1e-12)
+
+
+def test_column_gains_add_up_to_the_predicted_decrease():
+    vg = ValueProblem(kv=2).growth("natural")
+    gains = vg.column_gains()
+    for p in (1, 3):
+        assert gains.shape[0] == 2
+        torch.testing.assert_close(torch.tensor(vg.grow(1.0, 2 + p).predicted_decrease, dtype=F64), gains[:, :p].sum())
+
+
+def test_baselines_draw_from_the_generator_and_zero_has_zero_o_rows():
+    p = ValueProblem()
+    a = p.growth("random").grow(1.0, 4, generator=torch.Generator().manual_seed(3))
+    b = p.growth("random").grow(0.5, 4, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.w_v, b.w_v) and torch.equal(a.w_o, b.w_o) and a.w_o[:, 2:].any()
+
+
+def test_carries_place_the_old_moments_in_the_grown_tensors():
+    grown = ValueProblem().growth().grow(0.5, 4)
+    w_v, w_o = torch.zeros_like(grown.w_v), torch.zeros_like(grown.w_o)
+    w_v[grown.carries["w_v"].old_index] = 1
+    w_o[grown.carries["w_o"].old_index] = 1
+    assert w_v.sum() == 4 * 6 * 2 and not w_v[..., 2:].any()
+    assert w_o.sum() == 4 * 2 * 6 and not w_o[:, 2:].any()
+
+
+def test_weights_install_through_set_weights():
+    class Holder:
+        def set_weights(self, w_v, w_o):
+            self.w_v, self.w_o = w_v, w_o
+
+    grown, holder = ValueProblem().growth().grow(0.5, 4), Holder()
+    grown.install(holder)
+    assert ValueWeights.of(holder).d_v == 4
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda vg: vg.grow(0.5, 4, mode="replace"), "only appends"),
+    (lambda vg: vg.grow(0.5, 7), "min\\(e′, e\\) = 6"),
+    (lambda vg: vg.grow(-1.0, 4), "α must be ≥ 0"),
+    (lambda vg: vg.grow(0.5, 4, temperature="rescale"), "no[ne]* temperature|has none"),
+])
+def test_bad_requests_fail_with_the_reason(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(ValueProblem().growth())
+
+
+def test_uneven_groups_and_unknown_methods_are_refused():
+    p = ValueProblem()
+    with pytest.raises(ValueError, match="cannot share 3 value heads"):
+        ValueGrowth(p.w_v[:3], p.w_o, p.stats().means())
+    with pytest.raises(ValueError, match="pinv"):
+        ValueGrowth(p.w_v, p.w_o, p.stats().means(), "pinv")
