@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lit_growattn import growth
-from lit_growattn.model.contract import check_module
+from lit_growattn.model.contract import check_module, check_value_module, growable_units
 from lit_growattn.growing import report
 from lit_growattn.growing.averaging import check_callbacks, resize_averaged_to
 from lit_growattn.growing.event import GrowthEvent
@@ -85,32 +85,48 @@ class GrowAttentionCallback(Callback):
                 "Use strategy='ddp' (any number of nodes) or 'ddp_spawn'."
             )
         named = check_module(pl_module)
+        values = check_value_module(pl_module) if self.settings.grows("value") else []
         sizes = pl_module.head_sizes()
         n_layer = len(sizes)
-        forms = {layer: form for layer, _, form in reversed(named)}  # the first form of each layer
-        layers = self.settings.layers if self.settings.layers is not None else sorted(forms)
+        # The first form (or value map) of each layer, for each side that grows.
+        sides = {}
+        if self.settings.grows("query_key"):
+            sides["query/key form"] = {layer: form for layer, _, form in reversed(named)}
+        if self.settings.grows("value"):
+            sides["value map"] = {layer: values_map for layer, _, values_map in reversed(values)}
+        layers = self.settings.layers if self.settings.layers is not None else sorted(next(iter(sides.values())))
         if bad := [i for i in layers if not 0 <= i < n_layer]:
             raise ValueError(f"growth.layers {bad} do not exist: the model has {n_layer} layers (0-based)")
-        if not_growable := [i for i in layers if i not in forms]:
-            raise ValueError(f"{type(pl_module).__name__} has no growable query/key form in layers {not_growable}")
+        for side, firsts in sides.items():
+            if not_growable := [i for i in layers if i not in firsts]:
+                hint = (" (an attention whose output is not linear in W_V·W_O, such as diff with its per-head "
+                        "normalisation, has none): leave those layers out of growth.layers, or grow query_key only"
+                        if side == "value map" else "")
+                raise ValueError(f"{type(pl_module).__name__} has no growable {side} in layers {not_growable}{hint}")
         for name, length in self.settings.per_layer_lengths().items():
             if length != n_layer:
                 raise ValueError(f"growth.{name} has {length} entries but the model has {n_layer} layers")
-        e_in = forms[layers[0]].w_q.shape[1]
-        current = max(forms[i].d_head for i in layers)
-        max_d = self.settings.max_d_head if self.settings.max_d_head is not None else e_in
-        if not current <= max_d <= e_in:
-            raise ValueError(
-                f"max_d_head={max_d} must lie between the current head size ({current}) and the form's input size "
-                f"({e_in}: the bilinear form has rank ≤ {e_in})"
-            )
+        limits = {}
+        for side, key, firsts, what in [
+            ("query/key", "max_d_head", sides.get("query/key form"), "the form's input size ({}: the bilinear form "
+                                                                      "has rank ≤ {})"),
+            ("value", "max_d_v", sides.get("value map"), "the smaller of input size and width ({}: W_V·W_O has "
+                                                         "rank ≤ {})"),
+        ]:
+            if firsts is None:
+                continue
+            current, bound = max(firsts[i].width for i in layers), firsts[layers[0]].max_width
+            limits[key] = getattr(self.settings, key) if getattr(self.settings, key) is not None else bound
+            if not current <= limits[key] <= bound:
+                raise ValueError(f"{key}={limits[key]} must lie between the current {side} head size ({current}) and "
+                                 f"{what.format(bound, bound)}")
         per_event = self.statistics.layers_per_event
         if per_event is not None and per_event > len(layers):
             raise ValueError(
                 f"statistics.layers_per_event={per_event} exceeds the {len(layers)} growing layers {layers}: set it to "
                 f"at most {len(layers)}, or leave it unset to grow every growing layer at each event"
             )
-        check_callbacks(trainer, self, named)
+        check_callbacks(trainer, self, named + values)
         self._per_step = min(self.statistics.layers_per_step or len(layers), len(layers))
         # The automatic schedule splits each layer's statistics in two halves: two turns per layer at least.
         turns = math.ceil(len(layers) / self._per_step) * (2 if self.window.halves else 1)
@@ -122,10 +138,12 @@ class GrowAttentionCallback(Callback):
                 "or statistics.layers_per_step"
             )
         self._layers = layers
-        check_modes(named, self.settings.mode, self.search.line_search)
-        report.say(trainer, check_statistics_memory(named, layers, self.statistics.layers_per_event, self.settings.method,
-                                                    self.statistics.max_memory_gb))
-        self.settings = dataclasses.replace(self.settings, max_d_head=max_d)
+        growing = (named if self.settings.grows("query_key") else []) + values
+        if self.settings.grows("query_key"):
+            check_modes(named, self.settings.mode, self.search.line_search)
+        report.say(trainer, check_statistics_memory(growing, layers, self.statistics.layers_per_event,
+                                                    self.settings.method, self.statistics.max_memory_gb))
+        self.settings = dataclasses.replace(self.settings, **limits)
         self.schedule.bind(self.settings, self.statistics, layers, sizes,
                            column_costs((f.layer, f.form.w_k) for f in named))
 
@@ -145,7 +163,7 @@ class GrowAttentionCallback(Callback):
         self.window.check_resumed(self._window_settings(trainer))
         report.add_layout(trainer, len(pl_module.head_sizes()))
         if trainer.logger is not None:
-            trainer.logger.log_metrics(report.head_size_metrics(pl_module.head_sizes()), step=trainer.global_step)
+            trainer.logger.log_metrics(self._size_metrics(pl_module), step=trainer.global_step)
 
     # -- statistics window and growth, decided from the trainer's counters ---------------------------
     def _window_settings(self, trainer: L.Trainer) -> dict:
@@ -156,9 +174,21 @@ class GrowAttentionCallback(Callback):
                 "step_search.batches": self.line_search_batches}
 
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
-        """The forms that grow at the next event (layer, qualified parameter-name prefix, form)."""
+        """The query/key forms and value maps that grow at the next event (layer, qualified parameter-name prefix,
+        form or map), as `growth.grow` chooses."""
         layers = layers_of_event(self._layers, self.statistics.layers_per_event, len(self.history))
-        return [named for named in pl_module.growable_forms() if named.layer in layers]
+        units = ((pl_module.growable_forms() if self.settings.grows("query_key") else [])
+                 + (pl_module.growable_values() if self.settings.grows("value") else []))
+        return [named for named in units if named.layer in layers]
+
+    def _sizes(self, pl_module: L.LightningModule) -> dict[str, list[int]]:
+        """The head sizes an event record keeps: d_head, and d_v when the value side grows."""
+        return {"d_head": pl_module.head_sizes(),
+                **({"d_v": pl_module.value_sizes()} if self.settings.grows("value") else {})}
+
+    def _size_metrics(self, pl_module: L.LightningModule) -> dict[str, float]:
+        sizes = self._sizes(pl_module)
+        return report.head_size_metrics(sizes["d_head"], sizes.get("d_v"))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         clock = Clock(trainer.current_epoch, batch_idx, trainer.global_step, trainer.num_training_batches,
@@ -192,13 +222,13 @@ class GrowAttentionCallback(Callback):
                 self.window.close(trainer.strategy, trainer.world_size, pl_module.device)
             self._capturing = False
         if should_update_logs(trainer):
-            for key, value in report.head_size_metrics(pl_module.head_sizes()).items():
+            for key, value in self._size_metrics(pl_module).items():
                 pl_module.log(key, value, on_step=True, on_epoch=False)
 
     def _grow(self, trainer: L.Trainer, pl_module: L.LightningModule, point: GrowthPoint, batch_idx: int) -> None:
         forms = self._forms(pl_module)
         where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch": batch_idx,
-                 "d_head_before": pl_module.head_sizes()}
+                 **{f"{key}_before": sizes for key, sizes in self._sizes(pl_module).items()}}
         window = self.window
         if window.event != point.name or window.stats is None:
             return self._skip(trainer, pl_module, where, "no statistics were gathered for it")
@@ -231,16 +261,17 @@ class GrowAttentionCallback(Callback):
         except growth.NonFiniteStatistics as err:
             return self._skip(trainer, pl_module, where, str(err))
         pl_module.record_head_sizes()
-        self._finish(trainer, {**where, "skipped": False, "d_head": pl_module.head_sizes(), **record}, spectra)
+        self._finish(trainer, {**where, "skipped": False, **self._sizes(pl_module), **record}, spectra)
 
     def _skip(self, trainer, pl_module, where: dict, reason: str) -> None:
         warnings.warn(f"growth at {where['event']} skipped: {reason}; training continues with the current sizes")
-        self._finish(trainer, {**where, "skipped": True, "reason": reason, "d_head": pl_module.head_sizes()})
+        self._finish(trainer, {**where, "skipped": True, "reason": reason, **self._sizes(pl_module)})
 
     def _finish(self, trainer: L.Trainer, event: dict, spectra: dict | None = None) -> None:
         self.history.append(event)
         self.window.clear()
-        report.log_event(trainer, event, {f.name: f.layer for f in trainer.lightning_module.growable_forms()}, spectra)
+        layer_of = {f.name: (f.layer, growth.is_value(f.form)) for f in growable_units(trainer.lightning_module)}
+        report.log_event(trainer, event, layer_of, spectra)
         report.say(trainer, report.event_line(event))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -32,32 +32,42 @@ def _per_layer(value: int | list[int] | None) -> list[int | None]:
 
 @dataclass(frozen=True)
 class GrowthSettings:
-    """How each growth event grows the query/key head size.
+    """How each growth event grows the query/key head size, the value head size, or both.
 
     Args:
-        columns: new columns per head at each event: one int, or one per layer (null: 1, unless `rank_threshold`
-            or the automatic schedule chooses the count).
+        grow: what grows: query_key (d_head) | value (d_v, each head's W_V W_O; docs/value.md) | both, at the same
+            events, each from its own statistics.
+        columns: new query/key columns per head at each event: one int, or one per layer (null: 1, unless
+            `rank_threshold` or the automatic schedule chooses the count).
+        value_columns: new value columns per head at each event, as `columns` is for query/key (null: 1, unless
+            `rank_threshold` chooses the count); only when `grow` includes value.
         rank_threshold: choose each layer's new columns from its bottleneck spectrum instead: the number of singular
             values above this fraction (in (0, 1)) of the largest, at least 1 (fixed schedules only).
         max_columns: a cap on the columns that `rank_threshold` chooses: one int, or one per layer (null: no cap).
         max_d_head: largest head size a layer may reach (null: the form's input size, its largest possible rank).
+        max_d_v: largest value head size a layer may reach (null: min(input size, model width), W_M's largest rank).
         layers: the layers (0-based) that grow (null: every layer with a growable form).
         method: the growth direction: natural | gradient | pinv, or new columns not taken from the statistics:
-            random (Q and K drawn at the old columns' scale) | zero (random Q, zero K).
+            random (Q and K drawn at the old columns' scale) | zero (random Q, zero K). The value side takes
+            natural, gradient, random or zero (zero: random V columns, zero O rows).
         size_by: for random and zero, the direction whose bottleneck sizes the growth (`rank_threshold`, the
             automatic schedule): natural | gradient | pinv (null: gradient). The others are sized by their own.
         mode: append new columns to W_Q/W_K (the function is kept at step 0) | replace them by a refactorisation.
-        temperature: keep the learnable temperature τ | rescale it by √(d/d′) at each growth.
-        truncation: the metric of the truncated SVD of the growth: euclidean | whitened (by the input covariance).
+        temperature: keep the learnable temperature τ | rescale it by √(d/d′) at each growth (query/key only).
+        truncation: the metric of the truncated SVD of a query/key growth: euclidean | whitened (by the input
+            covariance of the layer; the value side is always euclidean).
         new_second_moment: Adam second moments of new columns: mean (of the old ones; zero moments with a large
             step count would give new columns a larger effective learning rate, studies/growth_pays/README.md "Adam's second
             moments for new columns") | zero.
     """
 
+    grow: growth.Side = "query_key"
     columns: int | list[int] | None = None
+    value_columns: int | list[int] | None = None
     rank_threshold: float | None = None
     max_columns: int | list[int] | None = None
     max_d_head: int | None = None
+    max_d_v: int | None = None
     layers: list[int] | None = None
     method: growth.Method = "natural"
     size_by: growth.Direction | None = None
@@ -67,24 +77,28 @@ class GrowthSettings:
     new_second_moment: growth.SecondMoment = "mean"
 
     def __post_init__(self):
-        for name, allowed in [("method", growth.METHODS), ("mode", growth.MODES), ("temperature", growth.TEMPERATURES),
+        for name, allowed in [("grow", growth.SIDES), ("method", growth.METHODS), ("mode", growth.MODES),
+                              ("temperature", growth.TEMPERATURES),
                               ("truncation", growth.TRUNCATIONS), ("new_second_moment", growth.SECOND_MOMENT_POLICIES)]:
             growth.check_choice(f"growth.{name}", getattr(self, name), allowed)
-        for name in ("columns", "max_columns"):
+        for name in ("columns", "value_columns", "max_columns"):
             if any(p is not None and p <= 0 for p in _per_layer(getattr(self, name))):
                 raise ValueError(f"growth.{name} must be positive, got {getattr(self, name)}")
         if self.rank_threshold is not None:
             if not 0.0 < self.rank_threshold < 1.0:
                 raise ValueError(f"growth.rank_threshold is a fraction of the largest singular value in (0, 1), "
                                  f"got {self.rank_threshold}")
-            if self.columns is not None:
-                raise ValueError("growth.columns is a fixed count, and growth.rank_threshold chooses the count from the "
-                                 "spectrum: give one of them (growth.max_columns caps what rank_threshold chooses)")
+            for name in ("columns", "value_columns"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"growth.{name} is a fixed count, and growth.rank_threshold chooses the count from "
+                                     "the spectrum: give one of them (growth.max_columns caps what rank_threshold chooses)")
         elif self.max_columns is not None and self.columns is not None:
             raise ValueError("growth.max_columns caps the count growth.rank_threshold chooses, "
                              f"but growth.columns={self.columns} fixes it: give one of them")
-        if self.max_d_head is not None and self.max_d_head <= 0:
-            raise ValueError(f"growth.max_d_head must be positive, got {self.max_d_head}")
+        for name in ("max_d_head", "max_d_v"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"growth.{name} must be positive, got {getattr(self, name)}")
+        self._check_sides()
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
             raise ValueError(f"growth.layers must list each layer to grow once (0-based), got {self.layers}; leave it "
                              "out to grow all")
@@ -92,10 +106,40 @@ class GrowthSettings:
         if self.method in growth.BASELINES and self.mode != "append":
             raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
 
+    def _check_sides(self) -> None:
+        """Refuses what the chosen sides cannot apply, naming the fix."""
+        if self.grow == "query_key":
+            for name in ("value_columns", "max_d_v"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"growth.{name} sizes the value side, which does not grow with "
+                                     "growth.grow='query_key': set growth.grow to value or both, or leave it out")
+            return
+        if self.grow == "value":
+            for name in ("columns", "max_d_head"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"growth.{name} sizes the query/key side, which does not grow with "
+                                     "growth.grow='value': use growth.value_columns / growth.max_d_v, or grow both")
+        if self.method not in growth.VALUE_METHODS:
+            raise ValueError(f"the value side grows by {', '.join(growth.VALUE_METHODS)}, not method "
+                             f"{self.method!r} (growth.grow={self.grow!r}): choose one of them")
+        if self.mode != "append":
+            raise ValueError(f"the value side only appends columns (a replace would rotate the value columns the "
+                             f"heads of a group share), and growth.grow={self.grow!r}: use growth.mode='append'")
+        if self.truncation != "euclidean":
+            raise ValueError(f"truncation='whitened' applies to query/key forms only, and growth.grow={self.grow!r}: "
+                             "use growth.truncation='euclidean'")
+
+    def grows(self, side: str) -> bool:
+        """Whether `side` (query_key | value) grows."""
+        return self.grow in (side, "both")
+
     def check_schedule(self, kind: ScheduleKind, name: str) -> None:
         """Refuses the settings that a schedule of this kind (`name`: its class) cannot apply; with the checks in
         `__post_init__`, every rule on the number of new columns that does not need the model."""
         if kind == "auto":
+            if self.grows("value"):
+                raise ValueError(f"{name} buys query/key columns only: grow the value side at listed points "
+                                 "(AtEpochs, AtSteps), or use growth.grow='query_key'")
             if self.mode != "append":
                 raise ValueError(f"{name} sizes each layer from the gains of appended columns, and replace would also "
                                  "refactor the layers it leaves as they are: use growth.mode='append'")
@@ -109,11 +153,13 @@ class GrowthSettings:
                              "growth.columns: set growth.rank_threshold to choose the count, or use growth.columns for "
                              "a fixed one")
 
-    def count(self, layer: int) -> int | None:
-        """The fixed new columns of `layer` at an event (None: chosen from the spectrum, up to `cap(layer)`)."""
+    def count(self, layer: int, value: bool = False) -> int | None:
+        """The fixed new query/key (or value) columns of `layer` at an event (None: chosen from the spectrum, up to
+        `cap(layer)`)."""
         if self.rank_threshold is not None:
             return None
-        columns = self.columns[layer] if isinstance(self.columns, list) else self.columns
+        setting = self.value_columns if value else self.columns
+        columns = setting[layer] if isinstance(setting, list) else setting
         return 1 if columns is None else columns
 
     def cap(self, layer: int) -> int | None:
@@ -121,7 +167,8 @@ class GrowthSettings:
 
     def per_layer_lengths(self) -> dict[str, int]:
         """The per-layer lists among the settings and their lengths, to check against the model."""
-        return {name: len(v) for name in ("columns", "max_columns") if isinstance(v := getattr(self, name), list)}
+        return {name: len(v) for name in ("columns", "value_columns", "max_columns")
+                if isinstance(v := getattr(self, name), list)}
 
 
 @dataclass(frozen=True)
@@ -201,6 +248,9 @@ class StepSearch:
         if self.line_search == "full_rank" and growth_settings.method in growth.BASELINES:
             raise ValueError(f"step_search.line_search='full_rank' rates M + αΔM along a direction, and method "
                              f"{growth_settings.method!r} adds random columns without one: use line_search='low_rank'")
+        if self.line_search == "full_rank" and growth_settings.grows("value"):
+            raise ValueError("step_search.line_search='full_rank' refactors a query/key form at full rank, which the "
+                             "value side (append only) cannot: use line_search='low_rank'")
 
     def kept_batches(self, statistics: StatisticsSettings) -> int:
         kept = self.batches if self.batches is not None else min(2, statistics.batches)

@@ -236,7 +236,7 @@ def test_bad_callback_arguments_fail_with_message(build, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(growth=GrowthSettings(max_d_head=1)), r"max_d_head=1 must lie between the current head size \(2\)"),
+        (dict(growth=GrowthSettings(max_d_head=1)), r"max_d_head=1 must lie between the current query/key head size \(2\)"),
         (dict(growth=GrowthSettings(max_d_head=17)), r"max_d_head=17 must lie between .* input size \(16"),
         (dict(growth=GrowthSettings(layers=[5])), r"layers \[5\] do not exist"),
         (dict(growth=GrowthSettings(columns=[1, 1, 1])), "growth.columns has 3 entries but the model has 2 layers"),

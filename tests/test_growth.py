@@ -548,7 +548,7 @@ def test_plan_shares_sizes_memoises_and_full_rank_trial_is_untruncated():
     forms = {f"blocks.{i // 2}.f{i}": p.form for i, p in enumerate(problems)}
     plan = GrowthPlan.build(
         forms, [p.stats("gradient") for p in problems], method="gradient", grow_by=None, dynamic_rank=0.5,
-        max_d_head=9, group_of=lambda name: name.split(".")[1], line_search="full_rank",
+        max_width=9, group_of=lambda name: name.split(".")[1], line_search="full_rank",
     )
     assert plan.d_new["blocks.0.f0"] == plan.d_new["blocks.0.f1"] and all(2 < d <= 9 for d in plan.d_new.values())
     assert plan.grow("blocks.1.f2", 0.5) is plan.grow("blocks.1.f2", 0.5)

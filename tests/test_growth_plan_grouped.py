@@ -462,10 +462,10 @@ def test_a_plan_grows_each_form_by_grow_by_within_max_d_head_and_e():
     assert plan_of(forms).d_new == {"a": D + 1, "b": D + 1, "c": D + 1}  # grow_by=1 by default
     assert plan_of(forms, grow_by=3).d_new == {"a": D + 3, "b": D + 3, "c": D + 3}
     assert plan_of(forms, grow_by={"a": 1, "b": 2, "c": 0}).d_new == {"a": D + 1, "b": D + 2, "c": D}
-    assert plan_of(forms, grow_by=3, max_d_head=D + 2).d_new == {"a": D + 2, "b": D + 2, "c": D + 2}
+    assert plan_of(forms, grow_by=3, max_width=D + 2).d_new == {"a": D + 2, "b": D + 2, "c": D + 2}
     assert plan_of(forms, grow_by=99).d_new == {"a": E, "b": E, "c": E}  # never past e′
-    assert plan_of(forms, grow_by=2, max_d_head=99).d_new == {"a": D + 2, "b": D + 2, "c": D + 2}
-    assert plan_of(forms, grow_by=2, max_d_head=1).d_new == {"a": D, "b": D, "c": D}  # already past max: kept
+    assert plan_of(forms, grow_by=2, max_width=99).d_new == {"a": D + 2, "b": D + 2, "c": D + 2}
+    assert plan_of(forms, grow_by=2, max_width=1).d_new == {"a": D, "b": D, "c": D}  # already past max: kept
     plan = plan_of(forms, grow_by=2)
     assert type(plan.forms["a"]) is FormGrowth and type(plan.forms["b"]) is GroupedGrowth
     assert type(plan.forms["c"]) is GroupedGrowth
@@ -481,7 +481,7 @@ def test_a_plan_with_dynamic_rank_sizes_each_form_by_its_spectrum_capped_by_grow
     assert max(expected.values()) > D + 1  # so that the caps below cap something
     assert plan_of(forms, grow_by=1, dynamic_rank=0.05).d_new == {"a": D + 1, "b": D + 1}
     assert plan_of(forms, grow_by={"a": 1, "b": 99}, dynamic_rank=0.05).d_new == {"a": D + 1, "b": expected["b"]}
-    assert plan_of(forms, grow_by=None, dynamic_rank=0.05, max_d_head=D + 1).d_new == {"a": D + 1, "b": D + 1}
+    assert plan_of(forms, grow_by=None, dynamic_rank=0.05, max_width=D + 1).d_new == {"a": D + 1, "b": D + 1}
     assert plan_of(forms, grow_by=None, dynamic_rank=1e-12).d_new == {"a": E, "b": E}
     assert plan_of(forms, grow_by=0, dynamic_rank=0.05).d_new == {"a": D, "b": D}  # sized later (resized)
 
@@ -495,7 +495,7 @@ def test_forms_of_a_group_grow_to_the_largest_size_among_them():
     assert plan_of(forms, grow_by=grow_by).d_new == {name: D + p for name, p in grow_by.items()}
     wider = {**forms, "layers.1.b": SimpleNamespace(**{**vars(form()), "w_q": weights(d=D + 1)[0],
                                                        "w_k": weights(d=D + 1)[1]})}
-    with pytest.raises(ValueError, match=re.escape("forms ['layers.1.a', 'layers.1.b'] must share d_head to grow "
+    with pytest.raises(ValueError, match=re.escape("forms ['layers.1.a', 'layers.1.b'] must share their width to grow "
                                                    "together")):
         plan_of(wider, grow_by=1, group_of=layer)
     assert plan_of(wider, grow_by=1).d_new["layers.1.b"] == D + 2  # alone, each form keeps its own size

@@ -1,29 +1,46 @@
 """Statistics memory: the estimate printed at setup, its bound, and layers growing in turn from their own windows."""
 
 import pytest
+import torch
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
+from lit_growattn.growth import FormShape
+from lit_growattn.growth.value import ValueShape
 from lit_growattn.model.contract import NamedForm
 from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 
 from callback_helpers import recall_data, tiny_module, trainer
 
 
-class _Form:
+class _Form(FormShape):
     def __init__(self, h, e_in):
-        import torch
-
         self.w_q = torch.zeros(h, e_in, 1)
+
+
+class _Values(ValueShape):
+    def __init__(self, h, e_in):
+        self.w_v, self.w_o = torch.zeros(h, e_in, 1), torch.zeros(h, 1, e_in)
 
 
 def test_llama_1b_estimate_and_the_fix_it_names():
     # Llama-3.2-1B: 16 layers, 32 heads, e = 2048 (docs/hf.md, "Statistics memory": 8.6 GB of N in float32, plus C̄).
     forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(16)]
     line = check_statistics_memory(forms, list(range(16)), None, "natural", None)
-    assert line.startswith("growth statistics: 8.86 GB per rank (16 of 16 layers per window × 32 heads")
+    assert line.startswith("growth statistics: 8.86 GB per rank (16 of 16 layers per window; query/key 32 heads × "
+                           "e′² = 2048²; 4 B each)")
     with pytest.raises(ValueError, match="exceed statistics.max_memory_gb=2.0: set statistics.layers_per_event: 3"):
         check_statistics_memory(forms, list(range(16)), None, "natural", 2.0)
     assert "1.66 GB" in check_statistics_memory(forms, list(range(16)), 3, "natural", 2.0)
+
+
+def test_value_maps_count_c_per_head_and_n_to_the_output():
+    """A value map holds C (h·e′²) and N (h·e′·e): twice a query/key form's N when e′ = e."""
+    forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(16)]
+    both = forms + [NamedForm(i, f"v{i}", _Values(32, 2048)) for i in range(16)]
+    line = check_statistics_memory(both, list(range(16)), None, "natural", None)
+    value_bytes = 16 * 4 * 32 * 2048 * 4096
+    assert line.startswith(f"growth statistics: {(8.86e9 + value_bytes) / 1e9:.3g} GB per rank")
+    assert "query/key 32 heads × e′² = 2048²; values 32 heads × e′ × (e′ + e) = 2048 × 4096; 4 B each" in line
 
 
 @pytest.mark.parametrize("method, limit_gb, fix", [

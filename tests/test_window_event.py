@@ -442,7 +442,7 @@ def plans_equal(x, y):
     # per layer, and the forms of a layer take the largest.
     (GrowthSettings(rank_threshold=0.3, max_columns=[5, 2]), "low_rank",
      {"dynamic_rank": 0.3, "grow_by": {"a": 5, "b": 5, "c": 2}, "group_of": LAYER_OF.get}, {}),
-    (GrowthSettings(columns=3, max_d_head=4), "low_rank", {"max_d_head": 4}, {"grow_by": 3}),
+    (GrowthSettings(columns=3, max_d_head=4), "low_rank", {"max_width": 4}, {"grow_by": 3}),
     (GrowthSettings(columns=2, mode="replace", temperature="rescale", truncation="whitened"), "full_rank",
      {"mode": "replace", "temperature": "rescale", "truncation": "whitened", "line_search": "full_rank"},
      {"grow_by": 2}),

@@ -22,7 +22,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lit_growattn.training.checkpoint import resize_to_checkpoint
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import FORM_TENSORS, Carry
+from lit_growattn.growth import Carry, tensor_names
+from lit_growattn.model.contract import growable_units
 from lit_growattn.training.lightning_private import averaged_model, callback_scheduler, pruned_tensors
 
 
@@ -56,11 +57,12 @@ def check_callbacks(trainer: L.Trainer, grower: Callback, forms: NamedForms) -> 
             growable = {form: form_name for _, form_name, form in forms}  # modules hash by identity
             pruned = pruned_tensors(callback, trainer.lightning_module)
             if hit := [f"{growable[module]}.{tensor}" for module, tensor in pruned
-                       if module in growable and tensor in FORM_TENSORS]:
+                       if module in growable and tensor in tensor_names(module)]:
                 raise ValueError(
                     f"ModelPruning prunes {hit}, which grow: pruning re-parametrises a tensor (a mask beside "
                     "`<name>_orig`) and keeps a copy of its first values (lottery ticket), and neither follows a "
-                    "growth. Leave the query/key tensors (w_q, w_k, log_tau) out of parameters_to_prune"
+                    "growth. Leave the growing tensors (query/key: w_q, w_k, log_tau; values: w_v, w_o) out of "
+                    "parameters_to_prune"
                 )
 
 
@@ -76,16 +78,17 @@ def callback_schedulers(trainer: L.Trainer) -> list[LRScheduler]:
 
 def grow_averaged(trainer: L.Trainer, forms: NamedForms, before: dict[str, dict[str, Tensor]],
                   carries: dict[str, Carry]) -> None:
-    """Grows the averaged copies as the live `forms` just grew. `before`: each form's tensors before the growth (by
-    form name, then `FORM_TENSORS` name); `carries`: the growth's Carry per parameter name (`{form}.{tensor}`)."""
+    """Grows the averaged copies as the live `forms` (query/key forms and value maps) just grew. `before`: each
+    form's tensors before the growth (by form name, then tensor name); `carries`: the growth's Carry per parameter
+    name (`{form}.{tensor}`)."""
     for copy in averaged_copies(trainer):
-        own = {named.name: named.form for named in copy.growable_forms()}
+        own = {named.name: named.form for named in growable_units(copy)}
         for _, name, form in forms:
             target = own[name]
             target.set_weights(**{
                 tensor: follow(getattr(target, tensor), before[name][tensor], getattr(form, tensor),
                                carries[f"{name}.{tensor}"])
-                for tensor in FORM_TENSORS})
+                for tensor in tensor_names(form)})
         copy.record_head_sizes()
 
 

@@ -32,21 +32,24 @@ class StepChoice:
     loss_after: float
 
 
-def plan_growth(forms: NamedForms, stats: list[growth.FormStats], s: GrowthSettings, line_search: str,
+def plan_growth(forms: NamedForms, stats: list[growth.Sums], s: GrowthSettings, line_search: str,
                 sized_later: bool, seed: int) -> growth.GrowthPlan:
-    """The GrowthPlan of `forms` (layer, name, form) from their reduced statistics; forms of a layer grow together.
-    `sized_later`: the automatic schedule sizes each layer afterwards (`allocation.allocate`)."""
-    layer_of = {name: layer for layer, name, _ in forms}
+    """The GrowthPlan of `forms` (layer, name, query/key form or value map) from their reduced statistics; the forms
+    of one side of a layer grow together. `sized_later`: the automatic schedule sizes each layer afterwards
+    (`allocation.allocate`)."""
+    side_of = {name: (layer, growth.is_value(form)) for layer, name, form in forms}
     if sized_later:
         grow_by = 0
     elif s.rank_threshold is not None:
         grow_by = {name: s.cap(layer) for layer, name, _ in forms}
     else:
-        grow_by = {name: s.count(layer) for layer, name, _ in forms}
+        grow_by = {name: s.count(layer, value) for name, (layer, value) in side_of.items()}
     return growth.GrowthPlan.build(
         {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
-        dynamic_rank=s.rank_threshold, max_d_head=s.max_d_head, group_of=layer_of.__getitem__, mode=s.mode,
-        temperature=s.temperature, truncation=s.truncation, line_search=line_search, size_by=s.size_by,
+        dynamic_rank=s.rank_threshold, max_width={name: s.max_d_v if value else s.max_d_head
+                                                  for name, (_, value) in side_of.items()},
+        group_of=side_of.__getitem__, mode=s.mode, temperature=s.temperature, truncation=s.truncation,
+        line_search=line_search, size_by=s.size_by,
         # Random columns of the baselines: the same draw on every rank, and on a resumed run.
         generator=torch.Generator().manual_seed(seed),
     )
@@ -152,7 +155,7 @@ class GrowthEvent:
         """Grows `forms` from their reduced `stats`; returns the event's record and the kept spectra per form.
         `half`: the sums of half the window's micro-batches, which the automatic schedule's decision needs.
         Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""
-        clock = Stopwatch(forms[0][2].w_q.device)
+        clock = Stopwatch(growth.leading_tensor(forms[0][2]).device)
         plan = plan_growth(forms, stats, self.settings, self.search.line_search, self.allowance is not None, seed)
         names = [name for _, name, _ in forms]
         decided = {}
@@ -190,5 +193,5 @@ class GrowthEvent:
         return record, {name: g.spectrum for name, g in grown.items()}
 
 
-def _to_cpu(g: growth.Growth) -> growth.Growth:
-    return dataclasses.replace(g, w_q=g.w_q.cpu(), w_k=g.w_k.cpu(), log_tau=g.log_tau.cpu())
+def _to_cpu(g: growth.Growth | growth.GrownValue) -> growth.Growth | growth.GrownValue:
+    return dataclasses.replace(g, **{f.name: getattr(g, f.name).cpu() for f in dataclasses.fields(growth.weights_of(g))})

@@ -2,7 +2,8 @@
 of all layers at once would not fit (docs/hf.md, "Statistics memory": it grows as layers × heads × e′²; Llama-3.2-1B,
 16 layers × 32 heads × 2048², needs about 8.6 GB of N in float32).
 
-The window keeps per growing form C̄ (e′²) and N (h·e′²), plus C⁺NC⁺ (h·e′²) for method `pinv`, in float32.
+The window keeps per growing form C̄ (e′²) and N (h·e′²), plus C⁺NC⁺ (h·e′²) for method `pinv`, and per growing
+value map C (h·e′²) and N (h·e′·e) (docs/value.md), in float32.
 With `layers_per_event = k` each event grows k layers in turn (round-robin over the events) from its own window,
 so a window holds the statistics of k layers only.
 """
@@ -11,14 +12,17 @@ from __future__ import annotations
 
 import math
 
+from lit_growattn.growth import is_value
 from lit_growattn.model.contract import NamedForm
 
 BYTES = 4  # float32 sums
 
 
 def form_bytes(form, method: str) -> int:
-    h, e_in = form.w_q.shape[0], form.w_q.shape[1]
-    return BYTES * e_in * e_in * (1 + h * (2 if method == "pinv" else 1))
+    """The statistics' bytes of one query/key form or value map."""
+    if is_value(form):
+        return BYTES * form.n_head * form.e_in * (form.e_in + form.e_out)
+    return BYTES * form.e_in * form.e_in * (1 + form.n_head * (2 if method == "pinv" else 1))
 
 
 def layers_of_event(layers: list[int], per_event: int | None, event: int) -> list[int]:
@@ -39,10 +43,14 @@ def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event
             per_layer[named.layer] = per_layer.get(named.layer, 0) + form_bytes(named.form, method)
     k = len(layers) if per_event is None else min(per_event, len(layers))
     worst = max(sum(per_layer[i] for i in layers_of_event(layers, per_event, n)) for n in range(len(layers)))
-    h, e_in = forms[0].form.w_q.shape[:2]
     size = f"{worst / 1e9:.3g} GB" if worst >= 1e8 else f"{worst / 1e6:.3g} MB"
-    line = (f"growth statistics: {size} per rank ({k} of {len(layers)} layers per window × {h} heads × "
-            f"e′² = {e_in}² × {BYTES} B{', twice for pinv' if method == 'pinv' else ''})")
+    first = forms[0].form
+    values = next((named.form for named in forms if is_value(named.form)), None)
+    parts = [] if is_value(first) else [f"query/key {first.n_head} heads × e′² = {first.e_in}²"
+                                        f"{', twice for pinv' if method == 'pinv' else ''}"]
+    if values is not None:
+        parts.append(f"values {values.n_head} heads × e′ × (e′ + e) = {values.e_in} × {values.e_in + values.e_out}")
+    line = f"growth statistics: {size} per rank ({k} of {len(layers)} layers per window; {'; '.join(parts)}; {BYTES} B each)"
     if limit_gb is not None and worst > limit_gb * 1e9:
         raise ValueError(f"{line} exceed statistics.max_memory_gb={limit_gb}: "
                          f"{_memory_fix(forms, per_layer, method, limit_gb * 1e9)}")

@@ -28,10 +28,17 @@ def _alpha(alpha: float | None) -> str:
     return str(frac) if float(frac) == alpha else f"{alpha:.3g}"
 
 
-def _sizes(before: list[int], after: list[int]) -> str:
-    if len(set(before)) == 1 and len(set(after)) == 1:
-        return f"d_head {before[0]}→{after[0]} per layer"
-    return f"d_head {before}→{after}"
+def _sizes(event: dict) -> str:
+    """e.g. `d_head 1→8 per layer, d_v [4, 4]→[6, 5]`: the sizes that an event changed."""
+    changed = [key for key in ("d_head", "d_v") if key in event and event[f"{key}_before"] != event[key]]
+    parts = []
+    for key in changed or ["d_head"]:
+        before, after = event[f"{key}_before"], event[key]
+        if len(set(before)) == 1 and len(set(after)) == 1:
+            parts.append(f"{key} {before[0]}→{after[0]} per layer")
+        else:
+            parts.append(f"{key} {before}→{after}")
+    return ", ".join(parts)
 
 
 def grew(event: dict) -> bool:
@@ -65,26 +72,31 @@ def event_line(event: dict) -> str:
     if not grew(event):
         return f"growth check at step {event['step']} (epoch {event['epoch']}): no layer grows, d_head stays {event['d_head']}{decided}"
     return (
-        f"{where}: {_sizes(event['d_head_before'], event['d_head'])}, α={_alpha(event['alpha'])}, "
+        f"{where}: {_sizes(event)}, α={_alpha(event['alpha'])}, "
         f"loss {event['loss_before']:.4g}→{event['loss_after']:.4g} on the kept batches, {event['seconds']:.2g} s{decided}"
     )
 
 
 def summary_table(history: list[dict]) -> str:
-    rows = [("event", "step", "epoch", "d_head", "α", "loss before", "loss after", "seconds")]
+    values = any("d_v" in e for e in history)  # a d_v column when the value side grew
+    rows = [("event", "step", "epoch", "d_head", *(["d_v"] if values else []), "α", "loss before", "loss after",
+             "seconds")]
     for e in history:
+        where = (e["event"], str(e["step"]), str(e["epoch"]))
         if e["skipped"] or not grew(e):
             what = "skipped" if e["skipped"] else "no growth"
-            rows.append((e["event"], str(e["step"]), str(e["epoch"]), what, "", "", "", ""))
+            rows.append((*where, what, *([""] if values else []), "", "", "", ""))
         else:
-            rows.append((e["event"], str(e["step"]), str(e["epoch"]), ",".join(map(str, e["d_head"])),
-                         _alpha(e["alpha"]), f"{e['loss_before']:.4g}", f"{e['loss_after']:.4g}", f"{e['seconds']:.2g}"))
+            sizes = [",".join(map(str, e[key])) for key in ("d_head", *(["d_v"] if values else []))]
+            rows.append((*where, *sizes, _alpha(e["alpha"]), f"{e['loss_before']:.4g}", f"{e['loss_after']:.4g}",
+                         f"{e['seconds']:.2g}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     return "\n".join(["growth summary", *lines[:1], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
+def event_metrics(event: dict, layer_of: dict[str, tuple[int, bool]]) -> dict[str, float]:
+    """The event's TensorBoard scalars; `layer_of`: each grown form's (layer, is a value map)."""
     metrics = {"growth/skipped": float(event["skipped"])}
     if math.isfinite(event.get("allowance", math.inf)):
         metrics["growth/auto/allowance"] = event["allowance"]
@@ -101,18 +113,22 @@ def event_metrics(event: dict, layer_of: dict[str, int]) -> dict[str, float]:
     if event["alpha"] is not None:
         keys.append("alpha")
     metrics |= {f"growth/{k}": float(event[k]) for k in keys}
-    metrics |= head_size_metrics(event["d_head"])
+    metrics |= head_size_metrics(event["d_head"], event.get("d_v"))
     for name, energy in event["discarded_energy"].items():  # the forms of a layer add up
-        key = f"growth/discarded_energy/layer_{layer_of[name]}"
+        layer, value = layer_of[name]
+        key = f"growth/discarded_energy{'_v' if value else ''}/layer_{layer}"
         metrics[key] = metrics.get(key, 0.0) + energy
     return metrics
 
 
-def head_size_metrics(sizes: list[int]) -> dict[str, float]:
-    return {f"growth/d_head/layer_{i}": float(d) for i, d in enumerate(sizes)}
+def head_size_metrics(sizes: list[int], value_sizes: list[int] | None = None) -> dict[str, float]:
+    """growth/d_head/layer_i, and growth/d_v/layer_i when the value side grows."""
+    return {f"growth/{key}/layer_{i}": float(d) for key, per_layer in (("d_head", sizes), ("d_v", value_sizes or []))
+            for i, d in enumerate(per_layer)}
 
 
-def log_event(trainer: L.Trainer, event: dict, layer_of: dict[str, int], spectra: dict[str, Tensor] | None) -> None:
+def log_event(trainer: L.Trainer, event: dict, layer_of: dict[str, tuple[int, bool]],
+              spectra: dict[str, Tensor] | None) -> None:
     if trainer.logger is not None:
         trainer.logger.log_metrics(event_metrics(event, layer_of), step=trainer.global_step)
     # On ranks other than 0 `logger.experiment` is a dummy: figures only there, after every collective.
@@ -130,9 +146,10 @@ def add_layout(trainer: L.Trainer, n_layer: int) -> None:
     trainer.logger.experiment.add_custom_scalars({
         "growth": {
             "head size": ["Multiline", per_layer("d_head")],
+            "value head size": ["Multiline", per_layer("d_v")],
             "decrease (predicted vs realised)": ["Multiline", ["growth/predicted_decrease", "growth/realised_decrease"]],
             "step size": ["Multiline", ["growth/alpha"]],
-            "discarded energy": ["Multiline", per_layer("discarded_energy")],
+            "discarded energy": ["Multiline", [*per_layer("discarded_energy"), *per_layer("discarded_energy_v")]],
             "sign fallbacks and skips": ["Multiline", ["growth/sign_fallbacks", "growth/skipped"]],
             "seconds": ["Multiline", ["growth/seconds"]],
             "automatic schedule: columns bought and above the noise floor": ["Multiline", [

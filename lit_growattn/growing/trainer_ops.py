@@ -15,13 +15,13 @@ from torch import Tensor
 
 from lit_growattn.growing.averaging import callback_schedulers, grow_averaged
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import FORM_TENSORS, Carry, Growth, installed
+from lit_growattn.growth import Carry, Growth, GrownValue, installed, tensor_names
 from lit_growattn.training.optim_state import carry_state, snapshot_state
 
 
 def kept_batch_losses(
     trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[Any],
-    candidates: Sequence[dict[str, Growth] | None],
+    candidates: Sequence[dict[str, Growth | GrownValue] | None],
 ) -> Tensor:
     """Mean loss over the kept batches of all ranks (`batches`: this rank's share, possibly none) of each candidate
     (name → Growth installed; None: the forms as they are), forward only, so that every rank makes the same
@@ -59,7 +59,8 @@ def loss_terms(batches: list[Any]) -> int:
 
 
 def install_growth(
-    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, grown: dict[str, Growth], new_second_moment: str
+    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, grown: dict[str, Growth | GrownValue],
+    new_second_moment: str,
 ) -> None:
     """Puts the grown tensors in the forms (named as in `pl_module.named_parameters()`), grows the averaged copies
     of weight-averaging callbacks alike, and rebuilds what follows."""
@@ -67,7 +68,7 @@ def install_growth(
     def resize() -> dict[str, Carry]:
         carries, before = {}, {}
         for _, name, form in forms:
-            before[name] = {tensor: getattr(form, tensor) for tensor in FORM_TENSORS}
+            before[name] = {tensor: getattr(form, tensor) for tensor in tensor_names(form)}
             grown[name].install(form)
             carries |= {f"{name}.{param}": carry for param, carry in grown[name].carries.items()}
         grow_averaged(trainer, forms, before, carries)

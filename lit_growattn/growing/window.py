@@ -34,8 +34,8 @@ def layers_in_turn(layers: list[int], per_step: int, window_step: int) -> set[in
     return {layers[(window_step * per_step + j) % len(layers)] for j in range(per_step)}
 
 
-def fold_captured(forms: NamedForms, stats: list[growth.FormStats], weight: float, grad_scale: float | None,
-                  half: list[growth.FormStats] | None = None) -> None:
+def fold_captured(forms: NamedForms, stats: list[growth.Sums], weight: float, grad_scale: float | None,
+                  half: list[growth.Sums] | None = None) -> None:
     """Folds each form's captured (X′, G·X′) pairs into its sums. `weight`: the micro-batch's share of the
     optimizer step; `grad_scale`: a 16-mixed GradScaler's factor still in the gradients (None: none); `half`:
     sums that also take every other captured micro-batch of each form (those while they hold at most half the
@@ -60,8 +60,8 @@ class StatsWindow:
     With `halves`, `half` holds the sums of every other micro-batch of each form (`fold_captured`)."""
 
     event: str | None
-    stats: list[growth.FormStats] | None
-    half: list[growth.FormStats] | None
+    stats: list[growth.Sums] | None
+    half: list[growth.Sums] | None
     kept: list[Any]  # batches kept for the step-size evaluations, as the dataloader yields them
     reduced: bool  # the sums are already summed over ranks (the window has closed)
     # The settings that decide what the sums and kept batches hold (statistics.batches,
@@ -84,10 +84,10 @@ class StatsWindow:
             self.event, self.gathered_with = event, gathered_with
         if self.stats is None:
             # float64 sums when the model itself runs in float64 (precision="64-true").
-            dtype = torch.float64 if forms[0][2].w_q.dtype == torch.float64 else torch.float32
-            self.stats = [growth.FormStats.empty_like(form, self.method, dtype=dtype) for _, _, form in forms]
+            dtype = torch.float64 if growth.leading_tensor(forms[0][2]).dtype == torch.float64 else torch.float32
+            self.stats = [growth.stats_like(form, self.method, dtype) for _, _, form in forms]
             if self.halves:
-                self.half = [growth.FormStats.empty_like(form, self.method, dtype=dtype) for _, _, form in forms]
+                self.half = [growth.stats_like(form, self.method, dtype) for _, _, form in forms]
         for layer, _, form in forms:
             form.capture = mode if layer in active else None
         if keep is not None:
@@ -103,11 +103,11 @@ class StatsWindow:
         for st in self._sums():
             st.to(device)
 
-    def _sums(self) -> list[growth.FormStats]:
+    def _sums(self) -> list[growth.Sums]:
         """The whole window's sums, then those of the half (one list, reduced and saved together)."""
         return (self.stats or []) + (self.half or [])
 
-    def _split(self, sums: list[growth.FormStats]) -> None:
+    def _split(self, sums: list[growth.Sums]) -> None:
         cut = len(sums) // 2 if self.halves else len(sums)
         self.stats, self.half = sums[:cut], (sums[cut:] if self.halves else None)
 
@@ -160,7 +160,7 @@ class StatsWindow:
             stats = {**stats, "flat": stats["flat"][rank]}
             kept = kept[rank::world]
         if stats is not None:
-            like = [growth.FormStats.from_state_dict(s) for s in stats["like"]]
+            like = [growth.stats_from_state_dict(s) for s in stats["like"]]
             self._split(growth.unflatten_stats(stats["flat"], like))
         self.kept = kept
         self.gathered_with = state.get("gathered_with")  # absent from checkpoints of earlier versions

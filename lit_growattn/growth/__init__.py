@@ -6,28 +6,33 @@ stats      Sums, the mergeable sums' base; FormStats: sums C, N (and C⁺NC⁺ f
 solvers    directions ΔM by method name (gradient, natural, pinv; @register_direction adds one) and their normalisation.
 form       FormWeights: a form's (w_q, w_k, log_tau), the one type of them; FormShape: sizes read off them.
 factorize  FormGrowth: ΔM, α, d_new → W_Q′, W_K′, log τ′ (replace | append), sign check, Adam carry-over.
-grouped    GroupedGrowth: the same for forms with shared keys (GQA) or rotary columns; growth_for picks the class.
+grouped    GroupedGrowth: the same for forms with shared keys (GQA) or rotary columns.
 choices    the allowed values of every setting (one Literal each; the methods come from the registry).
 step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 allocation the automatic schedule's rule: held-out gain of each candidate column per K-cache value, bought
            across layers within an allowance.
+sides      what each side needs, picked by the grown object's type (query/key form or value map): growth_for,
+           stats_like, weights_of, …; everything above handles lists of both.
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
 shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
 """
 
 from lit_growattn.growth.choices import (
-    BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, TEMPERATURES, TRUNCATIONS, Baseline, Direction,
-    LineSearch, Method, Mode, SecondMoment, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
+    BASELINES, LINE_SEARCHES, METHODS, MODES, SECOND_MOMENT_POLICIES, SIDES, TEMPERATURES, TRUNCATIONS, Baseline,
+    Direction, LineSearch, Method, Mode, SecondMoment, Side, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, Outcome, sizing_method
 from lit_growattn.growth.form import FORM_TENSORS, FormShape, FormWeights
-from lit_growattn.growth.grouped import GroupedGrowth, growth_for
+from lit_growattn.growth.grouped import GroupedGrowth
 from lit_growattn.growth.plan import GrowthPlan, installed
+from lit_growattn.growth.sides import (
+    growth_for, is_value, leading_tensor, restore, stats_from_state_dict, stats_like, tensor_names, weights_of,
+)
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
-from lit_growattn.growth.value import GrownValue, ValueGrowth, ValueStats, ValueWeights
+from lit_growattn.growth.value import VALUE_METHODS, GrownValue, ValueGrowth, ValueStats, ValueWeights
 from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
 
 __all__ = [
@@ -39,6 +44,8 @@ __all__ = [
     "Mode",
     "SECOND_MOMENT_POLICIES",
     "SecondMoment",
+    "SIDES",
+    "Side",
     "Temperature",
     "Truncation",
     "check_choice",
@@ -64,6 +71,7 @@ __all__ = [
     "Sums",
     "TEMPERATURES",
     "TRUNCATIONS",
+    "VALUE_METHODS",
     "ValueGrowth",
     "ValueStats",
     "ValueWeights",
@@ -78,4 +86,11 @@ __all__ = [
     "register_direction",
     "sizing_method",
     "unflatten_stats",
+    "is_value",
+    "leading_tensor",
+    "restore",
+    "stats_from_state_dict",
+    "stats_like",
+    "tensor_names",
+    "weights_of",
 ]

@@ -39,6 +39,7 @@ Truncation = Literal["euclidean", "whitened"]
 LineSearch = Literal["low_rank", "full_rank"]
 StepRule = Literal["grid", "quadratic"]  # the best of `alphas`, or also the minimiser of a fitted quadratic
 SecondMoment = Literal["mean", "zero"]  # Adam second moments of new columns
+Side = Literal["query_key", "value", "both"]  # what grows: the query/key head size, the value head size, or both
 
 BASELINES: tuple[str, ...] = get_args(Baseline)
 METHODS = RegisteredNames(DIRECTIONS, BASELINES, hint="a new direction registers with growth.register_direction")
@@ -48,6 +49,7 @@ TRUNCATIONS: tuple[str, ...] = get_args(Truncation)
 LINE_SEARCHES: tuple[str, ...] = get_args(LineSearch)
 STEP_RULES: tuple[str, ...] = get_args(StepRule)
 SECOND_MOMENT_POLICIES: tuple[str, ...] = get_args(SecondMoment)
+SIDES: tuple[str, ...] = get_args(Side)
 
 
 def check_choice(name: str, value: str, allowed: Collection[str]) -> None:

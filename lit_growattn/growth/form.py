@@ -38,6 +38,16 @@ class FormShape:
         return self.w_q.shape[-1]
 
     @property
+    def width(self) -> int:
+        """What a growth widens: d_head."""
+        return self.d_head
+
+    @property
+    def max_width(self) -> int:
+        """The largest useful head size: M (e′, e′) has rank ≤ e′."""
+        return self.e_in
+
+    @property
     def tau(self) -> Tensor:
         return self.log_tau.exp()
 

@@ -17,12 +17,15 @@ import torch
 from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, check_choice
 from lit_growattn.growth.factorize import FormGrowth, Growth
 from lit_growattn.growth.form import FormWeights
-from lit_growattn.growth.grouped import GroupedGrowth, growth_for
-from lit_growattn.growth.stats import FormStats
+from lit_growattn.growth.grouped import GroupedGrowth
+from lit_growattn.growth.sides import growth_for, restore, weights_of
+from lit_growattn.growth.stats import Sums
+from lit_growattn.growth.value import GrownValue, ValueGrowth, ValueWeights
 
 
 class GrowthPlan:
-    """One FormGrowth per form name with its new head size and the event's settings.
+    """One growth per name (a query/key form's FormGrowth or GroupedGrowth, a value map's ValueGrowth) with its new
+    width and the event's settings.
 
     Results are memoised per (form, α), so the final `grow` at the chosen α costs nothing after the
     line search, and a baseline draws its random columns once whatever α is asked for.
@@ -30,7 +33,7 @@ class GrowthPlan:
 
     def __init__(
         self,
-        forms: Mapping[str, FormGrowth | GroupedGrowth],
+        forms: Mapping[str, FormGrowth | GroupedGrowth | ValueGrowth],
         d_new: Mapping[str, int],
         *,
         mode: str = "append",
@@ -42,18 +45,18 @@ class GrowthPlan:
         check_choice("line_search", line_search, LINE_SEARCHES)
         self.forms, self.d_new = dict(forms), dict(d_new)
         self.mode, self.temperature, self.line_search, self.generator = mode, temperature, line_search, generator
-        self._memo: dict[tuple, Growth] = {}
+        self._memo: dict[tuple, Growth | GrownValue] = {}
 
     @classmethod
     def build(
         cls,
         forms: Mapping[str, object],
-        stats: Sequence[FormStats],
+        stats: Sequence[Sums],
         *,
         method: str = "natural",
         grow_by: int | Mapping[str, int] | None = 1,
         dynamic_rank: float | None = None,
-        max_d_head: int | None = None,
+        max_width: int | Mapping[str, int | None] | None = None,
         group_of: Callable[[str], Hashable] | None = None,
         mode: str = "append",
         temperature: str = "keep",
@@ -63,12 +66,14 @@ class GrowthPlan:
         generator: torch.Generator | None = None,
         size_by: str | None = None,
     ) -> GrowthPlan:
-        """Plans the growth of QKForm-like `forms` (name → form, in the order of `stats`, reduced sums); forms with
-        shared keys (GQA) or rotary columns grow by `grouped.GroupedGrowth`.
+        """Plans the growth of `forms` (name → query/key form or value map, in the order of `stats`, reduced sums);
+        forms with shared keys (GQA) or rotary columns grow by `grouped.GroupedGrowth`, value maps by
+        `value.ValueGrowth` (`sides.growth_for`).
 
         New columns p per form: `grow_by` (one int or per name); with `dynamic_rank` set, `FormGrowth.rank`
-        with that threshold, `grow_by` then only caps it (None: no cap). Always d + p ≤ max_d_head ≤ e′.
-        Forms with equal `group_of(name)` (e.g. the layer) get the same p, the largest, since they share d_head.
+        with that threshold, `grow_by` then only caps it (None: no cap). Always width + p ≤ max_width (one int or
+        per name; None: no cap) ≤ the form's own bound (e′ for query/key, min(e′, e) for values).
+        Forms with equal `group_of(name)` (e.g. the layer) get the same p, the largest, since they share a width.
         size_by: the direction that sizes the baselines' growth (`factorize.sizing_method`).
         Raises NonFiniteStatistics (from the means) when the statistics hold NaN/inf.
         """
@@ -82,21 +87,22 @@ class GrowthPlan:
         }
         d_new = {}
         for name, g in growths.items():
-            limit = min(max_d_head or g.e_in, g.e_in)
+            bound = max_width if isinstance(max_width, int) or max_width is None else max_width[name]
+            limit = min(bound or g.max_width, g.max_width)
             cap = grow_by if isinstance(grow_by, int) or grow_by is None else grow_by[name]
             if cap is not None:
-                limit = min(limit, g.d_head + cap)
+                limit = min(limit, g.width + cap)
             if dynamic_rank is not None:
-                d_new[name] = g.d_head + g.rank(dynamic_rank, limit)
+                d_new[name] = g.width + g.rank(dynamic_rank, limit)
             else:
-                d_new[name] = max(limit, g.d_head)
+                d_new[name] = max(limit, g.width)
         if group_of is not None:
             groups: dict[Hashable, list[str]] = {}
             for name in growths:
                 groups.setdefault(group_of(name), []).append(name)
             for names in groups.values():
-                if len({growths[n].d_head for n in names}) > 1:
-                    raise ValueError(f"forms {names} must share d_head to grow together")
+                if len({growths[n].width for n in names}) > 1:
+                    raise ValueError(f"forms {names} must share their width to grow together")
                 largest = max(d_new[n] for n in names)
                 d_new.update({n: largest for n in names})
         return cls(growths, d_new, mode=mode, temperature=temperature, line_search=line_search, generator=generator)
@@ -106,14 +112,14 @@ class GrowthPlan:
         return GrowthPlan(self.forms, d_new, mode=self.mode, temperature=self.temperature,
                           line_search=self.line_search, generator=self.generator)
 
-    def grow(self, name: str, alpha: float) -> Growth:
+    def grow(self, name: str, alpha: float) -> Growth | GrownValue:
         """The final growth of form `name` at step α."""
         form = self.forms[name]
         return self._memoised(("grow", name, alpha), lambda: form.grow(
             alpha, self.d_new[name], mode=self.mode, temperature=self.temperature, generator=self.generator
         ))
 
-    def trial(self, name: str, alpha: float) -> Growth:
+    def trial(self, name: str, alpha: float) -> Growth | GrownValue:
         """What the loss of candidate α is measured on: the growth itself (low_rank, λ_LR), or M + αΔM before
         truncation, factorised at full rank e′ (full_rank, λ_FR); install it, evaluate, restore."""
         if self.line_search == "low_rank":
@@ -121,7 +127,7 @@ class GrowthPlan:
         form = self.forms[name]
         return self._memoised(("trial", name, alpha), lambda: form.grow(alpha, form.e_in, mode="replace"))
 
-    def _memoised(self, key: tuple, compute: Callable[[], Growth]) -> Growth:
+    def _memoised(self, key: tuple, compute: Callable[[], Growth | GrownValue]) -> Growth | GrownValue:
         kind, name, alpha = key
         if self.forms[name].method in BASELINES:
             key = (kind, name, None)  # α does not enter a baseline: one draw of random columns per event
@@ -131,15 +137,15 @@ class GrowthPlan:
 
 
 @contextmanager
-def installed(forms: Mapping[str, object], grown: Mapping[str, FormWeights] | None) -> Iterator[None]:
+def installed(forms: Mapping[str, object], grown: Mapping[str, FormWeights | ValueWeights] | None) -> Iterator[None]:
     """Inside the block, every form named in `grown` holds its candidate growth (None: the forms as they are); on
-    exit every form of `forms` (name → form with w_q, w_k, log_tau and set_weights) gets its own parameters back,
+    exit every form of `forms` (name → query/key form or value map, with set_weights) gets its own parameters back,
     the same objects, also after an error: for rating candidates, not for installing the chosen one."""
-    originals = {name: FormWeights.of(form) for name, form in forms.items()}
+    originals = {name: weights_of(form) for name, form in forms.items()}
     try:
         for name, weights in (grown or {}).items():
             weights.install(forms[name])
         yield
     finally:
         for name, weights in originals.items():
-            forms[name].w_q, forms[name].w_k, forms[name].log_tau = weights.w_q, weights.w_k, weights.log_tau
+            restore(forms[name], weights)

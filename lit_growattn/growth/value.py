@@ -64,7 +64,12 @@ class ValueShape:
         return self.w_v.shape[2]
 
     @property
-    def max_d_v(self) -> int:
+    def width(self) -> int:
+        """What a growth widens: d_v."""
+        return self.d_v
+
+    @property
+    def max_width(self) -> int:
         """The largest useful value head size: W_M (e′, e) has rank ≤ min(e′, e)."""
         return min(self.e_in, self.e_out)
 
@@ -151,11 +156,15 @@ def value_direction(method: str, moments: Moments, w_m: Tensor, rcond: float = 1
 class ValueGrowth(ValueShape):
     """The α-independent part of growing one value map, computed once and reused for every step-size candidate
     (the API of `factorize.FormGrowth`, append only). w_v (KV, e′, d), w_o (H, d, e); moments: `ValueStats.means()`;
-    method: natural | gradient | random | zero; size_by: the direction that sizes a baseline's growth."""
+    method: natural | gradient | random | zero; truncation: euclidean only; size_by: the direction that sizes a
+    baseline's growth."""
 
-    def __init__(self, w_v: Tensor, w_o: Tensor, moments: Moments, method: str = "natural", *, rcond: float = 1e-6,
-                 size_by: str | None = None):
+    def __init__(self, w_v: Tensor, w_o: Tensor, moments: Moments, method: str = "natural", *,
+                 truncation: str = "euclidean", rcond: float = 1e-6, size_by: str | None = None):
         check_choice("value method", method, VALUE_METHODS)
+        if truncation != "euclidean":
+            raise ValueError(f"truncation={truncation!r} whitens a query/key form's two sides by the input covariance; "
+                             "the value side truncates in euclidean coordinates only")
         if w_o.shape[0] % w_v.shape[0]:
             raise ValueError(f"{w_o.shape[0]} query heads cannot share {w_v.shape[0]} value heads evenly")
         self.method, self.rcond, self.moments, self.dtype = method, rcond, moments, w_v.dtype
@@ -206,7 +215,7 @@ class ValueGrowth(ValueShape):
         at least 1, at most max_d_v − d (and the rank bound min(e′, e))."""
         s = self.bottleneck(self.sizing_method)[1]
         count = int((s > threshold * s.max()).sum(-1).max())
-        return max(0, min(max(count, 1), min(max_d_v, self.max_d_v) - self.d_v))
+        return max(0, min(max(count, 1), min(max_d_v, self.max_width) - self.d_v))
 
     def column_gains(self, n: Tensor | None = None) -> Tensor:
         """First-order loss decrease −σ_k Σ_{j in group} u_kᵀ N̄_j w_k,j of appending pair k at α = 1, per group
@@ -220,16 +229,15 @@ class ValueGrowth(ValueShape):
              generator: torch.Generator | None = None) -> GrownValue:
         """The map grown to value head size d_new at step α ≥ 0 (α is ignored by the baselines). As on the query/key
         side, a direction method whose first-order prediction is not a decrease falls back to `gradient`.
-        temperature: only `keep` (the value side has no temperature; the argument mirrors `FormGrowth.grow`)."""
-        if temperature != "keep":
-            raise ValueError(f"temperature={temperature!r} rescales a query/key form's τ; the value side has none")
+        temperature: unused (the value side has no temperature; the argument mirrors `FormGrowth.grow`, so that one
+        plan grows both sides under `temperature: rescale`)."""
         if mode != "append":
             raise ValueError(f"value growth only appends columns (mode='append'), got mode={mode!r}: a replace would "
                              "rotate the value columns that the heads of a group share")
         if not alpha >= 0:
             raise ValueError(f"step size α must be ≥ 0, got {alpha}")
-        if not self.d_v <= d_new <= self.max_d_v:
-            raise ValueError(f"d_new={d_new} must lie between the current d_v {self.d_v} and min(e′, e) = {self.max_d_v}")
+        if not self.d_v <= d_new <= self.max_width:
+            raise ValueError(f"d_new={d_new} must lie between the current d_v {self.d_v} and min(e′, e) = {self.max_width}")
         grown = self._build(self.method, alpha, d_new, generator)
         if alpha > 0 and self.method == "natural" and grown.predicted_decrease <= 0:
             grown = dataclasses.replace(self._build("gradient", alpha, d_new, generator), fell_back=True)

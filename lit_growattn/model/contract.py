@@ -68,6 +68,28 @@ class GrowableForm(ScoreMap, Protocol):
         ...
 
 
+@runtime_checkable
+class GrowableValues(Protocol):
+    """A value map W_M,j = W_V,j//g W_O,j per head that value growth widens (docs/value.md). Its w_v and w_o are the
+    fields of `lit_growattn.growth.ValueWeights`; inheriting `lit_growattn.growth.value.ValueShape` gives n_head,
+    n_kv_head, e_in, e_out and d_v, as `lit_growattn.attention.value.ValueMap` does."""
+
+    w_v: Tensor  # (n_kv_head, e′, d_v)
+    w_o: Tensor  # (n_head, d_v, e)
+    capture: Any  # set by the statistics window; falsy: plain attention
+
+    @property
+    def d_v(self) -> int: ...
+
+    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
+        """The (A·X′ (b, H, s, e′), ∂L/∂Y (b, s, e)) pairs recorded on backward passes since the last call."""
+        ...
+
+    def set_weights(self, w_v: Tensor, w_o: Tensor) -> None:
+        """Replaces the parameters by new ones (possibly another d_v); new Parameter objects."""
+        ...
+
+
 class NamedForm(NamedTuple):
     """A growable form, its layer (0-based) and its qualified name relative to the LightningModule, so that
     `f"{name}.w_q"` is a key of `pl_module.named_parameters()` and of the optimizer state carried over."""
@@ -105,6 +127,27 @@ class GrowableModule(Protocol):
         ...
 
 
+@runtime_checkable
+class ValueGrowingModule(Protocol):
+    """What GrowAttentionCallback needs besides `GrowableModule` to grow the value side (`growth.grow`: value or
+    both); `record_head_sizes` then records the value sizes too."""
+
+    def growable_values(self) -> list[NamedForm]:
+        """Every value map that may grow (`GrowableValues`), layer by layer, named like the forms."""
+        ...
+
+    def value_sizes(self) -> list[int]:
+        """The value head size of every layer."""
+        ...
+
+
+def growable_units(pl_module: object) -> list[NamedForm]:
+    """Every growable query/key form, then every growable value map when the module has them (`growable_values`,
+    optional: a module without it grows query/key only)."""
+    values = getattr(pl_module, "growable_values", None)
+    return [*pl_module.growable_forms(), *(values() if values is not None else [])]
+
+
 def members(protocol: type) -> list[str]:
     """The public attributes and methods a protocol declares, its bases' included."""
     names = set()
@@ -117,6 +160,22 @@ def members(protocol: type) -> list[str]:
 def missing(obj: object, protocol: type) -> list[str]:
     """The members of `protocol` that `obj` lacks (empty: it has the protocol's shape)."""
     return [n for n in members(protocol) if not hasattr(obj, n)]
+
+
+def check_value_module(pl_module: object) -> list[NamedForm]:
+    """The module's growable value maps; raises TypeError naming what the module or a map lacks."""
+    if lacks := missing(pl_module, ValueGrowingModule):
+        raise TypeError(
+            f"GrowAttentionCallback cannot grow the value side of {type(pl_module).__name__}: it lacks "
+            f"{', '.join(lacks)} (lit_growattn.model.contract.ValueGrowingModule), as GrowAttentionLM and HFCausalLM "
+            "have; set growth.grow='query_key', or add them to the module"
+        )
+    values = pl_module.growable_values()
+    for named in values:
+        if lacks := missing(named.form, GrowableValues):
+            raise TypeError(f"value map {named.name!r} ({type(named.form).__name__}) lacks {', '.join(lacks)} of "
+                            "lit_growattn.model.contract.GrowableValues")
+    return values
 
 
 def check_module(pl_module: object) -> list[NamedForm]:
