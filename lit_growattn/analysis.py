@@ -79,10 +79,9 @@ def wm_spectra(model: GPT) -> list[Tensor]:
     """Per layer, the singular values (h, d_v) of W_M = W_V W_O of each head, descending."""
     spectra = []
     for block in model.blocks:
-        attn = block.attn
-        h, dv = attn.n_head, attn.d_v
-        w_v = _wide(attn.v.weight).T.reshape(-1, h, dv).transpose(0, 1)  # (h, e, d_v)
-        w_o = _wide(attn.o.weight).T.reshape(h, dv, -1)  # (h, d_v, e)
+        value = block.attn.value
+        w_v = _wide(value.w_v)[:, : value.e_out]  # (h, e, d_v): W_M of the inputs, the bias row left out
+        w_o = _wide(value.w_o)  # (h, d_v, e)
         # W_V = Q_V R_V and W_Oᵀ = Q_O R_O with orthonormal Q: W_M has the singular values of R_V R_Oᵀ (d_v × d_v).
         core = torch.linalg.qr(w_v).R @ torch.linalg.qr(w_o.transpose(-1, -2)).R.transpose(-1, -2)
         spectra.append(torch.linalg.svdvals(core))

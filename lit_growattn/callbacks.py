@@ -94,7 +94,8 @@ class GrowAttentionCallback(Callback):
             sides["query/key form"] = {layer: form for layer, _, form in reversed(named)}
         if self.settings.grows("value"):
             sides["value map"] = {layer: values_map for layer, _, values_map in reversed(values)}
-        layers = self.settings.layers if self.settings.layers is not None else sorted(next(iter(sides.values())))
+        # Unset: every layer with a query/key form (a layer without a value map to grow is then named below).
+        layers = self.settings.layers if self.settings.layers is not None else sorted({f.layer for f in named})
         if bad := [i for i in layers if not 0 <= i < n_layer]:
             raise ValueError(f"growth.layers {bad} do not exist: the model has {n_layer} layers (0-based)")
         for side, firsts in sides.items():

@@ -33,7 +33,8 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         vocab_size, block_size: normally linked from the data module by the CLI.
         n_layer, n_head, n_embd: transformer size.
         d_head: query/key head size (int, or one per layer: a grown checkpoint records its per-layer sizes).
-        d_v: value head size (None → n_embd // n_head); independent of d_head.
+        d_v: value head size (int, or one per layer: a checkpoint whose value side grew records its per-layer
+            sizes; None → n_embd // n_head); independent of d_head.
         bias: biases in attention and MLP (the query/key bias is grown with its columns).
         dropout: residual and embedding dropout.
         attention: registered attention name (see `lit_growattn.attention.ATTENTIONS`).
@@ -56,7 +57,7 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         n_head: int = 4,
         n_embd: int = 64,
         d_head: int | list[int] = 16,
-        d_v: int | None = None,
+        d_v: int | list[int] | None = None,
         bias: bool = False,
         dropout: float = 0.0,
         attention: str = "mha",
@@ -109,6 +110,12 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def head_sizes(self) -> list[int]:
         return self.model.head_sizes()
 
+    def growable_values(self) -> list[NamedForm]:
+        return [NamedForm(i, f"model.{name}", values) for i, name, values in self.model.named_value_maps()]
+
+    def value_sizes(self) -> list[int]:
+        return self.model.value_sizes()
+
     def batch_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, labels = batch
         return self.loss(self(inputs), labels)
@@ -119,14 +126,22 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         # shapes first, then record them, so that checkpoints saved from now on describe their weights.
         resize_to_checkpoint(self, state_dict)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        recorded = self.hparams["d_head"]
-        if self.head_sizes() != (recorded if isinstance(recorded, list) else [recorded] * self.cfg.n_layer):
-            self.record_head_sizes()
+        self.record_head_sizes()
         return result
 
+    def _per_layer(self, name: str) -> list[int]:
+        """The per-layer sizes that hparams[name] (d_head or d_v: one value, one per layer, or None) describe."""
+        value = self.hparams[name]
+        if isinstance(value, list):
+            return value
+        return [self.cfg.n_embd // self.cfg.n_head if value is None else value] * self.cfg.n_layer
+
     def record_head_sizes(self) -> None:
-        """Keeps hparams in step with the grown shapes, so `load_from_checkpoint` builds the right sizes."""
-        self.hparams["d_head"] = self.head_sizes()
+        """Keeps hparams in step with the grown shapes (query/key and value), so that `load_from_checkpoint` builds
+        the right sizes; hparams that already describe them are left as they are."""
+        for name, sizes in (("d_head", self.head_sizes()), ("d_v", self.value_sizes())):
+            if self._per_layer(name) != sizes:
+                self.hparams[name] = sizes
 
     # -- steps ---------------------------------------------------------------------------------
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:

@@ -74,6 +74,19 @@ def required_args(attention: str) -> dict[str, int]:
     return {name: 2 for name, p in list(signature.parameters.items())[2:] if p.default is inspect.Parameter.empty}
 
 
+def reference_values(value, x: torch.Tensor) -> torch.Tensor:
+    """V (b, s, n_head, d_v) of a value map (`attention.value.ValueMap`), per query head, written out: X′ W_V,j//g."""
+    xa = torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1) if value.bias else x
+    group = value.n_head // value.n_kv_head
+    return torch.stack([xa @ value.w_v[j // group] for j in range(value.n_head)], 2)
+
+
+def reference_output(value, heads: list[torch.Tensor]) -> torch.Tensor:
+    """Σ_j y_j W_O,j + b_O for each head's output y_j (b, s, d_v), written out."""
+    out = sum(y @ value.w_o[j] for j, y in enumerate(heads))
+    return out if value.o_bias is None else out + value.o_bias
+
+
 def scalar_tags(log_dir: Path) -> set[str]:
     """Every scalar tag written under log_dir (all event files)."""
     tags: set[str] = set()

@@ -21,7 +21,7 @@ from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
 
-from conftest import required_args
+from conftest import reference_output, reference_values, required_args
 
 def tiny_gpt(attention="mha", **kw):
     cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_embd=16, n_head=4, d_head=3, attention=attention,
@@ -83,11 +83,11 @@ def test_explicit_combined_map_reproduces_the_layer(attention):
     attn = tiny_gpt(attention).blocks[1].attn
     x = torch.randn(2, 8, 16, dtype=torch.float64)
     b, s, _ = x.shape
-    v = attn.v(x).view(b, s, attn.n_head, attn.d_v).transpose(1, 2)
+    v = reference_values(attn.value, x).transpose(1, 2)
     y = attention_maps(attn, x)["attn"] @ v
     if attention == "diff":
         y = attn.norm(y) * (1 - attn.lambda_init)
-    torch.testing.assert_close(attn.o(y.transpose(1, 2).reshape(b, s, -1)), attn(x), atol=1e-10, rtol=0)
+    torch.testing.assert_close(reference_output(attn.value, list(y.unbind(1))), attn(x), atol=1e-10, rtol=0)
 
 
 @pytest.mark.parametrize("attention", ["mha", "diff"])
@@ -96,13 +96,12 @@ def test_wm_spectrum_matches_svd_of_explicit_product(attention):
     model = tiny_gpt(attention, d_v=3)
     spectra = wm_spectra(model)
     for block, spectrum in zip(model.blocks, spectra):
-        attn = block.attn
-        dv = attn.d_v
-        assert spectrum.shape == (attn.n_head, dv)
-        for j in range(attn.n_head):
-            w_v = attn.v.weight[j * dv:(j + 1) * dv].T  # e × d_v: the columns of V that head j reads
-            w_o = attn.o.weight[:, j * dv:(j + 1) * dv].T  # d_v × e
-            torch.testing.assert_close(spectrum[j], torch.linalg.svdvals(w_v @ w_o)[:dv], atol=1e-10, rtol=0)
+        value = block.attn.value
+        dv = value.d_v
+        assert spectrum.shape == (value.n_head, dv)
+        for j in range(value.n_head):
+            w_v = value.w_v[j, : value.e_out]  # e × d_v: the columns of V that head j reads (no bias row)
+            torch.testing.assert_close(spectrum[j], torch.linalg.svdvals(w_v @ value.w_o[j])[:dv], atol=1e-10, rtol=0)
 
 
 def test_figures_have_one_panel_per_layer():

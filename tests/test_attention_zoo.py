@@ -12,7 +12,7 @@ from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
 
-from conftest import required_args
+from conftest import reference_output, reference_values, required_args
 
 def augmented(x, bias):
     return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], -1) if bias else x
@@ -45,26 +45,26 @@ def reference_diff(attn, x, layer_idx):
         - torch.exp((attn.lambda_q2 * attn.lambda_k2).sum())
         + lam_init
     )
-    v = attn.v(x).view(b, s, attn.n_head, attn.d_v)
+    v = reference_values(attn.value, x)
     heads = []
-    for j in range(attn.n_head):
+    for j in range(attn.value.n_head):
         y = (form_map(attn.qk, x, j) - lam * form_map(attn.qk2, x, j)) @ v[:, :, j]
         y = y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * attn.norm.weight
         heads.append(y * (1 - lam_init))
-    return attn.o(torch.cat(heads, -1))
+    return reference_output(attn.value, heads)
 
 
 def reference_dint(attn, x, second_map):
     """(λ·A3 + A1 − λ·A2)·V, A3 row i = mean of A1 rows ≤ i, written with explicit maps."""
     b, s, _ = x.shape
     running_mean = torch.ones(s, s, dtype=x.dtype).tril() / torch.arange(1, s + 1, dtype=x.dtype)[:, None]
-    v = attn.v(x).view(b, s, attn.n_head, attn.d_v)
+    v = reference_values(attn.value, x)
     heads = []
-    for j in range(attn.n_head):
+    for j in range(attn.value.n_head):
         a1, a2 = form_map(attn.qk, x, j), second_map(attn.qk2, x, j)
         lam = attn.lam[j]
         heads.append((lam * running_mean @ a1 + a1 - lam * a2) @ v[:, :, j])
-    return attn.o(torch.cat(heads, -1))
+    return reference_output(attn.value, heads)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -34,28 +34,32 @@ class StatsRecorder(GrowAttentionCallback):
         torch.save(params(pl_module), f"{self.out}/params_{self.rank}.pt")
 
 
-def _stats_run(out, devices, batch_size, accumulate):
+def _stats_run(out, devices, batch_size, accumulate, grow):
     L.seed_everything(0)
     data = recall_data(batch_size=batch_size, examples=16)
     micro_batches = 16 // (batch_size * devices)
-    recorder = StatsRecorder(str(out), schedule=AtEpochs([1]), growth=GrowthSettings(columns=2, method="gradient"),
+    values = dict(value_columns=2) if grow != "query_key" else {}
+    recorder = StatsRecorder(str(out), schedule=AtEpochs([1]),
+                             growth=GrowthSettings(grow=grow, columns=2, method="gradient", **values),
                              statistics=StatisticsSettings(batches=micro_batches))
     strategy = "ddp_spawn" if devices > 1 else "auto"
     trainer(out, [recorder], max_epochs=4, devices=devices, strategy=strategy, precision="64-true",
             accumulate_grad_batches=accumulate).fit(tiny_module(data, dropout=0.0), data)
 
 
-def test_ddp_statistics_equal_single_rank_and_replicas_stay_identical(tmp_path):
+@pytest.mark.parametrize("grow", ["query_key", "both"])
+def test_ddp_statistics_equal_single_rank_and_replicas_stay_identical(tmp_path, grow):
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     single.mkdir(), ddp.mkdir()
-    _stats_run(single, devices=1, batch_size=16, accumulate=1)
-    _stats_run(ddp, devices=2, batch_size=4, accumulate=2)
-    reference = torch.load(single / "stats_2_0.pt", weights_only=False)
+    _stats_run(single, devices=1, batch_size=16, accumulate=1, grow=grow)
+    _stats_run(ddp, devices=2, batch_size=4, accumulate=2, grow=grow)
+    units = 4 if grow == "both" else 2  # the query/key forms, then the value maps, of the 2 layers
+    reference = torch.load(single / f"stats_{units}_0.pt", weights_only=False)
     # Each mean sums the window's 16 sequences, under DDP in another order (2 ranks × 2 micro-batches of 4): a
     # reordered sum of 16 terms is off by at most 16 rounding errors of its largest value (measured: 1.8).
     sequences = 16
     for rank in (0, 1):
-        for ref, got in zip(reference, torch.load(ddp / f"stats_2_{rank}.pt", weights_only=False)):
+        for ref, got in zip(reference, torch.load(ddp / f"stats_{units}_{rank}.pt", weights_only=False), strict=True):
             for name in ("c", "n"):
                 want = getattr(ref, name)
                 tolerance = sequences * torch.finfo(want.dtype).eps * want.abs().max().item()
@@ -63,6 +67,7 @@ def test_ddp_statistics_equal_single_rank_and_replicas_stay_identical(tmp_path):
                                            msg=lambda m: f"rank {rank}, {name}: {m}")
     p0, p1 = (torch.load(ddp / f"params_{r}.pt") for r in (0, 1))
     assert p0["model.blocks.0.attn.qk.w_q"].shape[-1] == 4
+    assert p0["model.blocks.0.attn.value.w_v"].shape[-1] == (10 if grow == "both" else 8)
     assert all(torch.equal(p0[k], p1[k]) and torch.isfinite(p0[k]).all() for k in p0)
 
 

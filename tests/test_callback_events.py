@@ -195,7 +195,7 @@ def test_replace_resets_the_rotated_tensors(tmp_path, monkeypatch):
                                  statistics=StatisticsSettings(batches=2))
     trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
     assert probe.after["model.blocks.0.attn.qk.w_q"] is None  # Adam starts these afresh, step included
-    assert probe.after["model.blocks.0.attn.v.weight"] is not None
+    assert probe.after["model.blocks.0.attn.value.w_v"] is not None
 
 
 # -- bad input ----------------------------------------------------------------------------------------

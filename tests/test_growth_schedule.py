@@ -22,12 +22,13 @@ STEPS = [
 ]
 
 
-def cli_fit(out, schedule, ckpt_path=None, config="configs/recall_grow.yaml"):
+def cli_fit(out, schedule, ckpt_path=None, config="configs/recall_grow.yaml", data_args=True):
     """`python -m lit_growattn fit --config configs/recall_grow.yaml …` (or `config`) with a checkpoint after every optimizer
-    step (`step=N.ckpt`) and at every epoch end (`end-of-epoch=E.ckpt`); returns the last one's content."""
+    step (`step=N.ckpt`) and at every epoch end (`end-of-epoch=E.ckpt`); returns the last one's content.
+    `data_args`: a small recall dataset (the arguments of the recall configs' data module)."""
+    recall = ["--data.init_args.num_train_examples=320", "--data.init_args.num_val_examples=64"] if data_args else []
     main([
-        "fit", "--config", str(REPO / config), *schedule,
-        "--data.init_args.num_train_examples=320", "--data.init_args.num_val_examples=64",
+        "fit", "--config", str(REPO / config), *schedule, *recall,
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
         f"--trainer.logger.init_args.save_dir={out}",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",

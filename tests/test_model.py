@@ -9,20 +9,22 @@ from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
 
+from conftest import reference_output, reference_values
+
 
 def reference_mha(attn: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
     """softmax(τ·QKᵀ + causal mask)·V written out with explicit per-head loops."""
     b, s, e = x.shape
     form = attn.qk
     xa = torch.cat([x, torch.ones(b, s, 1, dtype=x.dtype)], -1) if form.bias else x
-    v = attn.v(x).view(b, s, attn.n_head, attn.d_v)
+    v = reference_values(attn.value, x)
     mask = torch.full((s, s), float("-inf"), dtype=x.dtype).triu(1)
     heads = []
-    for j in range(attn.n_head):
+    for j in range(form.n_head):
         q, k = xa @ form.w_q[j], xa @ form.w_k[j]
         a = torch.softmax(form.log_tau[j].exp() * q @ k.transpose(-1, -2) + mask, dim=-1)
         heads.append(a @ v[:, :, j])
-    return attn.o(torch.cat(heads, dim=-1))
+    return reference_output(attn.value, heads)
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
 from lit_growattn.attention.registry import register_attention
+from lit_growattn.attention.value import ValueMap, attach
 
 if TYPE_CHECKING:  # the config names the variants; they only need its type
     from lit_growattn.model.config import GPTConfig
@@ -27,21 +28,22 @@ def lambda_init_for(layer_idx: int) -> float:
 
 @register_attention("diff")
 class DiffAttention(nn.Module):
+    # Its RMSNorm of each head's output before W_O makes the output not linear in W_V·W_O (docs/value.md).
+    value_growable = False
+
     def __init__(self, cfg: GPTConfig, layer_idx: int):
         super().__init__()
         if cfg.n_head % 2:
             raise ValueError(f"diff attention pairs heads: n_head must be even, got {cfg.n_head}")
-        h, dv, d = cfg.n_head // 2, 2 * cfg.value_head_size, cfg.head_size(layer_idx)
-        self.n_head, self.d_v = h, dv
+        h, dv, d = cfg.n_head // 2, 2 * cfg.value_head_size(layer_idx), cfg.head_size(layer_idx)
         self.qk = QKForm(cfg.n_embd, h, d, cfg.bias, sdpa_pad=cfg.sdpa_pad)
         self.qk2 = QKForm(cfg.n_embd, h, d, cfg.bias, sdpa_pad=cfg.sdpa_pad)
-        self.v = nn.Linear(cfg.n_embd, h * dv, bias=cfg.bias)
-        self.o = nn.Linear(h * dv, cfg.n_embd, bias=cfg.bias)
+        self.value: ValueMap = attach(self, cfg.n_embd, h, dv, cfg.bias)
         self.lambda_init = lambda_init_for(layer_idx)
         # Length d_v (the published head_dim), not d_head: d_v never grows, so checkpoints of grown models load
         # without touching λ.
         self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2 = (
-            nn.Parameter(torch.randn(cfg.value_head_size) * 0.1) for _ in range(4)
+            nn.Parameter(torch.randn(cfg.value_head_size(layer_idx)) * 0.1) for _ in range(4)
         )
         self.norm = nn.RMSNorm(dv, eps=1e-5)
 
@@ -55,11 +57,9 @@ class DiffAttention(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        v = self.v(x).view(b, s, self.n_head, self.d_v).transpose(1, 2)
+        v = self.value.values(x)
         y = self.qk.attend(x, v) - self.lam * self.qk2.attend(x, v)
-        y = self.norm(y) * (1 - self.lambda_init)
-        return self.o(y.transpose(1, 2).reshape(b, s, self.n_head * self.d_v))
+        return self.value.output(self.norm(y) * (1 - self.lambda_init))
 
     def attention_maps(self, x: Tensor) -> dict[str, Tensor]:
         """Explicit maps (b, h, s, s), for analysis: the combined map `attn` = A1 − λA2 and its two softmaxes."""

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from lit_growattn.attention.diff import lambda_init_for
 from lit_growattn.attention.qk import QKForm
 from lit_growattn.attention.registry import register_attention
+from lit_growattn.attention.value import ValueMap, attach
 
 if TYPE_CHECKING:  # the config names the variants; they only need its type
     from lit_growattn.model.config import GPTConfig
@@ -30,14 +31,14 @@ def causal_mean(t: Tensor) -> Tensor:
 class DenoisedAttention(nn.Module):
     """The DINT layer around a second map `qk2`: any module with `attend(x, v)` and `scores(x)` like QKForm."""
 
+    value_growable = True  # the combined map is linear in the values
+
     def __init__(self, cfg: GPTConfig, layer_idx: int, qk2: nn.Module, lambda_init: float | None):
         super().__init__()
-        h, dv = cfg.n_head, cfg.value_head_size
-        self.n_head, self.d_v = h, dv
+        h = cfg.n_head
         self.qk = QKForm(cfg.n_embd, h, cfg.head_size(layer_idx), cfg.bias, sdpa_pad=cfg.sdpa_pad)
         self.qk2 = qk2
-        self.v = nn.Linear(cfg.n_embd, h * dv, bias=cfg.bias)
-        self.o = nn.Linear(h * dv, cfg.n_embd, bias=cfg.bias)
+        self.value: ValueMap = attach(self, cfg.n_embd, h, cfg.value_head_size(layer_idx), cfg.bias)
         lam = lambda_init_for(layer_idx) if lambda_init is None else lambda_init
         self.lam = nn.Parameter(torch.full((h,), float(lam)))
 
@@ -48,12 +49,11 @@ class DenoisedAttention(nn.Module):
         return [form for form in self.score_maps() if isinstance(form, QKForm)]
 
     def forward(self, x: Tensor) -> Tensor:
-        b, s, _ = x.shape
-        v = self.v(x).view(b, s, self.n_head, self.d_v).transpose(1, 2)
+        v = self.value.values(x)
         y1 = self.qk.attend(x, v)
         # Grouped so that λ = 0 gives exactly A1·V: a converted mha model starts with identical outputs.
         y = y1 + self.lam[:, None, None] * (causal_mean(y1) - self.qk2.attend(x, v))
-        return self.o(y.transpose(1, 2).reshape(b, s, self.n_head * self.d_v))
+        return self.value.output(y)
 
     def attention_maps(self, x: Tensor) -> dict[str, Tensor]:
         """Explicit maps (b, h, s, s), for analysis: the combined map `attn` and the two softmaxes."""

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
+from lit_growattn.attention.value import ValueMap
 from lit_growattn.growth.registry import registrar
 
 
@@ -25,10 +26,8 @@ class Attention(Protocol):
     the explicit maps for analysis (entropy; default: built from the forms). Training never calls either.
     """
 
-    n_head: int  # value heads
-    d_v: int  # value head size
-    v: nn.Linear  # (e → n_head·d_v): with `o`, the per-head W_M = W_V W_O of `analysis.wm_spectra`
-    o: nn.Linear  # (n_head·d_v → e)
+    value: ValueMap  # W_V and W_O per head (`attention.value`); the per-head W_M = W_V W_O of `analysis.wm_spectra`
+    value_growable: bool  # the output is linear in each head's W_M, so value growth applies (docs/value.md)
 
     def qk_forms(self) -> list[QKForm]:
         """The growable query/key bilinear forms: every softmax map that growth may widen goes through one."""

@@ -198,7 +198,7 @@ def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
     changed = {k: (given[k], v) for k, v in stored.items()
                if not k.startswith("_") and k not in DERIVED_SETTINGS and k in given and given[k] is not None
                and isinstance(v, (int, float, str, bool, list))
-               and given[k] != v and not (k == "d_head" and isinstance(v, list))}
+               and given[k] != v and not (k in ("d_head", "d_v") and isinstance(v, list))}  # grown sizes
     if changed:
         listed = "; ".join(f"{k}: {new!r} given, the checkpoint's {old!r} used" for k, (new, old) in changed.items())
         weights = " (or use init_from for the weights)" if "init_from" in given else ""

@@ -17,7 +17,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     d_head: int | list[int] = 16  # query/key head size, one value for all layers or one per layer
-    d_v: int | None = None  # value head size; None → n_embd // n_head
+    d_v: int | list[int] | None = None  # value head size, one value or one per layer; None → n_embd // n_head
     bias: bool = False
     dropout: float = 0.0
     attention: str = "mha"  # a name in the attention registry, checked where the model is built (model.GPT)
@@ -37,7 +37,10 @@ class GPTConfig:
         if max(heads) > e_in:
             raise ValueError(f"d_head={self.d_head} exceeds n_embd{' + 1 (bias)' if self.bias else ''} = {e_in}: a "
                              f"query/key form has rank ≤ {e_in}, so wider heads add parameters, never rank; use ≤ {e_in}")
-        if self.d_v is not None and self.d_v <= 0:
+        values = self.d_v if isinstance(self.d_v, list) else [self.d_v]
+        if isinstance(self.d_v, list) and len(values) != self.n_layer:
+            raise ValueError(f"d_v has {len(values)} entries but n_layer is {self.n_layer}: give one per layer or a single int")
+        if any(d is not None and d <= 0 for d in values):
             raise ValueError(f"d_v must be positive, got {self.d_v}")
         if self.d_v is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head}); set d_v explicitly")
@@ -49,6 +52,6 @@ class GPTConfig:
     def head_size(self, layer_idx: int) -> int:
         return self.d_head[layer_idx] if isinstance(self.d_head, list) else self.d_head
 
-    @property
-    def value_head_size(self) -> int:
-        return self.d_v if self.d_v is not None else self.n_embd // self.n_head
+    def value_head_size(self, layer_idx: int) -> int:
+        d_v = self.d_v[layer_idx] if isinstance(self.d_v, list) else self.d_v
+        return d_v if d_v is not None else self.n_embd // self.n_head

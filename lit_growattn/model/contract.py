@@ -19,12 +19,9 @@ CaptureMode = Literal["extend", "explicit"]
 
 
 @runtime_checkable
-class ScoreMap(Protocol):
-    """A softmax score map whose head size a checkpoint may change (every growable form is one; so is a map that
-    never grows but is loaded from a grown checkpoint, such as low-rank DINT's second map)."""
-
-    @property
-    def d_head(self) -> int: ...
+class Resizable(Protocol):
+    """A module whose parameters a grown checkpoint may have widened (a score map, a value map): resized before
+    the checkpoint loads, and its bias rows kept out of weight decay."""
 
     def resize_to(self, state_dict: Mapping[str, Tensor], prefix: str) -> None:
         """Takes the head size its tensors have in `state_dict` (keys `prefix + parameter name`), with placeholder
@@ -35,6 +32,15 @@ class ScoreMap(Protocol):
         """The (h, e′, ·) parameters whose last row along e′ is a bias (multiplies X′'s constant column): they get
         no weight decay on that row. Empty without a bias."""
         ...
+
+
+@runtime_checkable
+class ScoreMap(Resizable, Protocol):
+    """A softmax score map whose head size a checkpoint may change (every growable form is one; so is a map that
+    never grows but is loaded from a grown checkpoint, such as low-rank DINT's second map)."""
+
+    @property
+    def d_head(self) -> int: ...
 
 
 @runtime_checkable
@@ -69,7 +75,7 @@ class GrowableForm(ScoreMap, Protocol):
 
 
 @runtime_checkable
-class GrowableValues(Protocol):
+class GrowableValues(Resizable, Protocol):
     """A value map W_M,j = W_V,j//g W_O,j per head that value growth widens (docs/value.md). Its w_v and w_o are the
     fields of `lit_growattn.growth.ValueWeights`; inheriting `lit_growattn.growth.value.ValueShape` gives n_head,
     n_kv_head, e_in, e_out and d_v, as `lit_growattn.attention.value.ValueMap` does."""
@@ -167,8 +173,8 @@ def check_value_module(pl_module: object) -> list[NamedForm]:
     if lacks := missing(pl_module, ValueGrowingModule):
         raise TypeError(
             f"GrowAttentionCallback cannot grow the value side of {type(pl_module).__name__}: it lacks "
-            f"{', '.join(lacks)} (lit_growattn.model.contract.ValueGrowingModule), as GrowAttentionLM and HFCausalLM "
-            "have; set growth.grow='query_key', or add them to the module"
+            f"{', '.join(lacks)} (lit_growattn.model.contract.ValueGrowingModule), as GrowAttentionLM "
+            "has; set growth.grow='query_key', or add them to the module"
         )
     values = pl_module.growable_values()
     for named in values:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_growattn.attention import QKForm, attention_class
+from lit_growattn.attention.value import ValueMap
 from lit_growattn.model.compiled import CompiledBlocks
 from lit_growattn.model.config import GPTConfig
 
@@ -78,11 +79,17 @@ class GPT(nn.Module):
         # and side effects would break the graph, stay eager: they are a small share of the steps.
         if self.compiled is None or not (self.training and torch.is_grad_enabled()):
             return False
-        return not any(form.capture for forms in self.qk_forms() for form in forms)
+        return not any(form.capture for forms in self.qk_forms() for form in forms) and not any(
+            block.attn.value.capture for block in self.blocks)
 
     def qk_forms(self) -> list[list[QKForm]]:
         """The growable query/key forms, one list per layer."""
         return [block.attn.qk_forms() for block in self.blocks]
+
+    def named_value_maps(self) -> list[tuple[int, str, ValueMap]]:
+        """(layer, module name under this GPT, value map) of every layer whose value side can grow."""
+        return [(i, f"blocks.{i}.attn.value", block.attn.value) for i, block in enumerate(self.blocks)
+                if block.attn.value_growable]
 
     def named_qk_forms(self) -> list[tuple[int, str, QKForm]]:
         """(layer, module name under this GPT, form) of every growable form, layer by layer in module order."""
@@ -94,7 +101,7 @@ class GPT(nn.Module):
         matmuls, plus the score and value products of a causal map, (s+1)/2 keys per query on average."""
         weights = sum(p.numel() for name, p in self.named_parameters() if name != "wpe.weight")
         per_query = sum(
-            m.n_head * m.d_head + self.cfg.n_head * self.cfg.value_head_size
+            m.n_head * m.d_head + block.attn.value.n_head * block.attn.value.d_v
             for block in self.blocks for m in getattr(block.attn, "score_maps", block.attn.qk_forms)()
         )
         return 6.0 * weights + 3.0 * (seq_len + 1) * per_query
@@ -102,3 +109,8 @@ class GPT(nn.Module):
     def head_sizes(self) -> list[int]:
         """Per-layer query/key head size (all forms of a layer share it)."""
         return [forms[0].d_head if forms else self.cfg.head_size(i) for i, forms in enumerate(self.qk_forms())]
+
+    def value_sizes(self) -> list[int]:
+        """Per-layer value head size, as the config states it (DIFF's value map is twice as wide and never grows)."""
+        return [block.attn.value.d_v if block.attn.value_growable else self.cfg.value_head_size(i)
+                for i, block in enumerate(self.blocks)]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.model.contract import ScoreMap
+from lit_growattn.model.contract import Resizable
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -70,5 +70,5 @@ def resize_to_checkpoint(model: nn.Module, state_dict: dict[str, Tensor]) -> Non
     """Gives every score map of `model` the head size its tensors have in state_dict (placeholder values, which
     the state dict then fills): the one resize path for `fit --ckpt_path`, `load_from_checkpoint`, `init_from`."""
     for name, module in model.named_modules():
-        if isinstance(module, ScoreMap):
+        if isinstance(module, Resizable):
             module.resize_to(state_dict, f"{name}.")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lit_growattn.model.contract import ScoreMap
+from lit_growattn.model.contract import Resizable
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
@@ -62,7 +62,7 @@ class GrowthOptimization:
         return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def _bias_row_parameters(self) -> list[nn.Parameter]:
-        return [p for m in self.modules() if isinstance(m, ScoreMap) for p in m.bias_row_parameters()]
+        return [p for m in self.modules() if isinstance(m, Resizable) for p in m.bias_row_parameters()]
 
     @torch.no_grad()
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,133 @@
+"""The value side of an attention layer, stored per head so that value growth can widen it (docs/value.md).
+
+W_V (n_kv_head, e′, d_v), the bias as the last row along e′ (X′ = [X | 1], as `qk.QKForm` stores its bias);
+W_O (n_head, d_v, e); one output bias (e,) shared by the heads, not part of any head's W_M = W_V W_O. Query head j
+reads value head j // (n_head // n_kv_head). New columns append along d_v: the last dim of W_V, the middle one of
+W_O, so that the optimizer's moments carry over by slices.
+
+A layer computes y = its attention applied to `values(x)`, then `output(y)`; any combination of attention maps that
+is linear in the values fits between the two. Statistics capture (`capture` set, grad enabled) widens the values to
+[V | X′] with X′ detached, so that the same attention call also returns P = A·X′ per head, and hooks the gradient
+G_Y = ∂L/∂Y of the output: `take_captured` returns the (P, G_Y) pairs of the value statistics.
+
+Checkpoints written while V and O were nn.Linear modules `v` and `o` still load: `attach` registers a
+load-state-dict pre-hook on the owning attention module that rewrites their keys into these tensors, exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_growattn.attention.qk import augment
+from lit_growattn.growth.value import ValueShape
+
+
+class ValueMap(ValueShape, nn.Module):
+    """Satisfies `lit_growattn.model.contract.GrowableValues`."""
+
+    def __init__(self, n_embd: int, n_head: int, d_v: int, bias: bool = False, n_kv_head: int | None = None):
+        super().__init__()
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        if n_head % n_kv_head or d_v <= 0:
+            raise ValueError(f"need d_v > 0 and n_head divisible by n_kv_head, got d_v={d_v}, n_head={n_head}, "
+                             f"n_kv_head={n_kv_head}")
+        self.bias = bias
+        # nn.Linear's modules and init, drawn in their order: a seed gives the weights it gave before this layout.
+        v, o = nn.Linear(n_embd, n_kv_head * d_v, bias=bias), nn.Linear(n_head * d_v, n_embd, bias=bias)
+        w_v, w_o, o_bias = from_linear(v.weight, v.bias, o.weight, o.bias, n_kv_head, n_head)
+        self.w_v, self.w_o = nn.Parameter(w_v), nn.Parameter(w_o)
+        self.o_bias = nn.Parameter(o_bias) if bias else None
+        self.capture: Any = None
+        self.captured: list[tuple[Tensor, Tensor]] = []
+
+    def bias_row_parameters(self) -> list[nn.Parameter]:
+        return [self.w_v] if self.bias else []
+
+    def matrix(self) -> Tensor:
+        """W_M (n_head, e′, e) per query head."""
+        return self.w_v.repeat_interleave(self.n_head // self.n_kv_head, 0) @ self.w_o
+
+    def _capturing(self) -> bool:
+        return bool(self.capture) and torch.is_grad_enabled()
+
+    def values(self, x: Tensor) -> Tensor:
+        """x (b, s, e) → V (b, n_kv_head, s, d_v); [V | X′] (width d_v + e′) while capturing."""
+        b, s, e = x.shape
+        flat = self.w_v.transpose(0, 1).reshape(self.e_in, -1)  # (e′, kv·d_v), the bias as its last row
+        v = F.linear(x, flat[:e].T, flat[-1] if self.bias else None)
+        v = v.view(b, s, self.n_kv_head, self.d_v).transpose(1, 2)
+        if not self._capturing():
+            return v
+        xa = augment(x, self.bias).detach().to(v.dtype)
+        return torch.cat([v, xa.unsqueeze(1).expand(b, self.n_kv_head, s, self.e_in)], -1)
+
+    def output(self, y: Tensor) -> Tensor:
+        """y (b, n_head, s, d_v) → Y (b, s, e); while capturing y also holds A·X′ after its d_v columns."""
+        b, h, s, width = y.shape
+        p = y[..., self.d_v:] if width > self.d_v else None
+        flat = y[..., : self.d_v].transpose(1, 2).reshape(b, s, h * self.d_v)
+        out = F.linear(flat, self.w_o.reshape(h * self.d_v, -1).T, self.o_bias)
+        if p is not None and out.requires_grad:
+            kept = p.detach()
+            out.register_hook(lambda grad: self.captured.append((kept, grad.detach().to(kept.dtype))))
+        return out
+
+    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
+        """The (P = A·X′ (b, n_head, s, e′), G_Y (b, s, e)) pairs recorded since the last call."""
+        out, self.captured = self.captured, []
+        return out
+
+    @torch.no_grad()
+    def set_weights(self, w_v: Tensor, w_o: Tensor) -> None:
+        """Replaces W_V and W_O (possibly with a new d_v); new Parameter objects, so optimizers must be rebuilt."""
+        if w_v.shape[:2] != self.w_v.shape[:2] or (w_o.shape[0], w_o.shape[2]) != (self.n_head, self.e_out) or (
+                w_v.shape[2] != w_o.shape[1]):
+            raise ValueError(f"new V/O shapes {tuple(w_v.shape)}/{tuple(w_o.shape)} do not fit {self.n_kv_head} value "
+                             f"heads, {self.n_head} query heads, input size {self.e_in}, output size {self.e_out}")
+        like = self.w_v
+        self.w_v = nn.Parameter(w_v.to(like.device, like.dtype).contiguous())
+        self.w_o = nn.Parameter(w_o.to(like.device, like.dtype).contiguous())
+
+    def resize_to(self, state_dict: Mapping[str, Tensor], prefix: str) -> None:
+        """Takes the value head size of `state_dict[prefix + "w_v"]`, with placeholder values (before loading a grown
+        checkpoint)."""
+        key = f"{prefix}w_v"
+        if key in state_dict and state_dict[key].shape[-1] != self.d_v:
+            d_v = state_dict[key].shape[-1]
+            self.set_weights(self.w_v.new_zeros(*self.w_v.shape[:2], d_v), self.w_o.new_zeros(self.n_head, d_v, self.e_out))
+
+    def linear_keys_hook(self, state_dict: dict[str, Tensor], prefix: str, *_) -> None:
+        """Load-state-dict pre-hook of the owning attention module (`prefix` is its own): rewrites the keys of the
+        former `v`/`o` nn.Linear modules into this map's tensors."""
+        old = {name: state_dict.pop(f"{prefix}{name}", None) for name in ("v.weight", "v.bias", "o.weight", "o.bias")}
+        if old["v.weight"] is None:
+            return
+        w_v, w_o, o_bias = from_linear(old["v.weight"], old["v.bias"], old["o.weight"], old["o.bias"], self.n_kv_head,
+                                       self.n_head)
+        state_dict |= {f"{prefix}value.w_v": w_v, f"{prefix}value.w_o": w_o}
+        if o_bias is not None:
+            state_dict[f"{prefix}value.o_bias"] = o_bias
+
+
+def from_linear(v_weight: Tensor, v_bias: Tensor | None, o_weight: Tensor, o_bias: Tensor | None, n_kv_head: int,
+                n_head: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """W_V (kv, e′, d_v), W_O (h, d_v, e), the output bias, from nn.Linear tensors: v (kv·d_v, e) and its bias,
+    o (e, h·d_v) and its bias. Exact: the same numbers, rearranged."""
+    d_v, e = v_weight.shape[0] // n_kv_head, v_weight.shape[1]
+    w_v = v_weight.detach().reshape(n_kv_head, d_v, e).transpose(1, 2)
+    if v_bias is not None:
+        w_v = torch.cat([w_v, v_bias.detach().reshape(n_kv_head, 1, d_v)], 1)
+    w_o = o_weight.detach().T.reshape(n_head, d_v, e)
+    return w_v.contiguous(), w_o.contiguous(), None if o_bias is None else o_bias.detach().clone()
+
+
+def attach(owner: nn.Module, n_embd: int, n_head: int, d_v: int, bias: bool) -> ValueMap:
+    """Gives the attention module `owner` its value map as `owner.value`, and the pre-hook that loads checkpoints
+    written with `v` and `o` nn.Linear modules."""
+    owner.value = ValueMap(n_embd, n_head, d_v, bias)
+    owner._register_load_state_dict_pre_hook(owner.value.linear_keys_hook)
+    return owner.value
