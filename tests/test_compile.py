@@ -28,7 +28,8 @@ def _fit(tmp_path, tiny_cli_args, *extra):
 
 
 # The value side grows too (both sides' statistics are captured eagerly, and the resized W_V, W_O recompile).
-BOTH = ["--trainer.callbacks.init_args.growth.grow=both", "--trainer.callbacks.init_args.growth.value_columns=3"]
+BOTH = ["--trainer.callbacks.init_args.growth.grow=both", "--trainer.callbacks.init_args.growth.value_columns=3",
+        "--model.init_args.d_v=8"]
 
 
 @pytest.mark.parametrize("sides", [[], BOTH], ids=["query_key", "both"])
@@ -39,7 +40,7 @@ def test_compiled_growth_run_equals_eager_with_bounded_recompiles(tmp_path, tiny
     _, compiled = _fit(tmp_path / "compiled", tiny_cli_args, "--model.init_args.compile=true", *sides)
     graphs = counters["stats"]["unique_graphs"] - graphs
     assert compiled.model.head_sizes() == eager.model.head_sizes() == [4]
-    assert compiled.model.value_sizes() == eager.model.value_sizes() == [35 if sides else 32]
+    assert compiled.model.value_sizes() == eager.model.value_sizes() == [11 if sides else 32]
     # One graph before the growth, one after it; the documented bound is 2 · n_layer per growth epoch.
     assert compiled.model.compiled.resets == 1
     assert graphs == 2, graphs

@@ -180,3 +180,13 @@ def test_uneven_groups_and_unknown_methods_are_refused():
         ValueGrowth(p.w_v[:3], p.w_o, p.stats().means())
     with pytest.raises(ValueError, match="pinv"):
         ValueGrowth(p.w_v, p.w_o, p.stats().means(), "pinv")
+
+
+def test_each_new_pair_has_a_canonical_sign():
+    """A pair and its negation make the same W_M: the largest entry of each u is positive, so that statistics equal
+    up to round-off grow the same columns (compiled and eager runs)."""
+    vg = ValueProblem(kv=2).growth()
+    u, s, w, _ = vg.bottleneck("natural")
+    live = s > 1e-10 * s[:, :1]
+    largest = u.gather(1, u.abs().argmax(1, keepdim=True)).squeeze(1)
+    assert (largest[live] > 0).all()

@@ -181,3 +181,83 @@ def test_bf16_mixed_value_growth_grows_and_stays_finite(tmp_path):
     (event,) = grow.history
     assert not event["skipped"] and module.value_sizes() == [10, 10]
     assert all(torch.isfinite(p).all() for p in params(module).values())
+
+
+# -- the model side: capture and checkpoints of the value map ----------------------------------------------
+def tiny_gpt(attention="mha", bias=True, d_v=3):
+    from lit_growattn.model.config import GPTConfig
+    from lit_growattn.model.gpt import GPT
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=16, d_head=2, d_v=d_v, bias=bias, attention=attention,
+                    attention_args=required_args(attention))
+    return GPT(cfg).double()
+
+
+@pytest.mark.parametrize("capture", ["extend", "explicit"])
+@pytest.mark.parametrize("attention, bias", [("mha", False), ("mha", True), ("dint", True), ("lowrank_dint", False)])
+def test_captured_p_is_the_attention_applied_to_x_and_g_y_the_output_gradient(attention, bias, capture):
+    """The SDPA call over [V | X′] captures P = A·X′ as an explicit map gives it, while the output is unchanged."""
+    from lit_growattn.analysis import attention_maps
+
+    attn = tiny_gpt(attention, bias).blocks[1].attn
+    x = torch.randn(2, 7, 16, dtype=torch.float64, requires_grad=True)
+    plain = attn(x)
+    target = torch.randn_like(plain)
+    grads = torch.autograd.grad((plain - target).square().sum(), [x, *attn.parameters()])
+    attn.value.capture, attn.qk.capture = True, capture  # the query/key capture path shares the call
+    y = attn(x)
+    captured_grads = torch.autograd.grad((y - target).square().sum(), [x, *attn.parameters()])
+    attn.value.capture, attn.qk.capture = None, None
+    torch.testing.assert_close(y, plain, rtol=0, atol=1e-12)
+    for got, want in zip(captured_grads, grads, strict=True):  # capture does not change training
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    ((p, g_y),) = attn.value.take_captured()
+    x = x.detach()
+    xa = torch.cat([x, torch.ones(2, 7, 1, dtype=x.dtype)], -1) if bias else x
+    torch.testing.assert_close(p, attention_maps(attn, x)["attn"] @ xa.unsqueeze(1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(g_y, 2 * (plain - target).detach(), rtol=0, atol=1e-12)
+
+
+def test_values_without_capture_or_gradient_have_their_own_width():
+    value = tiny_gpt().blocks[0].attn.value
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    value.capture = True
+    with torch.no_grad():
+        assert value.values(x).shape == (2, 4, 5, 3)  # evaluation under capture: plain values
+    assert value.values(x).shape == (2, 4, 5, 3 + 17)
+    value.capture = None
+    assert value.values(x).shape == (2, 4, 5, 3)
+
+
+@pytest.mark.parametrize("attention", ["mha", "dint", "diff"])
+def test_a_checkpoint_with_v_and_o_linear_modules_loads_exactly(attention):
+    """Checkpoints written while V and O were nn.Linear modules (keys attn.v.weight …) load into the same function."""
+    model = tiny_gpt(attention)
+    state, old = model.state_dict(), {}
+    for key, t in state.items():
+        head, _, name = key.rpartition("value.")
+        if name == "w_v":
+            kv, e_in, d_v = t.shape
+            old[head + "v.weight"] = t[:, :-1].transpose(1, 2).reshape(kv * d_v, e_in - 1)
+            old[head + "v.bias"] = t[:, -1].reshape(-1)
+        elif name == "w_o":
+            old[head + "o.weight"] = t.reshape(-1, t.shape[-1]).T
+        elif name == "o_bias":
+            old[head + "o.bias"] = t
+        else:
+            old[key] = t
+    assert "blocks.0.attn.v.weight" in old and not any("value." in k for k in old)
+    fresh = tiny_gpt(attention)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(old)
+    idx = torch.randint(0, 256, (2, 9))
+    torch.testing.assert_close(fresh(idx), model(idx), rtol=0, atol=0)
+
+
+def test_set_weights_refuses_shapes_that_do_not_fit():
+    value = tiny_gpt().blocks[0].attn.value
+    with pytest.raises(ValueError, match="do not fit 4 value heads, 4 query heads, input size 17, output size 16"):
+        value.set_weights(value.w_v, value.w_o[:, :2])

@@ -202,6 +202,10 @@ class ValueGrowth(ValueShape):
             stacked = project_out(delta, basis_v, basis_o).reshape(kv, self.group, e_in, e_out)
             stacked = stacked.permute(0, 2, 1, 3).reshape(kv, e_in, self.group * e_out)
             u, s, wh = torch.linalg.svd(stacked, full_matrices=False)
+            # Each pair's sign made canonical (largest entry of u positive): a pair and its negation give the same
+            # W_M, and a run whose statistics differ by round-off (compiled kernels) then grows the same columns.
+            sign = torch.where(u.gather(1, u.abs().argmax(1, keepdim=True)) < 0, -1.0, 1.0)  # (KV, 1, k)
+            u, wh = u * sign, wh * sign.mT
             energy = delta.square().sum((-2, -1)).reshape(kv, self.group).sum(-1)
             self._bottlenecks[method] = u, s, wh.mT, energy
         return self._bottlenecks[method]
