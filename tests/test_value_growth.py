@@ -230,23 +230,30 @@ def test_values_without_capture_or_gradient_have_their_own_width():
     assert value.values(x).shape == (2, 4, 5, 3)
 
 
-@pytest.mark.parametrize("attention", ["mha", "dint", "diff"])
-def test_a_checkpoint_with_v_and_o_linear_modules_loads_exactly(attention):
-    """Checkpoints written while V and O were nn.Linear modules (keys attn.v.weight …) load into the same function."""
-    model = tiny_gpt(attention)
-    state, old = model.state_dict(), {}
+def to_linear_layout(state: dict, bias: bool) -> dict:
+    """A state dict as checkpoints stored it while V and O were the nn.Linear modules `v` and `o`."""
+    old = {}
     for key, t in state.items():
         head, _, name = key.rpartition("value.")
         if name == "w_v":
-            kv, e_in, d_v = t.shape
-            old[head + "v.weight"] = t[:, :-1].transpose(1, 2).reshape(kv * d_v, e_in - 1)
-            old[head + "v.bias"] = t[:, -1].reshape(-1)
+            w = t[:, :-1] if bias else t  # the bias is W_V's last row along e′
+            old[head + "v.weight"] = w.transpose(1, 2).reshape(-1, w.shape[1])
+            if bias:
+                old[head + "v.bias"] = t[:, -1].reshape(-1)
         elif name == "w_o":
             old[head + "o.weight"] = t.reshape(-1, t.shape[-1]).T
         elif name == "o_bias":
             old[head + "o.bias"] = t
         else:
             old[key] = t
+    return old
+
+
+@pytest.mark.parametrize("attention", ["mha", "dint", "diff"])
+def test_a_checkpoint_with_v_and_o_linear_modules_loads_exactly(attention):
+    """Checkpoints written while V and O were nn.Linear modules (keys attn.v.weight …) load into the same function."""
+    model = tiny_gpt(attention)
+    old = to_linear_layout(model.state_dict(), bias=True)
     assert "blocks.0.attn.v.weight" in old and not any("value." in k for k in old)
     fresh = tiny_gpt(attention)
     with torch.no_grad():
@@ -261,3 +268,27 @@ def test_set_weights_refuses_shapes_that_do_not_fit():
     value = tiny_gpt().blocks[0].attn.value
     with pytest.raises(ValueError, match="do not fit 4 value heads, 4 query heads, input size 17, output size 16"):
         value.set_weights(value.w_v, value.w_o[:, :2])
+
+
+def test_a_checkpoint_of_the_linear_layout_loads_and_continues_by_init_from_but_refuses_to_resume(tmp_path):
+    L.seed_everything(0)
+    data = recall_data()
+    fit = trainer(tmp_path, [], max_epochs=1)
+    module = tiny_module(data)
+    fit.fit(module, data)
+    fit.save_checkpoint(tmp_path / "new.ckpt")
+    ckpt = torch.load(tmp_path / "new.ckpt", weights_only=False)
+    ckpt["state_dict"] = to_linear_layout(ckpt["state_dict"], bias=False)
+    assert "model.blocks.0.attn.v.weight" in ckpt["state_dict"]
+    torch.save(ckpt, tmp_path / "old.ckpt")
+
+    loaded = GrowAttentionLM.load_from_checkpoint(tmp_path / "old.ckpt")
+    inputs = next(iter(data.val_dataloader()))[0]
+    module.eval(), loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(inputs), module(inputs), rtol=0, atol=0)
+    continued = tiny_module(data, init_from=str(tmp_path / "old.ckpt"))
+    assert all(torch.equal(a, b) for a, b in zip(continued.parameters(), module.parameters()))
+    with pytest.raises(ValueError, match="its weights load, but its optimizer state cannot resume. Continue from its "
+                                         r"weights with `--model.init_args.init_from=<ckpt>`"):
+        trainer(tmp_path, [], max_epochs=2).fit(tiny_module(data), data, ckpt_path=tmp_path / "old.ckpt")
