@@ -11,7 +11,9 @@ Measurements (one function each):
    captured (X′, G X′) pairs into FormStats as the callback's on_after_backward does, optimizer step) ÷ a
    normal step; for capture "extend" (SDPA zero-extension) and "explicit" (score map with retained gradient),
    and for the `pinv` method (per-instance pseudo-inverses in FormStats.update) beside the others;
-   round_robin_step_cost_ratio: capture="auto" on a third of the layers (the callback's layers_per_step).
+   round_robin_step_cost_ratio: capture="auto" on a third of the layers (the callback's layers_per_step);
+   value_step_cost_ratio, both_sides_step_cost_ratio: the value maps' capture (A·X′ and ∂L/∂Y, folded into
+   ValueStats), alone and with the query/key capture="auto" (growth.grow: value, both; docs/value.md).
 3. growth_event_seconds: GrowthPlan build + factorisation at one α for all forms (6 layers, e 256, 8 heads,
    d_head 8 → 16, statistics from b 32, s 256), per method; plus one full event driven through
    GrowAttentionCallback in a real fit, timed by the event itself (all-reduce, plan, line search, optimizer rebuild).
@@ -76,7 +78,8 @@ def run(preset_name: str, env: Env) -> dict:
 
     top_keys = ("stats_step_cost_ratio", "explicit_step_cost_ratio", "stats_vs_naive_cost_ratio",
                 "stats_step_cost_ratio_pinv", "explicit_step_cost_ratio_pinv", "stats_vs_naive_cost_ratio_pinv",
-                "auto_capture", "auto_step_cost_ratio", "round_robin_step_cost_ratio", "stats_peak_memory_ratio", "explicit_peak_memory_ratio",
+                "auto_capture", "auto_step_cost_ratio", "round_robin_step_cost_ratio", "value_step_cost_ratio",
+                "both_sides_step_cost_ratio", "stats_peak_memory_ratio", "explicit_peak_memory_ratio",
                 "stats_alloc_peak_ratio", "explicit_alloc_peak_ratio")
     result.update({key: throughput.pop(key) for key in ("lightning_vs_plain_throughput",
                                                         "budget_spent_vs_lightning_step_ratio")})
@@ -102,6 +105,7 @@ def run(preset_name: str, env: Env) -> dict:
         "auto_step_cost_ratio <= 1.5": result["auto_step_cost_ratio"] <= 1.5,
         "budget_spent_vs_lightning_step_ratio <= 1.05": result["budget_spent_vs_lightning_step_ratio"] <= 1.05,
         "round_robin_step_cost_ratio <= 1.5": result["round_robin_step_cost_ratio"] <= 1.5,
+        "both_sides_step_cost_ratio <= 1.5": result["both_sides_step_cost_ratio"] <= 1.5,
         "stats_step_cost_ratio (extend) <= 1.5": result["stats_step_cost_ratio"] <= 1.5,
         "growth_event_seconds <= 2": result["growth_event_seconds"] <= 2.0,
         "growth_event_full_seconds <= 2": result["growth_event_full_seconds"] <= 2.0,

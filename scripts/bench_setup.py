@@ -19,8 +19,9 @@ from lit_growattn.module import GrowAttentionLM
 
 CPU = torch.device("cpu")  # on a GPU, scripts/bench_gpu.py
 
-VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin")
+VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin", "value", "both")
 # The round_robin variant: capture="auto" on a third of the layers, as GrowAttentionCallback(layers_per_step=n/3).
+# value: the value maps' capture alone (growth.grow: value); both: it with the query/key capture="auto" (grow: both).
 ROUND_ROBIN_SHARE = 3
 
 
@@ -97,7 +98,12 @@ def named_forms(lm: GrowAttentionLM) -> NamedForms:
     return [(layer, f"model.{name}", form) for layer, name, form in lm.model.named_qk_forms()]
 
 
-def fold(forms: NamedForms, stats: list[growth.FormStats], weight: float = 1.0) -> None:
+def named_values(lm: GrowAttentionLM) -> NamedForms:
+    """(layer, parameter-name prefix, value map), as the callback names them."""
+    return list(lm.growable_values())
+
+
+def fold(forms: NamedForms, stats: list[growth.Sums], weight: float = 1.0) -> None:
     """What the callback does with the captured pairs after a backward (no GradScaler here)."""
     fold_captured(forms, stats, weight, grad_scale=None)
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from bench_common import StepTimer, plain_step_times
 from bench_setup import (CPU, ROUND_ROBIN_SHARE, VARIANTS, Env, Preset, Shape, auto_capture, fold, make_lm,
-                         make_trainer, median, named_forms, set_capture, token_data)
+                         make_trainer, median, named_forms, named_values, set_capture, token_data)
 
 from lit_growattn import growth, AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.growing.event import plan_growth
@@ -85,12 +85,13 @@ def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
 # -- 2. statistics step vs normal step -------------------------------------------------------------
 def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
     lm = make_lm(shape)
-    forms = named_forms(lm)
+    forms, values = named_forms(lm), named_values(lm)
     opt = lm.configure_optimizers()["optimizer"]
     inputs, labels = (t for t in token_data(shape, 1).tensors)
     stats = {
         "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],  # gradient: same sums
         "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
+        "value": [growth.ValueStats.empty_like(v) for _, _, v in values],
     }
 
     auto = auto_capture(inputs)
@@ -100,9 +101,11 @@ def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
 
     def step(variant: str) -> tuple[float, float]:
         """One training step; returns (step seconds, of which folding seconds)."""
-        mode, _, method = (auto, "", "") if variant == "round_robin" else variant.partition("_")
-        mode = None if mode == "normal" else mode
+        sides = variant in ("value", "both")
+        mode, _, method = (auto, "", "") if variant in ("round_robin", "both") else variant.partition("_")
+        mode = None if variant in ("normal", "value") else mode
         set_capture(in_turn if variant == "round_robin" else forms, mode)
+        set_capture(values, auto if sides else None)
         t0 = time.perf_counter()
         loss = lm.loss(lm(inputs), labels)
         opt.zero_grad(set_to_none=True)
@@ -110,10 +113,13 @@ def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
         t1 = time.perf_counter()
         if mode is not None:
             fold(forms, stats[method or "natural"])
+        if sides:
+            fold(values, stats["value"])
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
         set_capture(forms, None)
+        set_capture(values, None)
         return t3 - t0, t2 - t1
 
     for v in VARIANTS:  # warm-up: first use of each path (allocator, AdamW state, kernels)
@@ -144,6 +150,8 @@ def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
         "auto_step_cost_ratio": ratio(auto, "normal"),
         "auto_step_cost_ratio_pinv": ratio(f"{auto}_pinv", "normal"),
         "round_robin_step_cost_ratio": ratio("round_robin", "normal"),
+        "value_step_cost_ratio": ratio("value", "normal"),
+        "both_sides_step_cost_ratio": ratio("both", "normal"),
         "round_robin_layers_per_step": f"{per_step} of {n_layer}",
     }
 

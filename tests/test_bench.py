@@ -23,6 +23,8 @@ HEADLINE = (
     "stats_vs_naive_cost_ratio_pinv",
     "auto_step_cost_ratio",
     "round_robin_step_cost_ratio",
+    "value_step_cost_ratio",
+    "both_sides_step_cost_ratio",
     "growth_event_seconds",
     "growth_event_full_seconds",
     "growth_event_epoch_share",
