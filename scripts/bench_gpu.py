@@ -10,7 +10,8 @@ Measurements (one function each):
    epoch after the growth) ÷ a model built at d1 (same fit, same steps), and the static model under Lightning
    ÷ a plain PyTorch loop on the same model, optimizer and schedule.
 3. statistics_step: a training step with `extend` capture on every form plus the folding of the captured
-   pairs into FormStats (the callback's on_after_backward) ÷ a normal step, interleaved repeats, medians;
+   pairs into FormStats (the callback's on_after_backward) ÷ a normal step, and the same with the value maps
+   capturing too (both_sides_step_cost_ratio, growth.grow: both), interleaved repeats, medians;
    with the peak memory (torch.cuda.max_memory_allocated) of each, and the model's training FLOPs per token.
 
     python scripts/bench_gpu.py              # on a CUDA GPU (a few minutes): prints the JSON (--out FILE: saves it)
@@ -37,6 +38,7 @@ from bench_common import StepTimer, json_only_stdout, make_lm, plain_step_times,
 
 from lit_growattn import growth  # bench_common has put the repository on the path
 from lit_growattn.attention import QKForm
+from lit_growattn.attention.value import ValueMap
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
 from lit_growattn.module import GrowAttentionLM
 
@@ -160,13 +162,17 @@ def throughput(s: Setup, device: torch.device, compile: bool) -> dict:
 def statistics_step(s: Setup, device: torch.device, compile: bool) -> dict:
     lm = model(s, s.d_head_grown, compile).to(device).train()
     forms = [m for m in lm.modules() if isinstance(m, QKForm)]
+    values = [m for m in lm.modules() if isinstance(m, ValueMap)]
     optimizer = lm.configure_optimizers()["optimizer"]
     inputs, labels = (t.to(device) for t in next(iter(token_loader(s, 1))))
-    sums = [growth.FormStats.empty_like(f, "natural") for f in forms]
+    sums = [growth.FormStats.empty_like(f, "natural") for f in forms] + [growth.ValueStats.empty_like(v) for v in values]
 
-    def step(capture: str | None) -> tuple[float, int]:
+    def step(variant: str) -> tuple[float, int]:
+        """variant: train (no capture) | extend (query/key) | both (query/key extend and the value maps)."""
         for f in forms:
-            f.capture = capture
+            f.capture = None if variant == "train" else "extend"
+        for v in values:
+            v.capture = "extend" if variant == "both" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         sync(device)
@@ -175,29 +181,35 @@ def statistics_step(s: Setup, device: torch.device, compile: bool) -> dict:
             loss = lm.loss(lm(inputs), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        for st, f in zip(sums, forms):  # what the callback's on_after_backward does
-            for xa, gx in f.take_captured():
-                st.update(xa, gx)
+        for st, f in zip(sums, forms + values):  # what the callback's on_after_backward does
+            for pair in f.take_captured():
+                st.update(*pair)
         optimizer.step()
         sync(device)
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
         return time.perf_counter() - start, peak
 
-    for capture in (None, "extend", None):  # warm-up (and compilation)
-        step(capture)
-    ratios, normal, stats = [], [], []
+    variants = ("train", "extend", "both")
+    for variant in (*variants, "train"):  # warm-up (and compilation)
+        step(variant)
+    timed = {v: [] for v in variants}
     for r in range(s.repeats):
-        order = (None, "extend") if r % 2 == 0 else ("extend", None)  # alternate, so drift favours neither
-        timed = {capture: step(capture) for capture in order}
-        normal.append(timed[None])
-        stats.append(timed["extend"])
-        ratios.append(timed["extend"][0] / timed[None][0])
+        order = variants[r % 3:] + variants[: r % 3]  # rotate, so drift favours none
+        for variant in order:
+            timed[variant].append(step(variant))
+
+    def ratio(variant: str) -> float:
+        return statistics.median(t / n for (t, _), (n, _) in zip(timed[variant], timed["train"]))
+
     return {
-        "stats_step_cost_ratio": statistics.median(ratios),
-        "normal_step_s": statistics.median(t for t, _ in normal),
-        "stats_step_s": statistics.median(t for t, _ in stats),
-        "normal_peak_memory_bytes": max(p for _, p in normal) or None,
-        "stats_peak_memory_bytes": max(p for _, p in stats) or None,
+        "stats_step_cost_ratio": ratio("extend"),
+        "both_sides_step_cost_ratio": ratio("both"),
+        "normal_step_s": statistics.median(t for t, _ in timed["train"]),
+        "stats_step_s": statistics.median(t for t, _ in timed["extend"]),
+        "both_sides_step_s": statistics.median(t for t, _ in timed["both"]),
+        "normal_peak_memory_bytes": max(p for _, p in timed["train"]) or None,
+        "stats_peak_memory_bytes": max(p for _, p in timed["extend"]) or None,
+        "both_sides_peak_memory_bytes": max(p for _, p in timed["both"]) or None,
         "flops_per_token": lm.model.flops_per_token(s.seq_len),
     }
 
@@ -220,6 +232,7 @@ def run(s: Setup, device: torch.device, compile: bool) -> dict:
     result["targets"] = {
         "grown_vs_static_throughput >= 0.95": result["throughput"]["grown_vs_static_throughput"] >= 0.95,
         "stats_step_cost_ratio <= 1.5": result["statistics_step"]["stats_step_cost_ratio"] <= 1.5,
+        "both_sides_step_cost_ratio <= 1.5": result["statistics_step"]["both_sides_step_cost_ratio"] <= 1.5,
         "no math fallback at any d_head": not backends["math_fallbacks"],
     }
     result["bench_seconds"] = time.perf_counter() - started

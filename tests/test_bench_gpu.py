@@ -49,6 +49,7 @@ def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
         "gpu_tests: gpu tests pass": None,
         "bench_gpu: grown_vs_static_throughput >= 0.95": None,
         "bench_gpu: stats_step_cost_ratio <= 1.5": None,
+        "bench_gpu: both_sides_step_cost_ratio <= 1.5": None,
         "bench_gpu: no math fallback at any d_head": None,
         "text_growth: text run grows at every event": True,
         "seed001: lambda moves": True,
