@@ -57,7 +57,7 @@ def test_every_shipped_config_uses_the_grouped_settings():
                 assert cb["class_path"] == "lit_growattn.GrowAttentionCallback"
                 assert set(cb["init_args"]) <= {"schedule", *GROUPS}, path
                 assert cb["init_args"]["schedule"]["class_path"] in ("lit_growattn.AtEpochs", "lit_growattn.AutoSchedule")
-    assert growing == 6  # five nanoGPT configs and configs/hf_llama_grow.yaml
+    assert growing == 7  # six nanoGPT configs and configs/hf_llama_grow.yaml
 
 
 OLD = """
