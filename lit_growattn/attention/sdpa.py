@@ -1,8 +1,8 @@
 """Causal attention through `F.scaled_dot_product_attention`, padded to head sizes the fused kernels accept.
 
 PyTorch picks a kernel per call and silently falls back to the math kernel (an explicit s×s map, bf16 upcast
-to fp32) when none of the fused ones accepts the shapes. Growth produces every query/key width d_head while
-the value width d_v stays put, and:
+to fp32) when none of the fused ones accepts the shapes. Growth produces every query/key width d_head and
+value width d_v (each side grows on its own; a statistics step widens the values by e′), and:
 - flash attention (CUDA and CPU) needs q, k and v of the same width; on CUDA at most 256;
 - memory-efficient and cuDNN attention (CUDA) need widths that are multiples of 8.
 Zero columns add exactly 0 to q·kᵀ (the scale is explicit, so it does not see the padded width), and zero
