@@ -36,3 +36,17 @@ class WindowRecorder(GrowAttentionCallback):
     def _grow(self, trainer, pl_module, point, batch_idx):
         self.seen = [(s.means() if s.instances > 0 else None, int(s.instances), float(s.weight)) for s in self.window.stats]
         super()._grow(trainer, pl_module, point, batch_idx)
+
+
+class PreservationProbe(GrowAttentionCallback):
+    """Model outputs on a kept batch just before and just after the growth event."""
+
+    def _grow(self, trainer, pl_module, point, batch_idx):
+        inputs = self.window.kept[0][0]
+        pl_module.eval()
+        with torch.no_grad():
+            self.out_before = pl_module(inputs)
+        super()._grow(trainer, pl_module, point, batch_idx)
+        with torch.no_grad():
+            self.out_after = pl_module(inputs)
+        pl_module.train()

@@ -18,7 +18,7 @@ from lit_growattn.growing.event import GrowthEvent
 from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
-from callback_helpers import WindowRecorder, params, recall_data, tiny_module, trainer
+from callback_helpers import PreservationProbe, WindowRecorder, params, recall_data, tiny_module, trainer
 from conftest import REPO, required_args, scalar_tags
 from test_growth import Problem
 
@@ -348,20 +348,6 @@ def test_round_robin_window_too_short_for_every_layer_fails_at_setup(tmp_path):
 
 
 # -- every attention variant grows ---------------------------------------------------------------------
-class PreservationProbe(GrowAttentionCallback):
-    """Model outputs on a fixed batch just before and just after the growth event."""
-
-    def _grow(self, trainer, pl_module, point, batch_idx):
-        inputs = self.window.kept[0][0]
-        pl_module.eval()
-        with torch.no_grad():
-            self.out_before = pl_module(inputs)
-        super()._grow(trainer, pl_module, point, batch_idx)
-        with torch.no_grad():
-            self.out_after = pl_module(inputs)
-        pl_module.train()
-
-
 @pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 @pytest.mark.parametrize("mode, temperature", [("append", "keep"), ("replace", "rescale")])
 def test_growth_at_step_zero_preserves_every_variant(tmp_path, attention, mode, temperature):

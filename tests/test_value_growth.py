@@ -9,24 +9,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.module import GrowAttentionLM
 
-from callback_helpers import params, recall_data, tiny_module, trainer
+from callback_helpers import PreservationProbe, params, recall_data, tiny_module, trainer
 from conftest import required_args
 from test_growth_schedule import assert_same_run, cli_fit
 
 CORPUS = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}\n" for i in range(400))
-
-
-class PreservationProbe(GrowAttentionCallback):
-    """The model's outputs on a kept batch just before and just after the growth."""
-
-    def _grow(self, trainer, pl_module, point, batch_idx):
-        inputs = self.window.kept[0][0]
-        pl_module.eval()
-        with torch.no_grad():
-            self.out_before = pl_module(inputs)
-            super()._grow(trainer, pl_module, point, batch_idx)
-            self.out_after = pl_module(inputs)
-        pl_module.train()
 
 
 @pytest.mark.parametrize("attention", ["mha", "dint", "lowrank_dint"])
