@@ -24,7 +24,7 @@ from lit_growattn.growth.choices import (
     Direction, LineSearch, Method, Mode, SecondMoment, Side, STEP_RULES, StepRule, Temperature, Truncation, check_choice,
 )
 from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, Outcome, sizing_method
-from lit_growattn.growth.form import FORM_TENSORS, FormShape, FormWeights
+from lit_growattn.growth.form import FormShape, FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.sides import (
@@ -51,7 +51,6 @@ __all__ = [
     "check_choice",
     "Carry",
     "DIRECTIONS",
-    "FORM_TENSORS",
     "FormGrowth",
     "FormShape",
     "FormWeights",

@@ -8,7 +8,6 @@ values: a candidate to rate or a growth to install (`factorize.Growth` is one, w
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -67,5 +66,3 @@ class FormWeights(FormShape):
         """Puts these weights in `form` (anything with `set_weights(w_q, w_k, log_tau)`, as the contract asks)."""
         form.set_weights(self.w_q, self.w_k, self.log_tau)
 
-
-FORM_TENSORS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(FormWeights))  # what `set_weights` replaces
