@@ -124,3 +124,32 @@ def test_shrinking_refuses_widening_and_wrong_lengths(mha_ckpt, tmp_path):
         convert_checkpoint(src, tmp_path / "x.ckpt", to="mha", d_head=[1, 1, 1])
     with pytest.raises(ValueError, match="exactly when shrinking"):
         convert_checkpoint(src, tmp_path / "x.ckpt", to="lowrank_dint", rank=2, d_head=2)
+
+
+def test_shrinking_the_value_side_keeps_each_heads_closest_w_m(mha_ckpt, tmp_path):
+    src, mha = mha_ckpt
+    assert mha.value_sizes() == [8, 8]
+    convert_checkpoint(src, tmp_path / "same.ckpt", to="mha", d_v=8)
+    same = GrowAttentionLM.load_from_checkpoint(tmp_path / "same.ckpt").eval()
+    inputs, _ = batch(1)
+    with torch.no_grad():
+        torch.testing.assert_close(same(inputs), mha(inputs), atol=1e-5, rtol=0)  # exact at full rank
+
+    convert_checkpoint(src, tmp_path / "small.ckpt", to="mha", d_v=[3, 5], d_head=2)
+    small = GrowAttentionLM.load_from_checkpoint(tmp_path / "small.ckpt")
+    assert small.hparams.d_v == [3, 5] and small.value_sizes() == [3, 5] and small.head_sizes() == [2, 2]
+    for old, new, r in zip(mha.model.blocks, small.model.blocks, (3, 5)):
+        m, m_new = old.attn.value.matrix().double(), new.attn.value.matrix().double()
+        s = torch.linalg.svdvals(m)
+        error = (m - m_new).square().sum((-2, -1))
+        torch.testing.assert_close(error, s[:, r:].square().sum(-1), rtol=1e-4, atol=1e-8)  # Eckart–Young
+    with pytest.raises(ValueError, match="value head size 8; shrinking cannot widen it to 9"):
+        convert_checkpoint(src, tmp_path / "x.ckpt", to="mha", d_v=9)
+
+
+def test_the_convert_command_shrinks_the_value_side(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    out = tmp_path / "small.ckpt"
+    main(["--ckpt", str(src), "--to", "mha", "--d_v", "4", "--out", str(out)])
+    assert GrowAttentionLM.load_from_checkpoint(out).value_sizes() == [4, 4]
+    assert yaml.safe_load(out.with_suffix(".yaml").read_text())["init_args"]["d_v"] == [4, 4]

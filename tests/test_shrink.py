@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lit_growattn.growth.factorize import FAN_IN_FLOOR
-from lit_growattn.growth.shrink import allocate_ranks, shrink_form
+from lit_growattn.growth.shrink import allocate_ranks, shrink_form, shrink_values
 
 
 def form(h=3, e=6, d=4, seed=0, dtype=torch.float64):
@@ -143,3 +143,21 @@ def test_allocation_costs_a_column_per_key_head_and_never_exceeds_the_budget():
         assert all(r == d or left < cost for r, d, cost in zip(ranks, [4, 4, 3], [1, 4, 2]))
     with pytest.raises(ValueError, match=r"below one column per layer \(7\): give at least 7"):
         allocate_ranks(layers, 6)
+
+
+def test_shrinking_values_keeps_the_truncated_svd_and_zero_fan_in_for_vanishing_pairs():
+    g = torch.Generator().manual_seed(0)
+    w_v = torch.randn(3, 7, 4, generator=g, dtype=torch.float64)
+    w_o = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    w_o[0, 1:] = 0  # head 0 has rank 1: a kept size of 2 has one vanishing pair
+    new_v, new_o, discarded = shrink_values(w_v, w_o, 2)
+    m, m_new = w_v @ w_o, new_v @ new_o
+    u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    torch.testing.assert_close(m_new[1:], (u[1:, :, :2] * s[1:, None, :2]) @ vh[1:, :2])
+    torch.testing.assert_close(m_new[0], m[0])  # rank 1 kept whole
+    assert not new_o[0, 1].any() and new_v[0, :, 1].norm() > 0  # the vanishing pair: a live V column, a zero O row
+    torch.testing.assert_close(discarded, s[:, 2:].square().sum(-1))
+    with pytest.raises(ValueError, match="share 3 value heads"):
+        shrink_values(w_v, torch.cat([w_o, w_o]), 2)
+    with pytest.raises(ValueError, match="between 1 and 4, not 5"):
+        shrink_values(w_v, w_o, 5)

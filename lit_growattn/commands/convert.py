@@ -3,6 +3,7 @@
 `--to dint | lowrank_dint` (seed 001): DINT attention with outputs identical to the mha model at step 0.
 `--to mha --d_head r`: every head's query/key form shrunk to its closest rank-r form (truncated SVD of
 τ W_Q W_Kᵀ, temperature kept), exact when r ≥ the form's rank: the shrink-then-fine-tune peer of growth.
+`--to mha --d_v r` (with or without --d_head): every head's value map W_M = W_V W_O shrunk the same way.
 
 The DINT conversions are `lit_growattn.dint`'s (`gpt.py` for `--ckpt`, `models.py` for `--pretrained`); this module
 is the command: it reads the source, checks the options and writes the result safely.
@@ -29,7 +30,7 @@ import yaml
 
 from lit_growattn.commands.writing import check_output, new_file, new_folder
 from lit_growattn.dint.gpt import to_dint
-from lit_growattn.growth.shrink import shrink_form
+from lit_growattn.growth.shrink import shrink_form, shrink_values
 from lit_growattn.module import GrowAttentionLM
 from lit_growattn.training.checkpoint import read_checkpoint
 
@@ -42,18 +43,19 @@ def convert_checkpoint(
     to: str = "lowrank_dint",
     seed: int = 0,
     d_head: int | list[int] | None = None,
+    d_v: int | list[int] | None = None,
     **variant_args,
 ) -> GrowAttentionLM:
     """Converts the `mha` checkpoint at src_path and saves it at dst_path; returns the converted module.
 
-    to="mha" shrinks every layer's head size to d_head (one int, or one per layer). Otherwise variant_args go to
-    the new attention (`rank`, `d2_ratio` for lowrank_dint) and the second map is initialised from `seed`, without
-    touching the global RNG.
+    to="mha" shrinks every layer's query/key head size to d_head and/or its value head size to d_v (each one int,
+    or one per layer). Otherwise variant_args go to the new attention (`rank`, `d2_ratio` for lowrank_dint) and the
+    second map is initialised from `seed`, without touching the global RNG.
     """
     if to not in TARGETS:
         raise ValueError(f"can convert mha to {', '.join(TARGETS)}, not {to!r}")
-    if (to == "mha") != (d_head is not None):
-        raise ValueError("give d_head exactly when shrinking (to='mha'): the other targets keep the head sizes")
+    if (to == "mha") != (d_head is not None or d_v is not None):
+        raise ValueError("give d_head or d_v exactly when shrinking (to='mha'): the other targets keep the head sizes")
     ckpt = read_checkpoint(src_path)
     if "pretrained" in ckpt.get("hyper_parameters", {}):
         raise ValueError(f"{src_path} is a checkpoint of a Hugging Face model (lit_growattn.hf.HFCausalLM): export it "
@@ -71,7 +73,7 @@ def convert_checkpoint(
         forms = GrowAttentionLM(**hparams).model.named_qk_forms()  # mha: one form per layer
     hparams["d_head"] = [state[f"model.{name}.w_q"].shape[-1] for _, name, _ in forms]
     if to == "mha":
-        module = _shrunk(src_path, hparams, state, d_head)
+        module = _shrunk(src_path, hparams, state, d_head, d_v)
     else:
         module = to_dint(src_path, hparams, state, to, seed, variant_args)
     torch.save(
@@ -86,28 +88,35 @@ def convert_checkpoint(
     return module
 
 
-def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int]) -> GrowAttentionLM:
-    sizes = d_head if isinstance(d_head, list) else [d_head] * hparams["n_layer"]
-    if len(sizes) != hparams["n_layer"]:
-        raise ValueError(f"d_head has {len(sizes)} entries but {src_path} has {hparams['n_layer']} layers")
+def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int] | None,
+            d_v: int | list[int] | None) -> GrowAttentionLM:
     with torch.random.fork_rng(devices=[]):
         module = GrowAttentionLM(**hparams)
     module.load_state_dict(state)
-    for layer, (forms, size) in enumerate(zip(module.model.qk_forms(), sizes)):
-        for form in forms:
-            if size > form.d_head:
-                raise ValueError(
-                    f"layer {layer} has head size {form.d_head}; shrinking cannot widen it to {size} (grow it instead)"
-                )
-            w_q, w_k, _ = shrink_form(form.w_q, form.w_k, form.log_tau, size)
-            form.set_weights(w_q, w_k, form.log_tau)
+    for name, sizes, current in (("d_head", d_head, module.head_sizes()), ("d_v", d_v, module.value_sizes())):
+        sizes = sizes if isinstance(sizes, list) or sizes is None else [sizes] * hparams["n_layer"]
+        if sizes is not None and len(sizes) != hparams["n_layer"]:
+            raise ValueError(f"{name} has {len(sizes)} entries but {src_path} has {hparams['n_layer']} layers")
+        for layer, (size, now) in enumerate(zip(sizes or [], current)):
+            if size > now:
+                what = "head size" if name == "d_head" else "value head size"
+                raise ValueError(f"layer {layer} has {what} {now}; shrinking cannot widen it to {size} (grow it instead)")
+        if sizes is not None and name == "d_head":
+            for forms, size in zip(module.model.qk_forms(), sizes):
+                for form in forms:
+                    w_q, w_k, _ = shrink_form(form.w_q, form.w_k, form.log_tau, size)
+                    form.set_weights(w_q, w_k, form.log_tau)
+        elif sizes is not None:
+            for (_, _, values), size in zip(module.model.named_value_maps(), sizes):
+                w_v, w_o, _ = shrink_values(values.w_v, values.w_o, size)
+                values.set_weights(w_v, w_o)
     module.record_head_sizes()
     return module
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m lit_growattn convert --ckpt mha.ckpt --to lowrank_dint --rank 8 --out new.ckpt`
-    or `… --to mha --d_head 4 [4 …] --out small.ckpt`
+    or `… --to mha --d_head 4 [4 …] [--d_v 8 [8 …]] --out small.ckpt`
     or `… --pretrained path/to/llama --to lowrank_dint --rank 8 --out DIR` (a Hugging Face model folder)"""
     parser = argparse.ArgumentParser(prog="python -m lit_growattn convert", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -118,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--d2_ratio", type=float, help="d₂ / d_head of the second map (lowrank_dint; default 1/9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the second map's initialisation")
     parser.add_argument("--d_head", type=int, nargs="+", help="head size to shrink to (mha): one, or one per layer")
+    parser.add_argument("--d_v", type=int, nargs="+", help="value head size to shrink to (mha): one, or one per layer")
     parser.add_argument("--out", required=True, help="converted checkpoint (its model config goes beside it, .yaml); "
                         "with --pretrained, the model folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out (never the source)")
@@ -127,8 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--rank is required for lowrank_dint")
     if args.to != "lowrank_dint" and variant_args:
         parser.error("--rank and --d2_ratio belong to lowrank_dint")
-    if (args.to == "mha") != (args.d_head is not None):
-        parser.error("--d_head is required for --to mha (shrinking) and belongs to it alone")
+    if (args.to == "mha") != (args.d_head is not None or args.d_v is not None):
+        parser.error("--d_head or --d_v is required for --to mha (shrinking) and belongs to it alone")
     if args.pretrained is not None:
         _convert_pretrained(parser, args, variant_args)
         return
@@ -138,9 +148,10 @@ def main(argv: list[str] | None = None) -> None:
         raise ValueError(f"--out {out} ends in .yaml, the name of the model config written beside the checkpoint: "
                          "give the checkpoint's name, e.g. converted.ckpt")
     check_output(config_path, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite, option="--out's model config")
-    d_head = None if args.d_head is None else args.d_head[0] if len(args.d_head) == 1 else args.d_head
+    one_or_list = lambda sizes: None if sizes is None else sizes[0] if len(sizes) == 1 else sizes  # noqa: E731
     with new_file(out) as partial_ckpt, new_file(config_path) as partial_config:
-        module = convert_checkpoint(args.ckpt, partial_ckpt, args.to, seed=args.seed, d_head=d_head, **variant_args)
+        module = convert_checkpoint(args.ckpt, partial_ckpt, args.to, seed=args.seed, d_head=one_or_list(args.d_head),
+                                    d_v=one_or_list(args.d_v), **variant_args)
         # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
         init_args = {k: v for k, v in module.hparams.items() if k not in ("vocab_size", "block_size")}
         init_args["init_from"] = str(out.resolve())

@@ -6,6 +6,9 @@ W_Q′ = U_r (Σ_r/τ)^½, W_K′ = V_r (Σ_r/τ)^½. When r ≥ rank M nothing 
 vanishes would be two zero columns, which never receive gradient; it becomes zero fan-in instead (Q column
 from U, K column zero), which leaves the function unchanged and lets the K column learn at once.
 
+The value side is the same for a linear map: each head's W_M = W_V W_O (e′ × e) truncated to rank r gives
+W_V′ = U_r Σ_r^½ and W_O′ = Σ_r^½ V_rᵀ (`shrink_values`); a vanishing pair keeps a V column and a zero O row.
+
 `allocate_ranks` chooses the per-layer sizes to shrink to under a K-cache budget (the post-hoc allocation growth
 is compared with).
 """
@@ -41,6 +44,29 @@ def shrink_form(w_q: Tensor, w_k: Tensor, log_tau: Tensor, d_new: int) -> tuple[
     new_q = torch.where(live.unsqueeze(1), new_q, u[:, :, :d_new] * floor)
     discarded = s[:, d_new:].square().sum(-1)
     return new_q.to(w_q.dtype), new_k.to(w_k.dtype), discarded
+
+
+def shrink_values(w_v: Tensor, w_o: Tensor, d_new: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The closest value-head-size-d_new map to each head's W_M = W_V W_O.
+
+    w_v (h, e′, d), w_o (h, d, e) with one value head per query head → w_v′ (h, e′, d_new), w_o′ (h, d_new, e) in
+    the input dtype, and the discarded energy ‖W_M − W_M′‖²_F per head (h,), float64.
+    """
+    h, _, d = w_v.shape
+    if w_o.shape[0] != h:
+        raise ValueError(f"{w_o.shape[0]} query heads share {h} value heads: shrinking one shared value head for "
+                         "several heads' maps is not a truncated SVD; it is refused")
+    if not 1 <= d_new <= d:
+        raise ValueError(f"can shrink a value head size of {d} to a size between 1 and {d}, not {d_new}")
+    u, s, vh = torch.linalg.svd(w_v.detach().double() @ w_o.detach().double(), full_matrices=False)
+    kept = s[:, :d_new]
+    live = kept > VANISH * s[:, :1]
+    root = kept.sqrt().unsqueeze(1)
+    largest = torch.where(s[:, :1] > 0, s[:, :1], 1.0)
+    floor = (FAN_IN_FLOOR * largest).sqrt().unsqueeze(1)
+    new_v = torch.where(live.unsqueeze(1), u[:, :, :d_new] * root, u[:, :, :d_new] * floor)
+    new_o = (vh[:, :d_new] * (root * live.unsqueeze(1)).mT)
+    return new_v.to(w_v.dtype), new_o.to(w_o.dtype), s[:, d_new:].square().sum(-1)
 
 
 def allocate_ranks(layers: Sequence[Sequence[tuple[Tensor, Tensor, Tensor]]], budget: float) -> list[int]:
