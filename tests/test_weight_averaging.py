@@ -222,3 +222,22 @@ def test_ema_follows_the_growth_of_a_hugging_face_model(tmp_path):
     average = averaged_model(only(cli.trainer, EMAWeightAveraging))
     assert average.head_sizes() == cli.model.head_sizes() == [16, 16]
     assert {k: v.shape for k, v in average.named_parameters()} == {k: v.shape for k, v in cli.model.named_parameters()}
+
+
+def test_the_averaged_copy_grows_the_value_side_alike(tmp_path):
+    data = recall_data()
+    averaging = EMAWeightAveraging(decay=0.5)
+    grow = GrowAttentionCallback(AtSteps([3]), growth=GrowthSettings(grow="value", value_columns=2),
+                                 statistics=StatisticsSettings(batches=2))
+    probe = AtGrowth(averaging)
+    trainer(tmp_path, [grow, averaging, probe], max_epochs=1, limit_train_batches=5).fit(tiny_module(data), data)
+    average_before, live_before, average, live = probe.growth
+    old = {".w_v": (..., slice(0, 8)), ".w_o": (slice(None), slice(0, 8))}
+    new = {".w_v": (..., slice(8, None)), ".w_o": (slice(None), slice(8, None))}
+    grown = [k for k in live if k.endswith(tuple(old))]
+    assert len(grown) == 4 and all(average[k].shape == live[k].shape for k in grown)
+    for k in grown:
+        end = k[k.rindex("."):]
+        assert torch.equal(average[k][new[end]], live[k][new[end]]), k  # new columns: the live model's
+        assert torch.equal(average[k][old[end]], average_before[k]), k  # the old ones keep their average
+        assert not torch.equal(average_before[k], live_before[k]), k
