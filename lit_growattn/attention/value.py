@@ -107,26 +107,38 @@ class ValueMap(ValueShape, nn.Module):
     def resize_to(self, state_dict: Mapping[str, Tensor], prefix: str) -> None:
         """Takes the value head size of `state_dict[prefix + "w_v"]`, with placeholder values (before loading a grown
         checkpoint)."""
-        key = f"{prefix}w_v"
-        if key in state_dict and state_dict[key].shape[-1] != self.d_v:
-            d_v = state_dict[key].shape[-1]
-            self.set_weights(self.w_v.new_zeros(*self.w_v.shape[:2], d_v), self.w_o.new_zeros(self.n_head, d_v, self.e_out))
+        if (key := f"{prefix}w_v") in state_dict:
+            self.resize(state_dict[key].shape[-1])
+
+    def resize(self, d_v: int) -> None:
+        """Resizes to d_v, keeping the leading value columns and appending zero ones (placeholders for loading)."""
+        if d_v != self.d_v:
+            keep = min(d_v, self.d_v)
+            w_v = torch.cat([self.w_v[..., :keep], self.w_v.new_zeros(*self.w_v.shape[:2], d_v - keep)], -1)
+            w_o = torch.cat([self.w_o[:, :keep], self.w_o.new_zeros(self.n_head, d_v - keep, self.e_out)], 1)
+            self.set_weights(w_v, w_o)
 
     def linear_keys_hook(self, state_dict: dict[str, Tensor], prefix: str, *_, v: str = "v", o: str = "o",
                          conv1d_o: bool = False) -> None:
         """Load-state-dict pre-hook of the owning attention module (`prefix` is its own): rewrites the keys of the
         former value and output modules, nn.Linear `v` and `o` (or the names given; `conv1d_o`: the output is a
         transformers Conv1D, whose weight is a Linear's transposed), into this map's tensors."""
-        old = {f"{side}.{name}": state_dict.pop(f"{prefix}{module}.{name}", None)
-               for side, module in (("v", v), ("o", o)) for name in ("weight", "bias")}
-        if old["v.weight"] is None:
-            return
-        o_weight = old["o.weight"].T if conv1d_o else old["o.weight"]
-        w_v, w_o, o_bias = from_linear(old["v.weight"], old["v.bias"], o_weight, old["o.bias"], self.n_kv_head,
-                                       self.n_head)
-        state_dict |= {f"{prefix}value.w_v": w_v, f"{prefix}value.w_o": w_o}
-        if o_bias is not None:
-            state_dict[f"{prefix}value.o_bias"] = o_bias
+        rename_linear_keys(state_dict, prefix, self.n_kv_head, self.n_head, v, o, conv1d_o)
+
+
+def rename_linear_keys(state_dict: dict[str, Tensor], prefix: str, n_kv_head: int, n_head: int, v: str = "v",
+                       o: str = "o", conv1d_o: bool = False) -> None:
+    """Rewrites, in place, the keys of the value and output modules `prefix + v`, `prefix + o` (nn.Linear, or `o` a
+    transformers Conv1D) into a value map's `prefix + "value.w_v"`, `"value.w_o"`, `"value.o_bias"`; exact."""
+    old = {f"{side}.{name}": state_dict.pop(f"{prefix}{module}.{name}", None)
+           for side, module in (("v", v), ("o", o)) for name in ("weight", "bias")}
+    if old["v.weight"] is None:
+        return
+    o_weight = old["o.weight"].T if conv1d_o else old["o.weight"]
+    w_v, w_o, o_bias = from_linear(old["v.weight"], old["v.bias"], o_weight, old["o.bias"], n_kv_head, n_head)
+    state_dict |= {f"{prefix}value.w_v": w_v, f"{prefix}value.w_o": w_o}
+    if o_bias is not None:
+        state_dict[f"{prefix}value.o_bias"] = o_bias
 
 
 def to_linear(values: ValueMap) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:

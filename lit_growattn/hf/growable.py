@@ -49,6 +49,9 @@ class GrowableAttention(FormShape, nn.Module):
     rotary: int
     qk_bias: bool
     value: ValueMap
+    # The value and output modules of the former layout (state dicts written before the value map): the keyword
+    # arguments of `attention.value.rename_linear_keys`.
+    former_value_modules: dict[str, str | bool]
 
     @staticmethod
     def from_native(native: nn.Module) -> GrowableAttention:
@@ -61,13 +64,10 @@ class GrowableAttention(FormShape, nn.Module):
         new._adopt()
         return new
 
-    def _init_form(self, w_q: Tensor, w_k: Tensor, scaling: float, rotary: int, bias: bool, value: ValueMap,
-                   v: str, o: str, conv1d_o: bool = False) -> None:
-        """`value` replaces the value and output modules named `v` and `o` in a state dict of the former layout (their
-        keys load through its pre-hook; `conv1d_o`: `o` is a transformers Conv1D)."""
+    def _init_form(self, w_q: Tensor, w_k: Tensor, scaling: float, rotary: int, bias: bool, value: ValueMap) -> None:
         self.rotary, self.qk_bias = rotary, bias
-        self.value = value
-        self._register_load_state_dict_pre_hook(functools.partial(value.linear_keys_hook, v=v, o=o, conv1d_o=conv1d_o))
+        self.value = value  # a state dict of the former layout loads through its pre-hook
+        self._register_load_state_dict_pre_hook(functools.partial(value.linear_keys_hook, **self.former_value_modules))
         self.w_q = nn.Parameter(w_q.detach().clone().contiguous())
         self.w_k = nn.Parameter(w_k.detach().clone().contiguous())
         self.log_tau = nn.Parameter(torch.full((w_q.shape[0],), float(scaling), dtype=w_q.dtype).log())
@@ -184,6 +184,8 @@ class GrowableAttention(FormShape, nn.Module):
 class GrowableRopeAttention(GrowableAttention):
     """Llama, Mistral, Qwen2, Qwen3: separate q/k/v projections, RoPE, GQA."""
 
+    former_value_modules = {"v": "v_proj", "o": "o_proj"}
+
     def _adopt(self) -> None:
         hd, e = self.head_dim, self.q_proj.in_features
         bias = self.q_proj.bias is not None
@@ -197,7 +199,7 @@ class GrowableRopeAttention(GrowableAttention):
         v, o = self.v_proj, self.o_proj
         w_v, w_o, o_bias = from_linear(v.weight, v.bias, o.weight, o.bias, v.out_features // hd, o.in_features // hd)
         value = ValueMap.of(w_v, w_o, o_bias, v.bias is not None)
-        self._init_form(per_head(self.q_proj), per_head(self.k_proj), self.scaling, hd, bias, value, "v_proj", "o_proj")
+        self._init_form(per_head(self.q_proj), per_head(self.k_proj), self.scaling, hd, bias, value)
         del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
@@ -216,6 +218,8 @@ class GrowableGPT2Attention(GrowableAttention):
     """GPT-2: fused c_attn split into w_q, w_k (with the bias row) and the value map's W_V (with the v bias), c_proj into
     its W_O and output bias; no RoPE. (The former layout kept the value part as a Linear `v_proj`.)"""
 
+    former_value_modules = {"v": "v_proj", "o": "c_proj", "conv1d_o": True}
+
     def _adopt(self) -> None:
         if self.is_cross_attention:
             raise ValueError("GPT-2 cross-attention is not supported; only causal self-attention grows")
@@ -224,8 +228,7 @@ class GrowableGPT2Attention(GrowableAttention):
         per_head = lambda i: torch.cat([w[:, i * e:(i + 1) * e], b[None, i * e:(i + 1) * e]]).reshape(e + 1, h, hd).transpose(0, 1)  # noqa: E731
         o = self.c_proj  # Conv1D: weight (h·hd, e), a Linear's transposed
         w_v, w_o, o_bias = from_linear(w[:, 2 * e:].T, b[2 * e:], o.weight.T, o.bias, h, h)
-        self._init_form(per_head(0), per_head(1), self.scaling, 0, True, ValueMap.of(w_v, w_o, o_bias, True),
-                        "v_proj", "c_proj", conv1d_o=True)
+        self._init_form(per_head(0), per_head(1), self.scaling, 0, True, ValueMap.of(w_v, w_o, o_bias, True))
         del self.c_attn, self.c_proj
 
     def forward(self, hidden_states: Tensor, past_key_values=None, attention_mask: Tensor | None = None,
