@@ -225,3 +225,14 @@ def test_fit_grows_both_sides_of_a_tiny_llama_and_exports_it(tmp_path, schedule)
     loaded = load(tmp_path / "grown")
     assert loaded.config.v_head_sizes == [10, 10] and loaded.config.qk_head_sizes == [9, 9]
     _same_model(trained, loaded)
+
+
+def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    module = HFCausalLM(config=tiny_config("llama").to_dict())
+    old = {"state_dict": _former_layout(module.state_dict(), "llama")}
+    module.on_load_checkpoint(old)  # loading its weights (init_from, load_from_checkpoint) is fine
+    module._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
+    with pytest.raises(ValueError, match="optimizer state cannot resume.*init_from"):
+        module.on_load_checkpoint(old)
