@@ -63,7 +63,7 @@ class ValueMap(ValueShape, nn.Module):
         """W_M (n_head, e′, e) per query head."""
         return self.w_v.repeat_interleave(self.n_head // self.n_kv_head, 0) @ self.w_o
 
-    def _capturing(self) -> bool:
+    def capturing(self) -> bool:
         return bool(self.capture) and torch.is_grad_enabled()
 
     def values(self, x: Tensor) -> Tensor:
@@ -72,7 +72,7 @@ class ValueMap(ValueShape, nn.Module):
         flat = self.w_v.transpose(0, 1).reshape(self.e_in, -1)  # (e′, kv·d_v), the bias as its last row
         v = F.linear(x, flat[:e].T, flat[-1] if self.bias else None)
         v = v.view(b, s, self.n_kv_head, self.d_v).transpose(1, 2)
-        if not self._capturing():
+        if not self.capturing():
             return v
         xa = augment(x, self.bias).detach().to(v.dtype)
         return torch.cat([v, xa.unsqueeze(1).expand(b, self.n_kv_head, s, self.e_in)], -1)

@@ -9,7 +9,8 @@ loads back after `import lit_growattn.hf` (no remote code; `hf.loading` adds a R
 - Otherwise (grown): model_type `growattn_<type>` (e.g. growattn_llama), a registered subclass of the original
   config with `qk_head_sizes` (and `qk_rotary`, the rotary columns) and `v_head_sizes` per layer, whose model class
   builds the original model, makes its attention growable and sizes it. A growattn_<type> folder written before the
-  value map (no `v_head_sizes`: v_proj/o_proj, GPT-2 v_proj/c_proj tensors) loads with its keys rewritten, exactly. `register()` (run by `import lit_growattn.hf`) registers all five.
+  value map (no `v_head_sizes`: v_proj/o_proj, GPT-2 v_proj/c_proj tensors) loads with its keys rewritten, exactly.
+  `register()` (run by `import lit_growattn.hf`) registers all five.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_d
 which are one bilinear form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave
 it exact. The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface
 gets scaling = 1.
-The value and output projections are taken into a `ValueMap` `value` (W_V (KV, e′_v, d_v) with the v bias as its last
+The value and output projections are taken into a `ValueMap` `value` (W_V (KV, e′, d_v) with the v bias as its last
 row, W_O (H, d_v, e), the output bias apart; docs/value.md), whose width d_v grows independently of q/k's: values are
 `value.values(x)` per KV head (what the KV cache stores), the interface attends them, `value.output` maps the heads
 back. A state dict of the former layout (v_proj/o_proj, GPT-2's v_proj/c_proj modules) loads through its pre-hook.
@@ -149,7 +149,7 @@ class GrowableAttention(FormShape, nn.Module):
         """Through the configured attention interface with scaling 1; with statistics capture on, the queries'
         zero-extension (`extend`) or an explicit score map whose gradient is recorded (`explicit`), docs/design.md §4."""
         capturing = self.capture is not None and torch.is_grad_enabled()
-        if (capturing or self.value._capturing()) and k.shape[2] != x.shape[1]:
+        if (capturing or self.value.capturing()) and k.shape[2] != x.shape[1]:
             raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
         if capturing and self.capture == "explicit":
             return self._attend_explicit(augment(x, self.qk_bias).detach(), q, k, v, attention_mask, dropout)
@@ -166,7 +166,8 @@ class GrowableAttention(FormShape, nn.Module):
         return interface(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
 
     def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float):
-        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, v's width), None."""
+        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, v's width),
+        None."""
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         if attention_mask is None:  # sdpa's is_causal path: the model passed no mask
@@ -215,8 +216,8 @@ class GrowableRopeAttention(GrowableAttention):
 
 
 class GrowableGPT2Attention(GrowableAttention):
-    """GPT-2: fused c_attn split into w_q, w_k (with the bias row) and the value map's W_V (with the v bias), c_proj into
-    its W_O and output bias; no RoPE. (The former layout kept the value part as a Linear `v_proj`.)"""
+    """GPT-2: fused c_attn split into w_q, w_k (with the bias row) and the value map's W_V (with the v bias), c_proj
+    into its W_O and output bias; no RoPE. (The former layout kept the value part as a Linear `v_proj`.)"""
 
     former_value_modules = {"v": "v_proj", "o": "c_proj", "conv1d_o": True}
 
