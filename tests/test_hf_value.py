@@ -236,3 +236,29 @@ def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_th
     module._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
     with pytest.raises(ValueError, match="optimizer state cannot resume.*init_from"):
         module.on_load_checkpoint(old)
+
+
+def test_a_resume_inside_the_statistics_window_of_a_growth_of_both_sides_ends_bit_equal(tmp_path):
+    from test_hf_fit import _fit
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir(), resumed.mkdir()
+
+    def callbacks(out, extra):
+        grow = {"class_path": "lit_growattn.GrowAttentionCallback",
+                "init_args": {"schedule": {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": [5]}},
+                              "statistics": {"batches": 4}, "growth": {"grow": "both", "columns": 2, "value_columns": 3}}}
+        dump = {"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(out)}}
+        (out / "callbacks.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [*extra, grow, dump]}}))
+        return f"--config={out / 'callbacks.yaml'}"
+
+    every_step = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"dirpath": str(full / "ckpts"), "every_n_train_steps": 1, "save_top_k": -1,
+                                "filename": "{step}", "save_last": True}}
+    # Growth at step 5 from the 4 micro-batches of steps 1–4: step 3's checkpoint falls inside the window.
+    _fit(full, callbacks(full, [every_step]), "--trainer.max_steps=7")
+    _fit(resumed, callbacks(resumed, []), "--trainer.max_steps=7", f"--ckpt_path={full / 'ckpts' / 'step=3.ckpt'}")
+    a, b = torch.load(full / "params_0.pt"), torch.load(resumed / "params_0.pt")
+    assert a["model.model.layers.1.self_attn.value.w_v"].shape[-1] == 11
+    assert a["model.model.layers.1.self_attn.w_k"].shape[-1] == 10
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
