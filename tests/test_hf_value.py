@@ -262,3 +262,19 @@ def test_a_resume_inside_the_statistics_window_of_a_growth_of_both_sides_ends_bi
     assert a["model.model.layers.1.self_attn.value.w_v"].shape[-1] == 11
     assert a["model.model.layers.1.self_attn.w_k"].shape[-1] == 10
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_both_sides_grow_under_ddp_with_identical_replicas(tmp_path):
+    from test_hf_fit import _fit
+
+    grow = {"class_path": "lit_growattn.GrowAttentionCallback",
+            "init_args": {"schedule": {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": [4]}},
+                          "statistics": {"batches": 2}, "growth": {"grow": "both", "columns": 1, "value_columns": 2}}}
+    dump = {"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(tmp_path)}}
+    (tmp_path / "callbacks.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [grow, dump]}}))
+    _fit(tmp_path, f"--config={tmp_path / 'callbacks.yaml'}", "--trainer.devices=2", "--trainer.strategy=ddp",
+         "--trainer.max_steps=6")
+    p0, p1 = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
+    assert p0["model.model.layers.0.self_attn.value.w_v"].shape == (2, 64, 10)
+    assert p0["model.model.layers.0.self_attn.value.w_o"].shape == (4, 10, 64)
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
