@@ -236,6 +236,9 @@ def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_th
     module._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
     with pytest.raises(ValueError, match="optimizer state cannot resume.*init_from"):
         module.on_load_checkpoint(old)
+    native = HFCausalLM(config=tiny_config("llama").to_dict(), growable=False)  # its own v_proj: resumes
+    native._trainer = module._trainer
+    native.on_load_checkpoint({"state_dict": native.state_dict()})
 
 
 def test_a_resume_inside_the_statistics_window_of_a_growth_of_both_sides_ends_bit_equal(tmp_path):

@@ -219,9 +219,9 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Weights of the former layout (v_proj/o_proj, GPT-2's v_proj/c_proj modules) load exactly (hf.growable), but
         # Adam's state is laid out for those parameters and would be applied to others: refuse resuming it, before
-        # any training work.
-        if self._trainer is not None and self.trainer.state.fn == "fit" and any(
-                key.endswith(("self_attn.v_proj.weight", "attn.v_proj.weight")) for key in checkpoint.get("state_dict", {})):
+        # any training work. (A model kept as loaded, growable=false, still has its v_proj.)
+        if self._trainer is not None and self.trainer.state.fn == "fit" and self.growable_forms() and any(
+                key.endswith("attn.v_proj.weight") for key in checkpoint.get("state_dict", {})):
             raise ValueError(
                 "this checkpoint stores the attention's value and output projections as the modules v_proj and "
                 "o_proj (c_proj), which this version keeps per head (W_V, W_O) so that the value side can grow: its "
