@@ -130,7 +130,7 @@ def test_fewer_rotary_columns_are_the_rope_of_a_smaller_head_dim_and_round_trip(
     config = tiny_config("llama").to_dict()  # head_dim 8
     module = HFCausalLM(config=config, rotary_dim=4)
     attn = module.model.model.layers[0].self_attn
-    assert (attn.rotary, attn.d_head, attn.v_head_dim) == (4, 4, 8) and module.head_sizes() == [4, 4]
+    assert (attn.rotary, attn.d_head, attn.value.d_v) == (4, 4, 8) and module.head_sizes() == [4, 4]
     # The rotary part is exactly RoPE at head_dim 4 (frequencies 1 and 0.01 of head_dim 8's 1, 0.1, 0.01, 0.001).
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(12)[None].expand(2, -1)

@@ -1,7 +1,8 @@
 """The value side of an attention layer, stored per head so that value growth can widen it (docs/value.md).
 
-W_V (n_kv_head, e′, d_v), the bias as the last row along e′ (X′ = [X | 1], as `qk.QKForm` stores its bias);
-W_O (n_head, d_v, e); one output bias (e,) shared by the heads, not part of any head's W_M = W_V W_O. Query head j
+W_V (n_kv_head, e′, d_v), the v bias as the last row along e′ (X′ = [X | 1], as `qk.QKForm` stores its bias);
+W_O (n_head, d_v, e); one output bias (e,) shared by the heads, not part of any head's W_M = W_V W_O. The two biases
+are independent (Qwen2 has a v bias and no output bias): the project's GPT has both or neither. Query head j
 reads value head j // (n_head // n_kv_head). New columns append along d_v: the last dim of W_V, the middle one of
 W_O, so that the optimizer's moments carry over by slices.
 
@@ -11,7 +12,8 @@ is linear in the values fits between the two. Statistics capture (`capture` set,
 G_Y = ∂L/∂Y of the output: `take_captured` returns the (P, G_Y) pairs of the value statistics.
 
 Checkpoints written while V and O were nn.Linear modules `v` and `o` still load: `attach` registers a
-load-state-dict pre-hook on the owning attention module that rewrites their keys into these tensors, exactly.
+load-state-dict pre-hook on the owning attention module that rewrites their keys into these tensors, exactly
+(`linear_keys_hook`; Hugging Face attention names them v_proj/o_proj, GPT-2's output is a Conv1D c_proj).
 """
 
 from __future__ import annotations
@@ -35,12 +37,22 @@ class ValueMap(ValueShape, nn.Module):
         if n_head % n_kv_head or d_v <= 0:
             raise ValueError(f"need d_v > 0 and n_head divisible by n_kv_head, got d_v={d_v}, n_head={n_head}, "
                              f"n_kv_head={n_kv_head}")
-        self.bias = bias
         # nn.Linear's modules and init, drawn in their order: a seed gives the weights it gave before this layout.
         v, o = nn.Linear(n_embd, n_kv_head * d_v, bias=bias), nn.Linear(n_head * d_v, n_embd, bias=bias)
-        w_v, w_o, o_bias = from_linear(v.weight, v.bias, o.weight, o.bias, n_kv_head, n_head)
-        self.w_v, self.w_o = nn.Parameter(w_v), nn.Parameter(w_o)
-        self.o_bias = nn.Parameter(o_bias) if bias else None
+        self._hold(*from_linear(v.weight, v.bias, o.weight, o.bias, n_kv_head, n_head), bias)
+
+    @classmethod
+    def of(cls, w_v: Tensor, w_o: Tensor, o_bias: Tensor | None, bias: bool) -> ValueMap:
+        """A map holding copies of these tensors (no init drawn), `bias`: w_v's last row is the v bias."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new._hold(w_v.detach().clone(), w_o.detach().clone(), None if o_bias is None else o_bias.detach().clone(), bias)
+        return new
+
+    def _hold(self, w_v: Tensor, w_o: Tensor, o_bias: Tensor | None, bias: bool) -> None:
+        self.bias = bias
+        self.w_v, self.w_o = nn.Parameter(w_v.contiguous()), nn.Parameter(w_o.contiguous())
+        self.o_bias = None if o_bias is None else nn.Parameter(o_bias)
         self.capture: Any = None
         self.captured: list[tuple[Tensor, Tensor]] = []
 
@@ -51,7 +63,7 @@ class ValueMap(ValueShape, nn.Module):
         """W_M (n_head, e′, e) per query head."""
         return self.w_v.repeat_interleave(self.n_head // self.n_kv_head, 0) @ self.w_o
 
-    def _capturing(self) -> bool:
+    def capturing(self) -> bool:
         return bool(self.capture) and torch.is_grad_enabled()
 
     def values(self, x: Tensor) -> Tensor:
@@ -60,7 +72,7 @@ class ValueMap(ValueShape, nn.Module):
         flat = self.w_v.transpose(0, 1).reshape(self.e_in, -1)  # (e′, kv·d_v), the bias as its last row
         v = F.linear(x, flat[:e].T, flat[-1] if self.bias else None)
         v = v.view(b, s, self.n_kv_head, self.d_v).transpose(1, 2)
-        if not self._capturing():
+        if not self.capturing():
             return v
         xa = augment(x, self.bias).detach().to(v.dtype)
         return torch.cat([v, xa.unsqueeze(1).expand(b, self.n_kv_head, s, self.e_in)], -1)
@@ -95,22 +107,48 @@ class ValueMap(ValueShape, nn.Module):
     def resize_to(self, state_dict: Mapping[str, Tensor], prefix: str) -> None:
         """Takes the value head size of `state_dict[prefix + "w_v"]`, with placeholder values (before loading a grown
         checkpoint)."""
-        key = f"{prefix}w_v"
-        if key in state_dict and state_dict[key].shape[-1] != self.d_v:
-            d_v = state_dict[key].shape[-1]
-            self.set_weights(self.w_v.new_zeros(*self.w_v.shape[:2], d_v), self.w_o.new_zeros(self.n_head, d_v, self.e_out))
+        if (key := f"{prefix}w_v") in state_dict:
+            self.resize(state_dict[key].shape[-1])
 
-    def linear_keys_hook(self, state_dict: dict[str, Tensor], prefix: str, *_) -> None:
+    def resize(self, d_v: int) -> None:
+        """Resizes to d_v, keeping the leading value columns and appending zero ones (placeholders for loading)."""
+        if d_v != self.d_v:
+            keep = min(d_v, self.d_v)
+            w_v = torch.cat([self.w_v[..., :keep], self.w_v.new_zeros(*self.w_v.shape[:2], d_v - keep)], -1)
+            w_o = torch.cat([self.w_o[:, :keep], self.w_o.new_zeros(self.n_head, d_v - keep, self.e_out)], 1)
+            self.set_weights(w_v, w_o)
+
+    def linear_keys_hook(self, state_dict: dict[str, Tensor], prefix: str, *_, v: str = "v", o: str = "o",
+                         conv1d_o: bool = False) -> None:
         """Load-state-dict pre-hook of the owning attention module (`prefix` is its own): rewrites the keys of the
-        former `v`/`o` nn.Linear modules into this map's tensors."""
-        old = {name: state_dict.pop(f"{prefix}{name}", None) for name in ("v.weight", "v.bias", "o.weight", "o.bias")}
-        if old["v.weight"] is None:
-            return
-        w_v, w_o, o_bias = from_linear(old["v.weight"], old["v.bias"], old["o.weight"], old["o.bias"], self.n_kv_head,
-                                       self.n_head)
-        state_dict |= {f"{prefix}value.w_v": w_v, f"{prefix}value.w_o": w_o}
-        if o_bias is not None:
-            state_dict[f"{prefix}value.o_bias"] = o_bias
+        former value and output modules, nn.Linear `v` and `o` (or the names given; `conv1d_o`: the output is a
+        transformers Conv1D, whose weight is a Linear's transposed), into this map's tensors."""
+        rename_linear_keys(state_dict, prefix, self.n_kv_head, self.n_head, v, o, conv1d_o)
+
+
+def rename_linear_keys(state_dict: dict[str, Tensor], prefix: str, n_kv_head: int, n_head: int, v: str = "v",
+                       o: str = "o", conv1d_o: bool = False) -> None:
+    """Rewrites, in place, the keys of the value and output modules `prefix + v`, `prefix + o` (nn.Linear, or `o` a
+    transformers Conv1D) into a value map's `prefix + "value.w_v"`, `"value.w_o"`, `"value.o_bias"`; exact."""
+    old = {f"{side}.{name}": state_dict.pop(f"{prefix}{module}.{name}", None)
+           for side, module in (("v", v), ("o", o)) for name in ("weight", "bias")}
+    if old["v.weight"] is None:
+        return
+    o_weight = old["o.weight"].T if conv1d_o else old["o.weight"]
+    w_v, w_o, o_bias = from_linear(old["v.weight"], old["v.bias"], o_weight, old["o.bias"], n_kv_head, n_head)
+    state_dict |= {f"{prefix}value.w_v": w_v, f"{prefix}value.w_o": w_o}
+    if o_bias is not None:
+        state_dict[f"{prefix}value.o_bias"] = o_bias
+
+
+def to_linear(values: ValueMap) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """The inverse of `from_linear`: v's nn.Linear weight (kv·d_v, e) and bias, o's weight (e, h·d_v) and bias."""
+    e = values.e_in - values.bias
+    v_weight = values.w_v[:, :e].transpose(1, 2).reshape(-1, e)
+    v_bias = values.w_v[:, -1].reshape(-1) if values.bias else None
+    o_weight = values.w_o.reshape(-1, values.e_out).T
+    return v_weight.detach(), v_bias.detach() if v_bias is not None else None, o_weight.detach(), (
+        None if values.o_bias is None else values.o_bias.detach())
 
 
 def from_linear(v_weight: Tensor, v_bias: Tensor | None, o_weight: Tensor, o_bias: Tensor | None, n_kv_head: int,

@@ -1,7 +1,7 @@
 """Hugging Face causal LMs (transformers, an optional dependency: `pip install lit_growattn[hf]`).
 
 surgery   replace each layer's native attention by a module built from it, by model type.
-growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA.
+growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA; the value map.
 module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
 export    a trained model as a save_pretrained folder; loading: the README.md and loader that say how such a
           folder of a model type registered here is loaded.

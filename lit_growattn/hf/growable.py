@@ -9,10 +9,15 @@ columns laid out [rotary | NoPE]: the first `rotary` columns (the model's head_d
 0 for GPT-2) get RoPE with the model's own cos/sin (inv_freq is never recomputed), growth appends NoPE columns,
 which are one bilinear form of X′. Qwen3's q_norm/k_norm apply to the rotary part only, so appended columns leave
 it exact. The temperature τ = exp(log_tau), initialised at the model's `scaling`, is folded into q; the interface
-gets scaling = 1. The value projection keeps its width: q/k width is independent of v width.
+gets scaling = 1.
+The value and output projections are taken into a `ValueMap` `value` (W_V (KV, e′, d_v) with the v bias as its last
+row, W_O (H, d_v, e), the output bias apart; docs/value.md), whose width d_v grows independently of q/k's: values are
+`value.values(x)` per KV head (what the KV cache stores), the interface attends them, `value.output` maps the heads
+back. A state dict of the former layout (v_proj/o_proj, GPT-2's v_proj/c_proj modules) loads through its pre-hook.
 Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (docs/design.md §4):
 `extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
-its gradient (cheaper on CPU; the callback's capture=auto picks it there).
+its gradient (cheaper on CPU; the callback's capture=auto picks it there). The value map's capture appends X′ to
+the values, so the same attention call returns A·X′ per query head (`ValueMap.values`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.attention.value import ValueMap, from_linear
 from lit_growattn.growth.form import FormShape
 from lit_growattn.hf.surgery import generated_class, native_subclass, replace_attention
 
@@ -42,21 +48,26 @@ class GrowableAttention(FormShape, nn.Module):
 
     rotary: int
     qk_bias: bool
-    v_head_dim: int
+    value: ValueMap
+    # The value and output modules of the former layout (state dicts written before the value map): the keyword
+    # arguments of `attention.value.rename_linear_keys`.
+    former_value_modules: dict[str, str | bool]
 
     @staticmethod
     def from_native(native: nn.Module) -> GrowableAttention:
-        """A growable copy of `native` (its value/output projections and norms shared, q/k copied into w_q, w_k)."""
+        """A growable copy of `native` (its norms shared, q/k copied into w_q, w_k, v/o into the value map)."""
         cls = growable_class(type(native))
         new = cls.__new__(cls)
         new.__dict__.update(native.__dict__)
-        for key in ("_parameters", "_buffers", "_modules"):
-            new.__dict__[key] = dict(native.__dict__[key])
+        for key in ("_parameters", "_buffers", "_modules", "_load_state_dict_pre_hooks"):
+            new.__dict__[key] = native.__dict__[key].copy()
         new._adopt()
         return new
 
-    def _init_form(self, w_q: Tensor, w_k: Tensor, scaling: float, rotary: int, bias: bool, v_head_dim: int) -> None:
-        self.rotary, self.qk_bias, self.v_head_dim = rotary, bias, v_head_dim
+    def _init_form(self, w_q: Tensor, w_k: Tensor, scaling: float, rotary: int, bias: bool, value: ValueMap) -> None:
+        self.rotary, self.qk_bias = rotary, bias
+        self.value = value  # a state dict of the former layout loads through its pre-hook
+        self._register_load_state_dict_pre_hook(functools.partial(value.linear_keys_hook, **self.former_value_modules))
         self.w_q = nn.Parameter(w_q.detach().clone().contiguous())
         self.w_k = nn.Parameter(w_k.detach().clone().contiguous())
         self.log_tau = nn.Parameter(torch.full((w_q.shape[0],), float(scaling), dtype=w_q.dtype).log())
@@ -138,7 +149,7 @@ class GrowableAttention(FormShape, nn.Module):
         """Through the configured attention interface with scaling 1; with statistics capture on, the queries'
         zero-extension (`extend`) or an explicit score map whose gradient is recorded (`explicit`), docs/design.md §4."""
         capturing = self.capture is not None and torch.is_grad_enabled()
-        if capturing and k.shape[2] != x.shape[1]:
+        if (capturing or self.value.capturing()) and k.shape[2] != x.shape[1]:
             raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
         if capturing and self.capture == "explicit":
             return self._attend_explicit(augment(x, self.qk_bias).detach(), q, k, v, attention_mask, dropout)
@@ -155,7 +166,8 @@ class GrowableAttention(FormShape, nn.Module):
         return interface(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
 
     def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float):
-        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, d_v), None."""
+        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, v's width),
+        None."""
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         if attention_mask is None:  # sdpa's is_causal path: the model passed no mask
@@ -173,6 +185,8 @@ class GrowableAttention(FormShape, nn.Module):
 class GrowableRopeAttention(GrowableAttention):
     """Llama, Mistral, Qwen2, Qwen3: separate q/k/v projections, RoPE, GQA."""
 
+    former_value_modules = {"v": "v_proj", "o": "o_proj"}
+
     def _adopt(self) -> None:
         hd, e = self.head_dim, self.q_proj.in_features
         bias = self.q_proj.bias is not None
@@ -183,24 +197,29 @@ class GrowableRopeAttention(GrowableAttention):
             w = linear.weight.detach().T.reshape(e, -1, hd).transpose(0, 1)  # (heads, e, hd)
             return torch.cat([w, linear.bias.detach().reshape(-1, 1, hd)], 1) if bias else w
 
-        self._init_form(per_head(self.q_proj), per_head(self.k_proj), self.scaling, hd, bias, hd)
-        del self.q_proj, self.k_proj
+        v, o = self.v_proj, self.o_proj
+        w_v, w_o, o_bias = from_linear(v.weight, v.bias, o.weight, o.bias, v.out_features // hd, o.in_features // hd)
+        value = ValueMap.of(w_v, w_o, o_bias, v.bias is not None)
+        self._init_form(per_head(self.q_proj), per_head(self.k_proj), self.scaling, hd, bias, value)
+        del self.q_proj, self.k_proj, self.v_proj, self.o_proj
 
     def forward(self, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor] | None = None,
                 attention_mask: Tensor | None = None, past_key_values=None, **kwargs) -> tuple[Tensor, Tensor | None]:
-        input_shape = hidden_states.shape[:-1]
         q, k = self.queries_keys(hidden_states, position_embeddings)
-        v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
+        v = self.value.values(hidden_states)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         window = self.sliding_window if hasattr(self, "sliding_window") else getattr(self.config, "sliding_window", None)
         out, weights = self.attend(hidden_states, q, k, v, attention_mask, 0.0 if not self.training else self.attention_dropout,
                                    sliding_window=window, **kwargs)
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+        return self.value.output(out.transpose(1, 2)), weights
 
 
 class GrowableGPT2Attention(GrowableAttention):
-    """GPT-2: fused c_attn split into w_q, w_k (with the bias row) and a value Linear `v_proj`; no RoPE."""
+    """GPT-2: fused c_attn split into w_q, w_k (with the bias row) and the value map's W_V (with the v bias), c_proj
+    into its W_O and output bias; no RoPE. (The former layout kept the value part as a Linear `v_proj`.)"""
+
+    former_value_modules = {"v": "v_proj", "o": "c_proj", "conv1d_o": True}
 
     def _adopt(self) -> None:
         if self.is_cross_attention:
@@ -208,27 +227,23 @@ class GrowableGPT2Attention(GrowableAttention):
         e, hd, h = self.embed_dim, self.head_dim, self.num_heads
         w, b = self.c_attn.weight.detach(), self.c_attn.bias.detach()  # Conv1D: (e, 3e), (3e,)
         per_head = lambda i: torch.cat([w[:, i * e:(i + 1) * e], b[None, i * e:(i + 1) * e]]).reshape(e + 1, h, hd).transpose(0, 1)  # noqa: E731
-        self._init_form(per_head(0), per_head(1), self.scaling, 0, True, hd)
-        self.v_proj = nn.Linear(e, e).to(w.device, w.dtype)
-        with torch.no_grad():
-            self.v_proj.weight.copy_(w[:, 2 * e:].T)
-            self.v_proj.bias.copy_(b[2 * e:])
-        del self.c_attn
+        o = self.c_proj  # Conv1D: weight (h·hd, e), a Linear's transposed
+        w_v, w_o, o_bias = from_linear(w[:, 2 * e:].T, b[2 * e:], o.weight.T, o.bias, h, h)
+        self._init_form(per_head(0), per_head(1), self.scaling, 0, True, ValueMap.of(w_v, w_o, o_bias, True))
+        del self.c_attn, self.c_proj
 
     def forward(self, hidden_states: Tensor, past_key_values=None, attention_mask: Tensor | None = None,
                 encoder_hidden_states: Tensor | None = None, encoder_attention_mask: Tensor | None = None,
                 output_attentions: bool | None = False, **kwargs) -> tuple[Tensor, Tensor | None]:
         if encoder_hidden_states is not None:
             raise ValueError("growable GPT-2 attention is causal self-attention only")
-        input_shape = hidden_states.shape[:-1]
         q, k = self.queries_keys(hidden_states, None)
-        v = self.v_proj(hidden_states).view(*input_shape, -1, self.v_head_dim).transpose(1, 2)
+        v = self.value.values(hidden_states)
         if past_key_values is not None:
             cache = getattr(past_key_values, "self_attention_cache", past_key_values)
             k, v = cache.update(k, v, self.layer_idx)
         out, weights = self.attend(hidden_states, q, k, v, attention_mask, self.attn_dropout.p if self.training else 0.0, **kwargs)
-        out = self.c_proj(out.reshape(*out.shape[:-2], -1).contiguous())
-        return self.resid_dropout(out), weights
+        return self.resid_dropout(self.value.output(out.transpose(1, 2))), weights
 
 
 def make_growable(model: nn.Module) -> list[str]:

@@ -108,6 +108,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
             rotary_dim (every head_dim/rotary_dim-th frequency pair) while v keeps head_dim; to start growth from a
             query/key width below head_dim. None: head_dim rotary columns, as the model has.
         head_sizes: query/key head size per layer (recorded after growth, so that a grown checkpoint rebuilds).
+        v_head_sizes: value head size per layer (recorded after a value growth, docs/value.md).
         attn_implementation: transformers' attention interface (sdpa | eager | …).
         growable: convert the attention into growable attention (for GrowAttentionCallback); false keeps the
             model's attention as loaded, e.g. a DINT model written by `convert --pretrained` (seed 001), which the
@@ -129,6 +130,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         block_size: int | None = None,
         rotary_dim: int | None = None,
         head_sizes: list[int] | None = None,
+        v_head_sizes: list[int] | None = None,
         attn_implementation: str = "sdpa",
         growable: bool = True,
         optimizer: OptimizerCallable = default_optimizer,
@@ -166,6 +168,11 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
                 raise ValueError(f"head_sizes has {len(head_sizes)} entries for {len(self.growable_forms())} layers")
             for named, d in zip(self.growable_forms(), head_sizes):
                 named.form.resize(d)
+        if v_head_sizes is not None:
+            if len(v_head_sizes) != len(self.growable_values()):
+                raise ValueError(f"v_head_sizes has {len(v_head_sizes)} entries for {len(self.growable_values())} layers")
+            for named, d in zip(self.growable_values(), v_head_sizes):
+                named.form.resize(d)
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self._total_steps = 1
         if init_from is not None:
@@ -189,8 +196,15 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def head_sizes(self) -> list[int]:
         return [named.form.d_head for named in self.growable_forms()]
 
+    def growable_values(self) -> list[NamedForm]:
+        return [NamedForm(named.layer, f"{named.name}.value", named.form.value) for named in self.growable_forms()]
+
+    def value_sizes(self) -> list[int]:
+        return [named.form.d_v for named in self.growable_values()]
+
     def record_head_sizes(self) -> None:
         self.hparams["head_sizes"] = self.head_sizes()
+        self.hparams["v_head_sizes"] = self.value_sizes()
 
     def batch_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, labels = batch
@@ -201,6 +215,20 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self.record_head_sizes()
         return result
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Weights of the former layout (v_proj/o_proj, GPT-2's v_proj/c_proj modules) load exactly (hf.growable), but
+        # Adam's state is laid out for those parameters and would be applied to others: refuse resuming it, before
+        # any training work. (A model kept as loaded, growable=false, still has its v_proj.)
+        if self._trainer is not None and self.trainer.state.fn == "fit" and self.growable_forms() and any(
+                key.endswith("attn.v_proj.weight") for key in checkpoint.get("state_dict", {})):
+            raise ValueError(
+                "this checkpoint stores the attention's value and output projections as the modules v_proj and "
+                "o_proj (c_proj), which this version keeps per head (W_V, W_O) so that the value side can grow: its "
+                "weights load, but its optimizer state cannot resume. Continue from its weights with "
+                "`--model.init_args.init_from=<ckpt>` (a new optimizer), or resume it with the version that wrote it"
+            )
+        super().on_load_checkpoint(checkpoint)
 
     # -- the data's tokenizer -------------------------------------------------------------------
     def setup(self, stage: str) -> None:
