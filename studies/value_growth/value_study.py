@@ -4,8 +4,8 @@ configs/text_auto.yaml, query/key head size 16 in every row, every row trained f
 
     static d_v 16       the ceiling (the capacity study's static d_head 16 runs)
     static d_v 4        a quarter of its V cache
-    grown d_v 4→16      from d_v 4, GrowAttentionCallback at epochs 1 and 2 (0-based), 6 value columns per head at each
-                        by the natural direction, from 16 statistics batches: d_v 4 → 10 → 16
+    grown d_v 4→16      from d_v 4, GrowAttentionCallback at epochs 1 and 2 (0-based), 6 value columns per head at
+                        each, by the natural direction, from 16 statistics batches: d_v 4 → 10 → 16
 
     python studies/value_growth/value_study.py --text FILE --corpus NAME --seeds 0 1 2 3 4 5
 
@@ -40,10 +40,10 @@ GROWN = "grown d_v 4→16"
 EPOCHS = [1, 2]  # as configs/text_grow.yaml
 STATISTICS_BATCHES = 16  # as configs/text_grow.yaml
 OUT = Path(__file__).resolve().parent / "results.json"
-WHAT = ("settings[corpus]: the overrides of its runs besides the corpus; runs[corpus][row][seed]: final validation "
-        "loss and bpb, final d_head and d_v per layer, V-cache bytes per token (n_head × Σ d_v × 4), training FLOPs, "
-        "wall seconds, step times (time: statistics_share is the statistics' share of training time, "
-        "study_runs.StepTimer), the curve as [step, FLOPs, loss, d_v] and growths as [step, d_v]")
+WHAT = ("settings[corpus]: the overrides of its runs besides the corpus; runs[corpus][row][seed]: final "
+        "validation loss and bpb, final d_head and d_v per layer, V-cache bytes per token (n_head × Σ d_v × 4), "
+        "training FLOPs, wall seconds, step times (time: statistics_share is the statistics' share of training time, "
+        "study_runs.StepTimer), the curve as [step, FLOPs, loss, d_v] and growths as [step, d_v before, d_v after]")
 
 
 def value_growth() -> GrowAttentionCallback:
@@ -61,7 +61,8 @@ def compact(result: dict) -> dict:
             "step": final["step"], "vcache_bytes": v_cache_bytes(result["n_head"], final["d_v"]),
             "flops": result["flops"], "seconds": result["seconds"], "time": result["time"],
             "curve": [[p["step"], p["flops"], p["loss"], p["d_v"]] for p in result["curve"]],
-            "growths": [[e["step"], e["d_v"]] for e in result["events"] if e["d_v"] != e["d_v_before"]]}
+            "growths": [[e["step"], e["d_v_before"], e["d_v"]] for e in result["events"]
+                        if e["d_v"] != e["d_v_before"]]}
 
 
 def run_grid(args, results: dict, work: Path) -> None:
