@@ -24,7 +24,7 @@ BYTES_PER_VALUE = 4  # float32 K cache
 
 
 class Curve(L.Callback):
-    """Validation loss/accuracy against training FLOPs and d_head against steps, for the plots; every extra
+    """Validation loss/accuracy against training FLOPs and d_head and d_v against steps, for the plots; every extra
     validation set (`sets`, by name) and the attention entropy per layer, when logged."""
 
     def __init__(self):
@@ -50,14 +50,15 @@ class Curve(L.Callback):
             "entropy": {k.removeprefix("attention/entropy/"): v for k, v in metrics.items()
                         if k.startswith("attention/entropy/")},
             "d_head": pl_module.head_sizes(),
+            "d_v": _value_sizes(pl_module),
         })
 
 
 class StepTimer(L.Callback):
-    """Wall seconds of every training step, and whether statistics were gathered in it (some form capturing) or a
-    growth check ran at its start. It must come first among the callbacks: its clock then spans the growth
-    callback's check (in on_train_batch_start) and the capture (on backward); its on_train_batch_end runs before the
-    growth callback's, so the forms still say whether they captured."""
+    """Wall seconds of every training step, and whether statistics were gathered in it (some form or value map
+    capturing) or a growth check ran at its start. It must come first among the callbacks: its clock then spans the
+    growth callback's check (in on_train_batch_start) and the capture (on backward); its on_train_batch_end runs
+    before the growth callback's, so the forms still say whether they captured."""
 
     def __init__(self):
         self.steps: list[tuple[float, bool]] = []
@@ -68,7 +69,7 @@ class StepTimer(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._start
-        captured = any(named.form.capture is not None for named in pl_module.growable_forms())
+        captured = any(named.form.capture is not None for named in [*pl_module.growable_forms(), *_values(pl_module)])
         self.steps.append((seconds, captured or _checks(trainer) != self._checks))
 
     def summary(self) -> dict:
@@ -86,6 +87,16 @@ class StepTimer(L.Callback):
 
 def _checks(trainer) -> int:
     return sum(len(c.history) for c in trainer.callbacks if isinstance(c, GrowAttentionCallback))
+
+
+def _values(pl_module) -> list:
+    """The module's value maps, where its value side can grow (GrowAttentionLM; not HFCausalLM)."""
+    return pl_module.growable_values() if hasattr(pl_module, "growable_values") else []
+
+
+def _value_sizes(pl_module) -> list[int] | None:
+    """d_v per layer, where the module reports it (GrowAttentionLM; not HFCausalLM)."""
+    return pl_module.value_sizes() if hasattr(pl_module, "value_sizes") else None
 
 
 def _flops(pl_module) -> float | None:
@@ -129,6 +140,11 @@ def run(config: str, overrides: list[str], log_dir: str, grow: bool, save: Path 
 def k_cache_bytes(n_kv_head: int, d_head: list[int]) -> int:
     """Bytes of K cache per token: every layer keeps n_kv_head keys of its d_head."""
     return n_kv_head * sum(d_head) * BYTES_PER_VALUE
+
+
+def v_cache_bytes(n_kv_head: int, d_v: list[int]) -> int:
+    """Bytes of V cache per token: every layer keeps n_kv_head values of its d_v."""
+    return k_cache_bytes(n_kv_head, d_v)
 
 
 def sizes(d_head: list[int]) -> str:

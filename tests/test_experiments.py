@@ -198,3 +198,45 @@ def test_the_kcache_summary_pairs_seeds_and_judges_by_standard_errors():
     assert "- 2layer tiny seed 0: 0.90010 here, 0.90000 there" in summary.report(both, capacity)
     with pytest.raises(ValueError, match=r"2layer tiny 'static 16' seeds \['0'\] are in two of the results files"):
         summary.merged([rerun, rerun])
+
+
+def test_value_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, monkeypatch):
+    sys.path.insert(0, str(REPO / "studies" / "value_growth"))
+    import value_study
+
+    spec = importlib.util.spec_from_file_location("value_summary", REPO / "studies" / "value_growth" / "summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"To be, or not to be, that is the question.\n" * 200)
+    out = tmp_path / "results.json"
+    tiny = ["--override=--trainer.limit_val_batches=1", "--override=--data.init_args.samples_per_epoch=128",
+            "--override=--trainer.max_epochs=3"]  # 2 steps of 64 sequences per epoch, growths at epochs 1 and 2
+    monkeypatch.setattr(value_study, "STATISTICS_BATCHES", 1)
+    command = ["--text", str(corpus), "--corpus", "tiny", "--seeds", "0", "--out", str(out), *tiny]
+    value_study.main(command)
+    cell = json.loads(out.read_text())["runs"]["tiny"]
+    full, small, grown = (cell[row]["0"] for row in ("static d_v 16", "static d_v 4", "grown d_v 4→16"))
+    assert full["d_head"] == small["d_head"] == grown["d_head"] == [16, 16]  # only the value side differs
+    assert (full["d_v"], small["d_v"], grown["d_v"]) == ([16, 16], [4, 4], [16, 16])
+    assert grown["growths"] == [[2, [4, 4], [10, 10]], [4, [10, 10], [16, 16]]]
+    assert full["step"] == small["step"] == grown["step"] == 6  # equal total steps
+    assert (full["vcache_bytes"], small["vcache_bytes"]) == (4 * 2 * 16 * 4, 4 * 2 * 4 * 4)
+    assert [p[3] for p in grown["curve"]] == [[4, 4], [10, 10], [16, 16]]
+    assert small["time"]["statistics_share"] == 0.0 and grown["time"]["statistics_steps"] > 0
+    assert summary.training_share(grown) == pytest.approx((2 * 4 + 2 * 10 + 2 * 16) / (16 * 6), rel=1e-12)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a run already in the results was run again")
+
+    monkeypatch.setattr(value_study, "run", no_training)
+    value_study.main(command)  # resumed: every row × seed is there
+    with pytest.raises(SystemExit):
+        value_study.main(command[:-len(tiny)])
+    assert "holds tiny runs with the overrides" in capsys.readouterr().err
+
+    summary.main(["--results", str(out), "--out", str(tmp_path / "summary")])
+    shown = (tmp_path / "summary" / "summary.md").read_text()
+    assert f"{100 * (small['loss'] / full['loss'] - 1):+.2f} % (1 seed)" in shown
+    assert "| tiny | grown d_v 4→16 | 1 | 16.0, 16.0 | 512 | 100%; 62% |" in shown
+    assert (tmp_path / "summary" / "loss_vs_vcache.png").stat().st_size > 0
