@@ -19,7 +19,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 from lit_growattn.model.config import SdpaPad
-from lit_growattn.training.checkpoint import load_weights, resize_to_checkpoint
+from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
 from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.contract import NamedForm
 from lit_growattn.training.divergence import DivergenceGuard
@@ -130,16 +130,7 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         return result
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Weights of the former v/o Linear layout load exactly (attention.value), but Adam's state is laid out for
-        # those parameters and would be applied to others: refuse resuming it, before any training work.
-        if self._trainer is not None and self.trainer.state.fn == "fit" and any(
-                key.endswith(".attn.v.weight") for key in checkpoint.get("state_dict", {})):
-            raise ValueError(
-                "this checkpoint stores the value and output projections as the Linear modules `v` and `o`, which "
-                "this version keeps per head (W_V, W_O) so that the value side can grow: its weights load, but its "
-                "optimizer state cannot resume. Continue from its weights with `--model.init_args.init_from=<ckpt>` "
-                "(a new optimizer), or resume it with the version that wrote it"
-            )
+        refuse_resuming_former_value_layout(self, checkpoint, ".attn.v.weight", "`v` and `o` (nn.Linear)")
         super().on_load_checkpoint(checkpoint)
 
     def _per_layer(self, name: str) -> list[int]:

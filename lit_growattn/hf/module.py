@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from lit_growattn.training.checkpoint import load_weights, resize_to_checkpoint
+from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
 from lit_growattn.model.contract import NamedForm
 from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
 from lit_growattn.training.divergence import DivergenceGuard
@@ -217,17 +217,9 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         return result
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Weights of the former layout (v_proj/o_proj, GPT-2's v_proj/c_proj modules) load exactly (hf.growable), but
-        # Adam's state is laid out for those parameters and would be applied to others: refuse resuming it, before
-        # any training work. (A model kept as loaded, growable=false, still has its v_proj.)
-        if self._trainer is not None and self.trainer.state.fn == "fit" and self.growable_forms() and any(
-                key.endswith("attn.v_proj.weight") for key in checkpoint.get("state_dict", {})):
-            raise ValueError(
-                "this checkpoint stores the attention's value and output projections as the modules v_proj and "
-                "o_proj (c_proj), which this version keeps per head (W_V, W_O) so that the value side can grow: its "
-                "weights load, but its optimizer state cannot resume. Continue from its weights with "
-                "`--model.init_args.init_from=<ckpt>` (a new optimizer), or resume it with the version that wrote it"
-            )
+        if self.growable_forms():  # a model kept as loaded (growable=false) still has its v_proj
+            refuse_resuming_former_value_layout(self, checkpoint, "attn.v_proj.weight",
+                                                "v_proj and o_proj (GPT-2: c_proj)")
         super().on_load_checkpoint(checkpoint)
 
     # -- the data's tokenizer -------------------------------------------------------------------

@@ -72,3 +72,20 @@ def resize_to_checkpoint(model: nn.Module, state_dict: dict[str, Tensor]) -> Non
     for name, module in model.named_modules():
         if isinstance(module, Resizable):
             module.resize_to(state_dict, f"{name}.")
+
+
+def refuse_resuming_former_value_layout(module: Any, checkpoint: dict, former_key: str,
+                                        former: str) -> None:
+    """Raises, when `module` is being fitted from `checkpoint` (a resume), if the checkpoint stores the value and
+    output projections as the modules `former` (a state-dict key ends in `former_key`): their weights load exactly
+    into the per-head value maps (`attention.value`), but Adam's state is laid out for those parameters and would be
+    applied to others."""
+    if module._trainer is None or module.trainer.state.fn != "fit":
+        return
+    if any(key.endswith(former_key) for key in checkpoint.get("state_dict", {})):
+        raise ValueError(
+            f"this checkpoint stores the attention's value and output projections as the modules {former}, which "
+            "this version keeps per head (W_V, W_O) so that the value side can grow: its weights load, but its "
+            "optimizer state cannot resume. Continue from its weights with `--model.init_args.init_from=<ckpt>` "
+            "(a new optimizer), or resume it with the version that wrote it"
+        )
