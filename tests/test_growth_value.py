@@ -115,19 +115,50 @@ def test_a_small_step_changes_the_loss_as_the_first_order_prediction(kv, method)
     assert errors[1] < 0.2 * errors[0] and errors[1] < 1e-2
 
 
-def test_gqa_columns_are_the_truncated_svd_of_the_groups_bottlenecks_side_by_side():
-    p = ValueProblem(kv=2)
+def unreachable(delta, w_v, w_o):
+    """Per group, the residual [R_j]_j (e′, g·e) of ΔW after the best first-order change of the factors,
+    δW_M,j = δW_V W_O,j + W_V δW_O,j with δW_V shared by the group: a least-squares problem solved whole."""
+    kv, e_in, d = w_v.shape
+    h, _, e = w_o.shape
+    g = h // kv
+    out = []
+    for grp in range(kv):
+        heads = range(grp * g, (grp + 1) * g)
+        columns = []  # the linear map (δW_V, δW_O,j …) → stacked δW_M, one column per unknown
+        for i in range(e_in * d):
+            dv = torch.zeros(e_in * d, dtype=F64)
+            dv[i] = 1
+            columns.append(torch.cat([(dv.view(e_in, d) @ w_o[j]).reshape(-1) for j in heads]))
+        for j_pos, j in enumerate(heads):
+            for i in range(d * e):
+                do = torch.zeros(d * e, dtype=F64)
+                do[i] = 1
+                blocks = [torch.zeros(e_in * e, dtype=F64) for _ in heads]
+                blocks[j_pos] = (w_v[grp] @ do.view(d, e)).reshape(-1)
+                columns.append(torch.cat(blocks))
+        basis = torch.stack(columns, 1)
+        target = torch.cat([delta[j].reshape(-1) for j in heads])
+        # The unknowns overlap (col(W_V) × row(W_O) is reached both ways): an SVD-based solver for the rank deficiency.
+        fit = basis @ torch.linalg.lstsq(basis, target.unsqueeze(1), driver="gelsd").solution
+        residual = (target - fit.squeeze(1)).view(g, e_in, e)
+        out.append(torch.cat(list(residual), -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("kv", [4, 2, 1])
+def test_new_columns_are_the_top_pair_of_what_the_current_factors_cannot_reach(kv):
+    """A GQA group shares its new V column: the columns are the truncated SVD of its heads' residuals side by
+    side, the residual of a least-squares fit by every first-order change of the factors (a shared δW_V)."""
+    p = ValueProblem(kv=kv)
     vg = p.growth("gradient")
-    delta = vg.direction("gradient")
-    pv = lambda w: w @ torch.linalg.pinv(w)  # noqa: E731 - projector on the column span
     grown = vg.grow(1.0, 3)
-    for g in range(2):
-        heads = [2 * g, 2 * g + 1]
-        side = torch.cat([(torch.eye(6, dtype=F64) - pv(p.w_v[g])) @ delta[j] @ (torch.eye(6, dtype=F64) - pv(p.w_o[j].T))
-                          for j in heads], -1)  # (e′, 2e)
-        u, s, vh = torch.linalg.svd(side)
-        change = torch.cat([grown.w_v[g, :, 2:] @ grown.w_o[j, 2:] for j in heads], -1)
-        torch.testing.assert_close(change, s[0] * torch.outer(u[:, 0], vh[0]), rtol=1e-9, atol=1e-12)
+    reference = unreachable(vg.direction("gradient"), p.w_v, p.w_o)
+    g = 4 // kv
+    for grp in range(kv):
+        u, s, vh = torch.linalg.svd(reference[grp])
+        change = torch.cat([grown.w_v[grp, :, 2:] @ grown.w_o[j, 2:] for j in range(grp * g, (grp + 1) * g)], -1)
+        torch.testing.assert_close(change, s[0] * torch.outer(u[:, 0], vh[0]), rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(vg.bottleneck("gradient")[1][:, 0], torch.linalg.svdvals(reference)[:, 0])
 
 
 def test_column_gains_add_up_to_the_predicted_decrease():

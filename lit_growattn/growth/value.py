@@ -11,9 +11,10 @@ Statistics, per sequence i with G_Y,i = ∂L/∂Y_i of the mean loss, summed and
 Directions: `natural` ΔW_j = −C̄_j⁺ N̄_j, the Gauss–Newton step of min Σ_i ‖P_ij ΔW + η G_Y,i‖² (one-sided: the
 output is linear in W_M, so its space needs no preconditioner); `gradient` ΔW_j = −N̄_j. Each is scaled so that
 α = 1 moves the output by its own RMS, head by head: Σ_j tr(ΔW_jᵀ C̄_j ΔW_j) = Σ_j tr(W_M,jᵀ C̄_j W_M,j).
-Bottleneck: a first-order change of the factors reaches only col(W_V) × anything + anything × row(W_O), so new
-rank comes from ΔW⊥_j = (I − P_V)ΔW_j(I − P_O,j). Per group, its heads' bottlenecks side by side,
-[ΔW⊥_j]_{j in g} (e′, g·e) ≈ U Σ Wᵀ: u_k is the group's new V column, the j-th block of w_k head j's new O row,
+Bottleneck: a first-order change of the factors, δW_V W_O,j + W_V δW_O,j with δW_V shared by a group, reaches
+only part of ΔW; new rank comes from the rest, R_j = (I − P_V)(ΔW_j − A W_O,j) with A the group's least-squares
+common change (`bottleneck`; with one head per group R = (I − P_V)ΔW(I − P_O)). Per group, its heads' residuals
+side by side, [R_j]_{j in g} (e′, g·e) ≈ U Σ Wᵀ: u_k is the group's new V column, the j-th block of w_k head j's new O row,
     V_new = u (ασ)^½,   O_new,j = w_j (ασ)^½,   so W_M,j′ − W_M,j = α Σ_k σ_k u_k w_k,jᵀ.
 Zero fan-in (α = 0, or a vanishing σ): the V column u σ^½ stays and the O row is 0, so the function is unchanged
 and the O row gets the gradient σ^½ (P_j u)ᵀ G_Y at once. Append is the only mode: a replace would rotate value
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, check_choice
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, Outcome, sizing_method
-from lit_growattn.growth.linalg import column_basis, project_out, psd_pinv
+from lit_growattn.growth.linalg import column_basis, psd_pinv
 from lit_growattn.growth.stats import Moments, Sums
 
 VALUE_DIRECTIONS = ("natural", "gradient")
@@ -192,21 +193,28 @@ class ValueGrowth(ValueShape):
         return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per group: u (KV, e′, k), σ (KV, k) descending, w (KV, g·e, k) with k = min(e′, g·e), ‖ΔW‖² (KV,)."""
+        """Per group: u (KV, e′, k), σ (KV, k) descending, w (KV, g·e, k) with k = min(e′, g·e), ‖ΔW‖² (KV,).
+
+        The residual of ΔW that no first-order change of the factors reaches: δW_M,j = δW_V W_O,j + W_V δW_O,j with
+        δW_V shared by the group, so per head R_j = (I − P_V)(ΔW_j − A W_O,j), A the group's least-squares common
+        change, A = Σ_j (I − P_V)ΔW_j W_O,jᵀ (Σ_j W_O,j W_O,jᵀ)⁺; for one head per group R = (I − P_V)ΔW(I − P_O)."""
         if method not in self._bottlenecks:
             delta = self.direction(method)
             basis_v = self.per_head(column_basis(self.w_v))
-            basis_o = column_basis(self.w_o.mT)
-            kv, e_in, e_out = self.n_kv_head, self.e_in, self.e_out
+            kv, g, e_in, e_out = self.n_kv_head, self.group, self.e_in, self.e_out
+            outside = delta - basis_v @ (basis_v.mT @ delta)  # (I − P_V) ΔW_j
+            reach = (outside @ self.w_o.mT).reshape(kv, g, e_in, -1).sum(1)  # Σ_j (I − P_V)ΔW_j W_O,jᵀ
+            gram = (self.w_o @ self.w_o.mT).reshape(kv, g, self.d_v, self.d_v).sum(1)  # Σ_j W_O,j W_O,jᵀ
+            common = reach @ psd_pinv(gram, self.rcond)
+            residual = outside - self.per_head(common) @ self.w_o
             # Heads of a group side by side: (KV, e′, g·e).
-            stacked = project_out(delta, basis_v, basis_o).reshape(kv, self.group, e_in, e_out)
-            stacked = stacked.permute(0, 2, 1, 3).reshape(kv, e_in, self.group * e_out)
+            stacked = residual.reshape(kv, g, e_in, e_out).permute(0, 2, 1, 3).reshape(kv, e_in, g * e_out)
             u, s, wh = torch.linalg.svd(stacked, full_matrices=False)
             # Each pair's sign made canonical (largest entry of u positive): a pair and its negation give the same
             # W_M, and a run whose statistics differ by round-off (compiled kernels) then grows the same columns.
             sign = torch.where(u.gather(1, u.abs().argmax(1, keepdim=True)) < 0, -1.0, 1.0)  # (KV, 1, k)
             u, wh = u * sign, wh * sign.mT
-            energy = delta.square().sum((-2, -1)).reshape(kv, self.group).sum(-1)
+            energy = delta.square().sum((-2, -1)).reshape(kv, g).sum(-1)
             self._bottlenecks[method] = u, s, wh.mT, energy
         return self._bottlenecks[method]
 
