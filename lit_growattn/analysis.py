@@ -80,7 +80,7 @@ def wm_spectra(model: GPT) -> list[Tensor]:
     spectra = []
     for block in model.blocks:
         value = block.attn.value
-        w_v = _wide(value.w_v)[:, : value.e_out]  # (h, e, d_v): W_M of the inputs, the bias row left out
+        w_v = _wide(value.w_v)[:, : value.e_in - int(value.bias)]  # (h, e, d_v): W_M of the inputs, no bias row
         w_o = _wide(value.w_o)  # (h, d_v, e)
         # W_V = Q_V R_V and W_Oᵀ = Q_O R_O with orthonormal Q: W_M has the singular values of R_V R_Oᵀ (d_v × d_v).
         core = torch.linalg.qr(w_v).R @ torch.linalg.qr(w_o.transpose(-1, -2)).R.transpose(-1, -2)

@@ -118,6 +118,10 @@ class GrowAttentionCallback(Callback):
                 continue
             current, bound = max(firsts[i].width for i in layers), firsts[layers[0]].max_width
             limits[key] = getattr(self.settings, key) if getattr(self.settings, key) is not None else bound
+            if current > bound:
+                raise ValueError(f"the {side} head size ({current}) already exceeds {what.format(bound, bound)}: it "
+                                 f"cannot grow; build the model at most {bound} wide, or leave this side out of "
+                                 "growth.grow")
             if not current <= limits[key] <= bound:
                 raise ValueError(f"{key}={limits[key]} must lie between the current {side} head size ({current}) and "
                                  f"{what.format(bound, bound)}")

@@ -119,6 +119,9 @@ class GrowthSettings:
                 if getattr(self, name) is not None:
                     raise ValueError(f"growth.{name} sizes the query/key side, which does not grow with "
                                      "growth.grow='value': use growth.value_columns / growth.max_d_v, or grow both")
+        if self.grow == "value" and self.temperature != "keep":
+            raise ValueError("growth.temperature='rescale' rescales the query/key temperature, which does not grow with "
+                             "growth.grow='value': leave it at keep, or grow both")
         if self.method not in growth.VALUE_METHODS:
             raise ValueError(f"the value side grows by {', '.join(growth.VALUE_METHODS)}, not method "
                              f"{self.method!r} (growth.grow={self.grow!r}): choose one of them")
@@ -149,9 +152,9 @@ class GrowthSettings:
                                      f"budget and the budget's spending schedule: leave growth.{setting} out (set "
                                      f"{name}.budget to bound the widths)")
         elif self.max_columns is not None and self.rank_threshold is None:
+            fixed = "growth.value_columns" if self.grow == "value" else "growth.columns"
             raise ValueError(f"growth.max_columns caps a count chosen from the statistics, and {name} grows by "
-                             "growth.columns: set growth.rank_threshold to choose the count, or use growth.columns for "
-                             "a fixed one")
+                             f"{fixed}: set growth.rank_threshold to choose the count, or use {fixed} for a fixed one")
 
     def count(self, layer: int, value: bool = False) -> int | None:
         """The fixed new query/key (or value) columns of `layer` at an event (None: chosen from the spectrum, up to

@@ -221,3 +221,28 @@ def test_each_new_pair_has_a_canonical_sign():
     live = s > 1e-10 * s[:, :1]
     largest = u.gather(1, u.abs().argmax(1, keepdim=True)).squeeze(1)
     assert (largest[live] > 0).all()
+
+
+def test_rank_counts_singular_values_above_the_threshold_within_the_bound():
+    vg = ValueProblem(kv=2).growth()
+    s = vg.bottleneck("natural")[1]
+    for share in (0.5, 0.2, 0.05):
+        count = max(int((row > share * s.max()).sum()) for row in s)
+        assert vg.rank(share, 6) == max(1, min(count, 4))  # at most max_width 6 − d_v 2
+    assert vg.rank(1e-9, 3) == 1  # a cap of 3 leaves one column
+
+
+def test_random_columns_have_the_old_columns_scale():
+    p = ValueProblem(d=3)
+    grown = p.growth("random").grow(1.0, 6, generator=torch.Generator().manual_seed(0))
+    for old, new in ((p.w_v, grown.w_v[..., 3:]), (p.w_o, grown.w_o[:, 3:])):
+        ratio = new.square().mean() / old.square().mean()
+        assert 0.5 < ratio < 2  # the same RMS up to the draw (27–54 values per head)
+
+
+def test_discarded_energy_is_the_directions_energy_the_kept_pairs_leave_out():
+    vg = ValueProblem(kv=2).growth("gradient")
+    _, s, _, energy = vg.bottleneck("gradient")
+    grown = vg.grow(0.5, 4)
+    torch.testing.assert_close(grown.discarded_energy, 0.25 * (energy - s[:, :2].square().sum(-1)))
+    assert (grown.discarded_energy > 0).all()

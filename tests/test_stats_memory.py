@@ -18,8 +18,8 @@ class _Form(FormShape):
 
 
 class _Values(ValueShape):
-    def __init__(self, h, e_in):
-        self.w_v, self.w_o = torch.zeros(h, e_in, 1), torch.zeros(h, 1, e_in)
+    def __init__(self, h, e_in, e_out=None):
+        self.w_v, self.w_o = torch.zeros(h, e_in, 1), torch.zeros(h, 1, e_in if e_out is None else e_out)
 
 
 def test_llama_1b_estimate_and_the_fix_it_names():
@@ -41,6 +41,9 @@ def test_value_maps_count_c_per_head_and_n_to_the_output():
     value_bytes = 16 * 4 * 32 * 2048 * 4096
     assert line.startswith(f"growth statistics: {(8.86e9 + value_bytes) / 1e9:.3g} GB per rank")
     assert "query/key 32 heads × e′² = 2048²; values 32 heads × e′ × (e′ + e) = 2048 × 4096; 4 B each" in line
+    biased = [NamedForm(0, "v", _Values(4, 65, 64))]  # e′ = e + 1 with a bias: C is e′², N is e′ × e
+    assert check_statistics_memory(biased, [0], None, "natural", None).startswith(
+        f"growth statistics: {4 * 4 * 65 * (65 + 64) / 1e6:.3g} MB per rank")
 
 
 @pytest.mark.parametrize("method, limit_gb, fix", [

@@ -73,9 +73,12 @@ def test_adam_moments_of_the_old_value_columns_are_carried(tmp_path):
                       ("model.blocks.0.attn.value.w_o", (slice(None), slice(0, 8), slice(None)))]:
         before, after = grow.before[name], grow.after[name]
         assert torch.equal(after["exp_avg"][old], before["exp_avg"]) and after["step"] == before["step"]
+        assert torch.equal(after["exp_avg_sq"][old], before["exp_avg_sq"])
         new = torch.ones_like(after["exp_avg"], dtype=torch.bool)
         new[old] = False
         assert not after["exp_avg"][new].any()  # new columns start with empty first moments
+        # and second moments at the old ones' mean (new_second_moment: mean)
+        torch.testing.assert_close(after["exp_avg_sq"][new], before["exp_avg_sq"].mean().expand(int(new.sum())))
 
 
 @pytest.mark.parametrize("growth, message", [
@@ -84,10 +87,16 @@ def test_adam_moments_of_the_old_value_columns_are_carried(tmp_path):
     (dict(grow="both", method="pinv"), "the value side grows by natural, gradient, random, zero, not method 'pinv'"),
     (dict(grow="both", mode="replace"), "the value side only appends columns"),
     (dict(grow="value", truncation="whitened"), "truncation='whitened' applies to query/key forms only"),
+    (dict(grow="value", temperature="rescale"), "rescales the query/key temperature, which does not grow"),
 ])
 def test_settings_the_value_side_cannot_apply_are_refused(growth, message):
     with pytest.raises(ValueError, match=message):
         GrowthSettings(**growth)
+
+
+def test_a_cap_without_rank_threshold_names_the_value_sides_count():
+    with pytest.raises(ValueError, match="AtEpochs grows by growth.value_columns: set growth.rank_threshold"):
+        GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(grow="value", max_columns=2))
 
 
 def test_the_automatic_schedule_refuses_value_growth_for_now():
@@ -100,6 +109,14 @@ def test_diff_attention_cannot_grow_its_value_side(tmp_path):
     grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(grow="value"))
     with pytest.raises(ValueError, match=r"has no growable value map in layers \[0, 1\]"):
         trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data, attention="diff"), data)
+
+
+def test_a_value_head_wider_than_the_rank_of_w_m_is_refused_naming_it(tmp_path):
+    data = recall_data()
+    grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(grow="value"))
+    with pytest.raises(ValueError, match=r"the value head size \(20\) already exceeds the smaller of input size and "
+                                         r"width \(16: W_V·W_O has rank ≤ 16\): it cannot grow"):
+        trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data, d_v=20), data)
 
 
 def test_max_d_v_beyond_the_rank_of_w_m_is_refused(tmp_path):
