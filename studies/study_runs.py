@@ -3,6 +3,9 @@ kcache_budget/kcache_study.py), their results merged, and the static-then-shrunk
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -207,3 +210,19 @@ def merge(parts: list[dict[str, list[dict]]], order: list[str], task: str | None
                              "written by an earlier merge is merged again)")
     rank = {name: i for i, name in enumerate(order)}
     return dict(sorted(merged.items(), key=lambda item: rank.get(item[0], len(rank))))
+
+
+def read_results(parser: argparse.ArgumentParser, out: Path, what: str) -> dict:
+    """A grid's results file as earlier invocations left it (a new one, described by `what`, when absent); a file
+    that is not one fails through `parser` before any run."""
+    try:
+        return json.loads(out.read_text()) if out.exists() else {"what": what, "runs": {}}
+    except json.JSONDecodeError as error:
+        parser.error(f"{out} is not a results JSON ({error}); give another --out")
+
+
+def save(results: dict, out: Path) -> None:
+    """Writes the results whole or not at all (the grid's earlier runs are in the same file)."""
+    partial = out.with_suffix(".json.partial")
+    partial.write_text(json.dumps(results, indent=1))
+    os.replace(partial, out)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,8 @@ from pathlib import Path
 STUDIES = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(STUDIES))  # study_runs, shared with the other studies
 
-from study_runs import TEXT_SETTING, fine_tune_shrunk, k_cache_bytes, run, sizes, train_to_shrink  # noqa: E402
+from study_runs import (TEXT_SETTING, fine_tune_shrunk, k_cache_bytes, read_results, run, save, sizes,  # noqa: E402
+                        train_to_shrink)
 
 from lit_growattn.growth.shrink import allocate_ranks  # noqa: E402
 from lit_growattn.module import GrowAttentionLM  # noqa: E402
@@ -86,13 +86,6 @@ def missing_inputs(names: list[str], done: dict, seed: int) -> list[str]:
         if need and need not in names and str(seed) not in done.get(need, {}):
             out.append(f"{name!r} needs {need!r}")
     return out
-
-
-def save(results: dict, out: Path) -> None:
-    """Writes the results whole or not at all (the grid's earlier runs are in the same file)."""
-    partial = out.with_suffix(".json.partial")
-    partial.write_text(json.dumps(results, indent=1))
-    os.replace(partial, out)
 
 
 def run_grid(args, results: dict, work: Path) -> None:
@@ -152,10 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"budgets {bad} are not mean head sizes between 1 and {FULL - 1}")
     if not Path(args.text).is_file():
         parser.error(f"--text {args.text} is not a file")
-    try:
-        results = json.loads(args.out.read_text()) if args.out.exists() else {"what": WHAT, "runs": {}}
-    except json.JSONDecodeError as error:
-        parser.error(f"{args.out} is not a results JSON ({error}); give another --out")
+    results = read_results(parser, args.out, WHAT)
     recorded = results.setdefault("settings", {}).setdefault(args.model, {}).setdefault(args.corpus, settings(args))
     if recorded != settings(args):
         parser.error(f"{args.out} holds {args.model} {args.corpus} runs with the overrides {recorded}, not "

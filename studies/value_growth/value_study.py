@@ -26,8 +26,7 @@ STUDIES = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(STUDIES))  # study_runs, shared with the other studies
 sys.path.insert(0, str(STUDIES / "kcache_budget"))
 
-from kcache_study import save  # noqa: E402
-from study_runs import TEXT_SETTING, run, v_cache_bytes  # noqa: E402
+from study_runs import TEXT_SETTING, read_results, run, save, v_cache_bytes  # noqa: E402
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings  # noqa: E402
 from lit_growattn.settings import StatisticsSettings  # noqa: E402
@@ -101,10 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown rows {unknown}; known: {list(ROWS)}")
     if not Path(args.text).is_file():
         parser.error(f"--text {args.text} is not a file")
-    try:
-        results = json.loads(args.out.read_text()) if args.out.exists() else {"what": WHAT, "runs": {}}
-    except json.JSONDecodeError as error:
-        parser.error(f"{args.out} is not a results JSON ({error}); give another --out")
+    results = read_results(parser, args.out, WHAT)
     recorded = results.setdefault("settings", {}).setdefault(args.corpus, settings(args))
     if recorded != settings(args):
         parser.error(f"{args.out} holds {args.corpus} runs with the overrides {recorded}, not {settings(args)}: give "
