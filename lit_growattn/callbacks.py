@@ -34,7 +34,6 @@ from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
-from lit_growattn.growth.allocation import column_costs
 from lit_growattn.growth.grouped import check_modes
 from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.training.lightning_private import should_update_logs
@@ -149,8 +148,8 @@ class GrowAttentionCallback(Callback):
         report.say(trainer, check_statistics_memory(growing, layers, self.statistics.layers_per_event,
                                                     self.settings.method, self.statistics.max_memory_gb))
         self.settings = dataclasses.replace(self.settings, **limits)
-        self.schedule.bind(self.settings, self.statistics, layers, sizes,
-                           column_costs((f.layer, f.form.w_k) for f in named))
+        self.schedule.bind(self.settings, self.statistics, layers, self._sizes(pl_module),
+                           growth.column_costs((f.layer, f.form) for f in growing))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The optimizers exist from here on: a growth rebuilds exactly one, so refuse others before any step.

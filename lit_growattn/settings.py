@@ -140,15 +140,12 @@ class GrowthSettings:
         """Refuses the settings that a schedule of this kind (`name`: its class) cannot apply; with the checks in
         `__post_init__`, every rule on the number of new columns that does not need the model."""
         if kind == "auto":
-            if self.grows("value"):
-                raise ValueError(f"{name} buys query/key columns only: grow the value side at listed points "
-                                 "(AtEpochs, AtSteps), or use growth.grow='query_key'")
             if self.mode != "append":
                 raise ValueError(f"{name} sizes each layer from the gains of appended columns, and replace would also "
                                  "refactor the layers it leaves as they are: use growth.mode='append'")
-            for setting in ("columns", "rank_threshold", "max_columns"):
+            for setting in ("columns", "value_columns", "rank_threshold", "max_columns"):
                 if getattr(self, setting) is not None:
-                    raise ValueError(f"{name} chooses each layer's growth from its statistics, within its K-cache "
+                    raise ValueError(f"{name} chooses each layer's growth from its statistics, within its KV-cache "
                                      f"budget and the budget's spending schedule: leave growth.{setting} out (set "
                                      f"{name}.budget to bound the widths)")
         elif self.max_columns is not None and self.rank_threshold is None:

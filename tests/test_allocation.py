@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from lit_growattn.growth import FormGrowth
-from lit_growattn.growth.allocation import Offer, allocate, column_costs, layer_gains, offer
+from lit_growattn.growth import FormGrowth, FormWeights, ValueWeights, column_costs
+from lit_growattn.growth.allocation import Offer, allocate, layer_gains, offer
 from lit_growattn.growth.stats import Moments
 
 from test_growth import Problem
@@ -46,20 +46,20 @@ def test_an_offer_holds_the_gains_held_out_and_in_sample_of_each_half():
     n = p.stats("natural").means().n
     noise = torch.randn(n.shape, dtype=F64, generator=torch.Generator().manual_seed(3)) * n.abs().mean()
     a, b = halves(p, n + noise, n - noise)
-    found = offer(3, a, b, cost=2, room=4)
+    found = offer(3, "d_head", a, b, cost=2, room=4)
     held = (layer_gains(a, [b[0].moments.n]) + layer_gains(b, [a[0].moments.n])) / 2
     seen = (layer_gains(a) + layer_gains(b)) / 2
-    assert (found.layer, found.d_head, found.cost, found.columns) == (3, 2, 2, 0)
+    assert (found.layer, found.width, found.cost, found.columns) == (3, 2, 2, 0)
     assert found.held_out == pytest.approx(held[:4].tolist(), rel=1e-12)
     assert found.in_sample == pytest.approx(seen[:4].tolist(), rel=1e-12)
-    assert offer(3, a, b, cost=2, room=0).held_out == []
+    assert offer(3, "d_head", a, b, cost=2, room=0).held_out == []
 
 
 def test_with_equal_halves_every_column_with_a_gain_clears_the_floor():
     # Equal halves fit no noise: held out equals in sample, and g > ĝ − g = 0 holds for every column that gains.
     p = Problem(e=8, h=2, d=2)
     n = p.stats("natural").means().n
-    found = offer(0, *halves(p, n, n), cost=2, room=6)
+    found = offer(0, "d_head", *halves(p, n, n), cost=2, room=6)
     assert found.held_out == pytest.approx(found.in_sample, rel=1e-12)
     gaining = next((j for j, g in enumerate(found.held_out) if not g > 0), len(found.held_out))
     assert found.above_floor == gaining > 0
@@ -75,8 +75,8 @@ def test_noise_alone_rarely_clears_the_floor_and_signal_plus_noise_does():
     noise_only, with_signal = [], []
     for seed in range(20):
         e_a, e_b = torch.randn(2, *n.shape, dtype=F64, generator=torch.Generator().manual_seed(seed)) * scale / 2
-        noise_only.append(offer(0, *halves(p, e_a, e_b), cost=3, room=10).above_floor)
-        with_signal.append(offer(0, *halves(p, n + e_a, n + e_b), cost=3, room=10).above_floor)
+        noise_only.append(offer(0, "d_head", *halves(p, e_a, e_b), cost=3, room=10).above_floor)
+        with_signal.append(offer(0, "d_head", *halves(p, n + e_a, n + e_b), cost=3, room=10).above_floor)
     assert sum(noise_only) <= 2 and sum(with_signal) / 20 > 5
 
 
@@ -112,6 +112,18 @@ def test_columns_are_bought_by_gain_per_cache_value_across_layers():
     assert bought([Offer(0, 1, 5, [9.0], [9.0]), Offer(1, 1, 1, [1.0], [1.0])], 3) == [0, 1]
 
 
+def test_the_two_sides_of_a_layer_are_offers_of_their_own_bought_by_gain_per_cache_value():
+    keys = Offer(0, 2, cost=4, held_out=[4.0, 1.0], in_sample=[4.0, 1.0])  # 1, 0.25 per value
+    values = Offer(0, 2, cost=2, held_out=[3.0, 1.0], in_sample=[3.0, 1.0], side="d_v")  # 1.5, 0.5 per value
+    assert bought([keys, values], 2) == [0, 1]
+    assert bought([keys, values], 6) == [1, 1]
+    assert bought([keys, values], 8) == [1, 2]
+    assert bought([keys, values], float("inf")) == [2, 2]
+    # Equal gain per value in one layer: the query/key side first.
+    tied = Offer(0, 2, cost=2, held_out=[2.0], in_sample=[2.0], side="d_v")
+    assert bought([tied, Offer(0, 2, 4, [4.0], [4.0])], 4) == [0, 1]
+
+
 def test_columns_below_the_floor_are_never_bought_and_a_layer_buys_in_order():
     noisy = Offer(0, 1, cost=1, held_out=[1.0, 9.0], in_sample=[5.0, 9.0])  # its first column fails the floor
     clean = Offer(1, 1, cost=1, held_out=[0.5, 0.1], in_sample=[0.5, 0.1])
@@ -139,15 +151,19 @@ def test_the_allowance_is_never_exceeded_and_at_equal_costs_the_best_columns_are
         assert gain([o.columns for o in result]) == pytest.approx(max(map(gain, feasible)), rel=1e-12)
 
 
-def test_a_column_costs_one_value_per_key_head_of_every_form_of_its_layer():
+def test_a_column_costs_one_value_per_key_head_of_every_form_of_its_layer_and_per_value_head():
     # mha: 4 heads; GQA: 8 query heads sharing 2 key heads; DIFF's two maps of 4 heads in layer 2.
-    forms = [(0, torch.zeros(4, 9, 2)), (1, torch.zeros(2, 9, 3)), (2, torch.zeros(4, 9, 2)), (2, torch.zeros(4, 9, 2))]
-    assert column_costs(forms) == {0: 4, 1: 2, 2: 8}
+    form = lambda q, k: FormWeights(torch.zeros(q, 9, 2), torch.zeros(k, 9, 2), torch.zeros(q))  # noqa: E731
+    # Value maps: 4 value heads for 4 query heads; 2 value heads shared by 8 query heads (GQA).
+    values = lambda kv, h: ValueWeights(torch.zeros(kv, 9, 3), torch.zeros(h, 3, 8))  # noqa: E731
+    units = [(0, form(4, 4)), (1, form(8, 2)), (2, form(4, 4)), (2, form(4, 4)), (0, values(4, 4)), (1, values(2, 8))]
+    assert column_costs(units) == {(0, "d_head"): 4, (1, "d_head"): 2, (2, "d_head"): 8, (0, "d_v"): 4,
+                                   (1, "d_v"): 2}
 
 
 def test_zero_gradient_offers_no_column():
     p = Problem(e=8, h=2, d=2)
     zero = torch.zeros_like(p.stats("natural").means().n)
-    found = offer(0, *halves(p, zero, zero), cost=2, room=6)
+    found = offer(0, "d_head", *halves(p, zero, zero), cost=2, room=6)
     assert found.held_out == [0.0] * 6 and found.above_floor == 0
     assert bought([found], float("inf")) == [0]

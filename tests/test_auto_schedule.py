@@ -1,6 +1,7 @@
-"""AutoSchedule in training runs: spends its K-cache budget over its checks and never more, takes no statistics once
-done, grows nothing without gain, resumes with the same decisions from checkpoints written by the CLI, refuses the
-old rule's settings; the shipped auto configs grow (its unit tests: tests/test_schedules.py)."""
+"""AutoSchedule in training runs: spends its K-cache budget (or, growing the value side too, its KV-cache budget) over
+its checks and never more, takes no statistics once done, grows nothing without gain, resumes with the same decisions
+from checkpoints written by the CLI, refuses the old rule's settings; the shipped auto configs grow (its unit tests:
+tests/test_schedules.py)."""
 
 
 import pytest
@@ -73,6 +74,42 @@ def test_auto_spends_within_its_allowance_at_every_check_and_never_beyond_its_bu
             "growth/auto/first_noise/layer_0", "growth/auto/allowance"} <= tags
 
 
+# The same run growing both sides from d_head 1 and d_v 1: a mean head size of 4 over the key head and the value head
+# leaves 6 values per token, 2 a check.
+AUTO_KV = [*AUTO, "--trainer.callbacks.init_args.growth.grow=both", "--model.init_args.d_v=1"]
+
+
+@pytest.fixture(scope="module")
+def auto_kv_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto_kv")
+    return out, cli_fit(out, AUTO_KV, config="configs/recall_auto.yaml")
+
+
+def test_auto_buys_query_key_and_value_columns_within_one_kv_cache_budget(auto_kv_run):
+    out, full = auto_kv_run
+    history = growth_history(full)
+    assert [e["step"] for e in history] == [5, 10, 15]
+    cache = lambda e, when="": e[f"d_head{when}"][0] + e[f"d_v{when}"][0]  # noqa: E731  one key head, one value head
+    for n, event in enumerate(history):
+        assert event["allowance"] == pytest.approx(6 * (n + 1) / 3 - (cache(event, "_before") - 2))
+        bought = {d["side"]: d for d in event["decisions"]}
+        assert set(bought) == {"d_head", "d_v"} and all(d["cost"] == 1 for d in bought.values())
+        for side, d in bought.items():
+            assert event[side][0] - event[f"{side}_before"][0] == d["columns"] <= d["above_floor"]
+        assert cache(event) - cache(event, "_before") <= event["allowance"]
+    assert cache(history[-1]) <= 8
+    assert history[-1]["d_v"][0] > 1  # recall reads its answer through W_V·W_O: one value column is not enough
+    assert full["hyper_parameters"]["d_v"] == history[-1]["d_v"]
+    assert {"growth/auto/columns_v/layer_0", "growth/auto/above_floor_v/layer_0", "growth/auto/first_gain_v/layer_0",
+            "growth/d_v/layer_0"} <= scalar_tags(out)
+
+
+def test_auto_with_both_sides_resumes_from_inside_a_window_with_the_same_decisions(auto_kv_run, tmp_path):
+    out, full = auto_kv_run
+    assert_same_run(cli_fit(tmp_path, AUTO_KV, ckpt_path=out / "ckpt" / "step=8.ckpt", config="configs/recall_auto.yaml"),
+                    full)
+
+
 @pytest.mark.parametrize("checkpoint", [
     "step=3.ckpt",  # inside the first check's window
     "step=5.ckpt",  # between the window and the first check
@@ -93,7 +130,7 @@ def test_auto_shows_its_decisions_and_takes_no_statistics_after_its_last_check(t
     assert [e["event"] for e in cb.history] == ["step 5", "step 10", "step 15"] and cb.schedule.pending(cb.history) is None
     assert windows == [e["event"] for e in cb.history for _ in range(3)]  # 3 batches a check, none after
     printed = capsys.readouterr().out
-    assert "allowance 1 values per token; layer 0 +" in printed and "above the floor (held-out gains " in printed
+    assert "allowance 1 values per token; layer 0 d_head +" in printed and "above the floor (held-out gains " in printed
     assert "K-cache budget: mean query/key head size" in printed and "unspent" in printed
 
 

@@ -187,15 +187,18 @@ class DecisionRecorder(GrowAttentionCallback):
 
 def test_auto_schedule_decides_the_same_on_every_rank_and_stays_within_budget(tmp_path):
     L.seed_everything(0)
-    # 2 ranks × 8 batches of 32 an epoch: 16 steps in 2 epochs, a check every 4 from a window of 4 batches a rank.
+    # 2 ranks × 8 batches of 32 an epoch: 16 steps in 2 epochs, a check every 4 from a window of 4 batches a rank;
+    # both sides grow from 2 within a KV-cache budget of mean head size 4.
     data = recall_data(batch_size=32, examples=512)
     recorder = DecisionRecorder(AutoSchedule(budget=4, check_every=4, spend_until=1.0),
-                                statistics=StatisticsSettings(batches=4))
+                                growth=GrowthSettings(grow="both"), statistics=StatisticsSettings(batches=4))
     recorder.out = str(tmp_path)
-    trainer(tmp_path, [recorder], max_epochs=2, devices=2, strategy="ddp_spawn").fit(tiny_module(data), data)
+    trainer(tmp_path, [recorder], max_epochs=2, devices=2, strategy="ddp_spawn").fit(tiny_module(data, d_v=2), data)
     r0, r1 = (torch.load(tmp_path / f"auto_{rank}.pt", weights_only=False) for rank in (0, 1))
     assert r0["history"] == r1["history"] and [e["step"] for e in r0["history"]] == [4, 8, 12]
     assert r0["params"].keys() == r1["params"].keys() and all(torch.equal(r0["params"][k], r1["params"][k])
                                                                for k in r0["params"])
-    sizes = r0["history"][-1]["d_head"]
+    last = r0["history"][-1]
+    sizes = last["d_head"] + last["d_v"]  # every layer has as many key heads as value heads
     assert max(sizes) > 2 and sum(sizes) <= 4 * len(sizes), r0["history"]  # it grew, within a mean head size of 4
+    assert {d["side"] for e in r0["history"] for d in e["decisions"]} == {"d_head", "d_v"}

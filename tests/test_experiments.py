@@ -212,10 +212,15 @@ def test_value_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, monk
     out = tmp_path / "results.json"
     tiny = ["--override=--trainer.limit_val_batches=1", "--override=--data.init_args.samples_per_epoch=128",
             "--override=--trainer.max_epochs=3"]  # 2 steps of 64 sequences per epoch, growths at epochs 1 and 2
-    monkeypatch.setattr(value_study, "STATISTICS_BATCHES", 1)
+    # Two batches: the automatic row splits its window in halves; one check, at step 2 (spend_until ½ of 6).
+    monkeypatch.setattr(value_study, "STATISTICS_BATCHES", 2)
+    monkeypatch.setattr(value_study, "CHECK_EVERY", 2)
     command = ["--text", str(corpus), "--corpus", "tiny", "--seeds", "0", "--out", str(out), *tiny]
     value_study.main(command)
     cell = json.loads(out.read_text())["runs"]["tiny"]
+    auto = cell["auto d_v 4, budget 16"]["0"]
+    assert auto["d_head"] == [16, 16] and all(4 <= d <= 16 for d in auto["d_v"]) and auto["step"] == 6
+    assert all(step == 2 for step, _, _ in auto["growths"]) and auto["time"]["statistics_steps"] == 3  # 2 + its check
     full, small, grown = (cell[row]["0"] for row in ("static d_v 16", "static d_v 4", "grown d_v 4→16"))
     assert full["d_head"] == small["d_head"] == grown["d_head"] == [16, 16]  # only the value side differs
     assert (full["d_v"], small["d_v"], grown["d_v"]) == ([16, 16], [4, 4], [16, 16])

@@ -14,18 +14,29 @@ from lit_growattn.settings import StatisticsSettings
 
 
 def bound(budget=4.0, check_every=10, spend_until=0.5, steps=100, costs=None, start=None, max_d_head=16,
-          statistics=StatisticsSettings(), accumulate=1, stats_batches=8):
-    """An AutoSchedule bound to two growing layers (4 key heads each, d_head 1) of a run of `steps` steps."""
+          value_costs=None, value_start=None, max_d_v=16, statistics=StatisticsSettings(), accumulate=1,
+          stats_batches=8):
+    """An AutoSchedule bound to two growing layers (4 key heads each, d_head 1; `costs`: key heads by layer) of a run
+    of `steps` steps; `value_costs` (value heads by layer; d_v 1) grows the value side too, `costs={}` only it."""
     schedule = AutoSchedule(budget, check_every, spend_until)
-    costs = costs or {0: 4, 1: 4}
-    schedule.bind(GrowthSettings(max_d_head=max_d_head), statistics, sorted(costs), start or [1] * len(costs), costs)
+    costs = {0: 4, 1: 4} if costs is None else costs
+    value_costs = value_costs or {}
+    keyed = {(layer, "d_head"): c for layer, c in costs.items()} | {(layer, "d_v"): c for layer, c in value_costs.items()}
+    layers = sorted({layer for layer, _ in keyed})
+    start = {"d_head": start or [1] * len(layers), "d_v": value_start or [1] * len(layers)}
+    grow = "both" if costs and value_costs else "value" if value_costs else "query_key"
+    settings = GrowthSettings(grow=grow, max_d_head=max_d_head if costs else None,
+                              max_d_v=max_d_v if value_costs else None)
+    schedule.bind(settings, statistics, layers, start, keyed)
     trainer = SimpleNamespace(max_steps=steps, estimated_stepping_batches=1000, accumulate_grad_batches=accumulate)
     schedule.check_run(trainer, stats_batches=stats_batches)
     return schedule
 
 
-def check(before, after):
-    return {"d_head_before": before, "d_head": after}
+def check(before, after, v_before=None, v_after=None):
+    """An event record: d_head before and after, and d_v when the value side grows."""
+    return {"d_head_before": before, "d_head": after} | (
+        {"d_v_before": v_before, "d_v": v_after} if v_before is not None else {})
 
 
 def test_the_budget_is_spread_evenly_over_the_checks_and_unspent_allowance_carries_over():
@@ -40,7 +51,7 @@ def test_the_budget_is_spread_evenly_over_the_checks_and_unspent_allowance_carri
     assert schedule.pending(idle + [check([1, 1], [1, 1])]) is None  # spend_until reached: no sixth check
     assert schedule.pending([check([1, 1], [4, 4])]) is None  # the budget is spent
     # A resumed run's model starts at its grown sizes: the budget still counts from where the run started.
-    schedule.start_sizes = [2, 1]
+    schedule.start_sizes = {"d_head": [2, 1]}
     assert schedule.total(one) == 24 and schedule.allowance(one) == pytest.approx(2 * 24 / 5 - 4)
     assert "4 of 4, 32 of 32 values per token; 0 unspent" in schedule.summary([check([1, 1], [4, 4])])
     assert "mean query/key head size 2.5 of 4" in schedule.summary([check([1, 1], [3, 2])])
@@ -51,10 +62,34 @@ def test_a_budget_is_counted_in_key_heads_so_a_gqa_layer_costs_its_kv_heads():
     # Layer 0: 8 key heads (mha); layer 1: 2 (GQA). Budget mean 3 over 10 key heads: 30 values, 10 at the start.
     schedule = bound(budget=3, costs={0: 8, 1: 2}, max_d_head=4)
     assert schedule.total([]) == 20
-    assert schedule.cache([3, 3]) == 30 and schedule.pending([check([1, 1], [3, 3])]) is None  # spent
+    assert schedule.cache({"d_head": [3, 3]}) == 30 and schedule.pending([check([1, 1], [3, 3])]) is None  # spent
     assert schedule.pending([check([1, 1], [3, 2])]) is not None  # 28 of 30: a GQA column (2 values) still fits
     assert schedule.pending([check([1, 1], [2, 3])]) is not None  # 22 of 30: an mha column (8) fits exactly
     assert schedule.pending([check([1, 1], [2, 4])]) is None  # 24 of 30: it does not, and layer 1 is at max_d_head
+
+
+def test_a_kv_budget_counts_both_sides_in_their_cache_heads():
+    # d_head on 4 key heads per layer, d_v on 4 value heads in layer 0 and 2 (GQA) in layer 1: 14 heads, all at 1.
+    schedule = bound(budget=3, value_costs={0: 4, 1: 2}, max_d_head=4, max_d_v=4)
+    assert schedule.total([]) == 3 * 14 - 14
+    both = check([1, 1], [3, 3], [1, 1], [3, 2])  # 24 + 12 + 4 = 40 of 42: a GQA value column (2 values) still fits
+    assert schedule.cache({"d_head": [3, 3], "d_v": [3, 2]}) == 40 and schedule.pending([both]) is not None
+    spent = check([1, 1], [3, 3], [1, 1], [3, 3])
+    assert schedule.pending([spent]) is None
+    assert schedule.summary([both]) == ("KV-cache budget: mean head size of the query/key and value sides 2.857 (d_head "
+                                        "3, d_v 2.667) of 3, 40 of 42 values per token; 2 unspent")
+    # A resumed run: its history says where both sides started.
+    schedule.start_sizes = {"d_head": [3, 3], "d_v": [3, 2]}
+    assert schedule.spent([both]) == 26 and schedule.total([both]) == 28
+
+
+def test_a_value_budget_counts_the_v_cache_alone():
+    schedule = bound(budget=2, costs={}, value_costs={0: 4, 1: 4}, max_d_v=4)
+    assert schedule.limits == {"d_v": 4} and schedule.total([]) == 8
+    # The query/key sizes are in the record but not in the budget.
+    grown = check([1, 1], [9, 9], [1, 1], [2, 2])
+    assert schedule.spent([grown]) == 8 and schedule.pending([grown]) is None
+    assert schedule.summary([grown]).startswith("V-cache budget: mean value head size 2 of 2, 16 of 16 values per token")
 
 
 def test_no_budget_buys_until_spend_until_and_max_d_head():
@@ -66,12 +101,20 @@ def test_no_budget_buys_until_spend_until_and_max_d_head():
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: AutoSchedule(budget=0), "budget is a mean query/key head size"),
+    (lambda: AutoSchedule(budget=0), "budget is a mean head size"),
     (lambda: AutoSchedule(check_every=0), "check_every must be a positive number of optimizer steps"),
     (lambda: AutoSchedule(spend_until=0), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
     (lambda: AutoSchedule(spend_until=1.5), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
     (lambda: bound(budget=0.5), r"budget=0.5\) is below the mean query/key head size the growing layers start at \(1\)"),
-    (lambda: bound(budget=17), "exceeds growth.max_d_head=16, so it could never be spent"),
+    (lambda: bound(budget=17), r"exceeds the mean query/key head size that growth.max_d_head=16 allow \(16\), so it "
+                               "could never be spent"),
+    (lambda: bound(budget=13, value_costs={0: 4, 1: 4}, max_d_v=8),
+     r"exceeds the mean head size of the query/key and value sides that growth.max_d_head=16 and growth.max_d_v=8 "
+     r"allow \(12\)"),
+    (lambda: bound(budget=0.5, costs={}, value_costs={0: 4, 1: 4}),
+     r"below the mean value head size the growing layers start at \(1\)"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(grow="value", value_columns=2)),
+     "leave growth.value_columns out"),
     (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(rank_threshold=0.5)),
      "leave growth.rank_threshold out"),
     (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(columns=2)), "leave growth.columns out"),

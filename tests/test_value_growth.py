@@ -6,7 +6,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.module import GrowAttentionLM
 
 from callback_helpers import PreservationProbe, params, recall_data, tiny_module, trainer
@@ -97,11 +97,6 @@ def test_settings_the_value_side_cannot_apply_are_refused(growth, message):
 def test_a_cap_without_rank_threshold_names_the_value_sides_count():
     with pytest.raises(ValueError, match="AtEpochs grows by growth.value_columns: set growth.rank_threshold"):
         GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(grow="value", max_columns=2))
-
-
-def test_the_automatic_schedule_refuses_value_growth_for_now():
-    with pytest.raises(ValueError, match="AutoSchedule buys query/key columns only"):
-        GrowAttentionCallback(AutoSchedule(budget=4), growth=GrowthSettings(grow="both"))
 
 
 def test_diff_attention_cannot_grow_its_value_side(tmp_path):

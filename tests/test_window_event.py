@@ -653,8 +653,8 @@ def test_offers_fit_each_half_with_the_growth_settings_and_measure_it_on_the_oth
     [found] = offers([(0, "form", p.form)], [stats], [half], settings)
     a = [growth.growth_for(p.form, half.means(), "gradient", truncation="whitened")]
     b = [growth.growth_for(p.form, p.stats("natural").means(), "gradient", truncation="whitened")]
-    expected = allocation.offer(0, a, b, cost=2, room=4)
-    assert (found.layer, found.d_head, found.cost) == (0, 2, 2)
+    expected = allocation.offer(0, "d_head", a, b, cost=2, room=4)
+    assert (found.layer, found.side, found.width, found.cost) == (0, "d_head", 2, 2)
     assert found.held_out == pytest.approx(expected.held_out, rel=1e-12)
     assert found.in_sample == pytest.approx(expected.in_sample, rel=1e-12)
     # Other settings fit other columns: the offer follows them.
@@ -665,7 +665,7 @@ def test_offers_fit_each_half_with_the_growth_settings_and_measure_it_on_the_oth
     [sized] = offers([(0, "form", p.form)], [stats], [half], baseline)
     a = [growth.growth_for(p.form, half.means(), "random", size_by="natural")]
     b = [growth.growth_for(p.form, p.stats("natural").means(), "random", size_by="natural")]
-    assert sized.held_out == pytest.approx(allocation.offer(0, a, b, cost=2, room=4).held_out, rel=1e-12)
+    assert sized.held_out == pytest.approx(allocation.offer(0, "d_head", a, b, cost=2, room=4).held_out, rel=1e-12)
     assert sized.held_out != pytest.approx(offers([(0, "form", p.form)], [stats], [half], GrowthSettings(
         method="random", max_d_head=6))[0].held_out, rel=1e-6)
     # A layer at max_d_head offers nothing.
@@ -686,3 +686,33 @@ def test_a_check_that_buys_nothing_records_its_decision_and_installs_nothing():
     [decision] = record["decisions"]
     assert (decision["columns"], decision["above_floor"], decision["cost"]) == (0, 0, 2)
     assert installed == [] and spectra == {} and p.form.d_head == 2 and record["allowance"] == float("inf")
+
+
+def test_a_layer_growing_both_sides_offers_each_side_and_the_event_installs_the_columns_bought():
+    from test_growth_value import ValueProblem
+
+    p, v = Problem(e=8, h=2, d=2), ValueProblem(e=6, h=4, kv=2, d=2)
+    values = growth.ValueWeights(v.w_v, v.w_o)  # 4 query heads sharing 2 value heads: a value column costs 2
+    forms = [(0, "form", p.form), (0, "values", values)]
+    value_half = ValueProblem(e=6, h=4, kv=2, d=2, seed=1).stats()
+    stats, half = [p.stats("natural") + p.stats("natural"), v.stats() + value_half], [p.stats("natural"), value_half]
+    settings = GrowthSettings(grow="both", max_d_head=6, max_d_v=5)
+    keys, found = offers(forms, stats, half, settings)
+    assert (keys.side, found.side, found.layer, found.width, found.cost) == ("d_head", "d_v", 0, 2, 2)
+    a = [growth.growth_for(values, value_half.means())]
+    b = [growth.growth_for(values, v.stats().means())]
+    expected = allocation.offer(0, "d_v", a, b, cost=2, room=3)  # max_d_v 5 leaves 3 columns
+    assert len(found.held_out) == 3 and found.held_out == pytest.approx(expected.held_out, rel=1e-12)
+    assert found.in_sample == pytest.approx(expected.in_sample, rel=1e-12)
+    installs = []
+    event = GrowthEvent(settings, StepSearch(alphas=[0.0, 1.0]),
+                        loss_of=lambda candidates: torch.linspace(1.0, 0.5, len(candidates), dtype=F64),
+                        install=installs.append, broadcast=lambda obj: obj, allowance=float("inf"))
+    # Equal halves fit no noise: every column that gains clears the floor.
+    record, _ = event.run(forms, [p.stats("natural") + p.stats("natural"), v.stats() + v.stats()], seed=0,
+                          half=[p.stats("natural"), v.stats()])
+    bought = {d["side"]: d["columns"] for d in record["decisions"]}
+    assert bought["d_v"] > 0, record["decisions"]
+    [grown] = installs
+    assert grown["form"].w_q.shape[-1] == 2 + bought["d_head"]
+    assert grown["values"].w_v.shape == (2, 6, 2 + bought["d_v"]) and grown["values"].w_o.shape == (4, 2 + bought["d_v"], 6)

@@ -55,24 +55,26 @@ def plan_growth(forms: NamedForms, stats: list[growth.Sums], s: GrowthSettings, 
     )
 
 
-def offers(forms: NamedForms, stats: list[growth.FormStats], half: list[growth.FormStats],
+def offers(forms: NamedForms, stats: list[growth.Sums], half: list[growth.Sums],
            s: GrowthSettings) -> list[allocation.Offer]:
-    """What every layer of `forms` offers the automatic schedule: its candidate columns' gains, fitted on one half of
-    the window (`half`, and the rest of `stats`) and measured on the other, and their K-cache cost."""
-    def growths(sums: list[growth.FormStats]) -> dict[str, growth.FormGrowth | growth.GroupedGrowth]:
+    """What each side of every layer of `forms` offers the automatic schedule: its candidate columns' gains, fitted
+    on one half of the window (`half`, and the rest of `stats`) and measured on the other, and their cache cost."""
+    def growths(sums: list[growth.Sums]) -> dict[str, growth.FormGrowth | growth.GroupedGrowth | growth.ValueGrowth]:
         return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation, size_by=s.size_by)
                 for (_, name, form), st in zip(forms, sums)}
 
     a, b = growths(half), growths([st - h for st, h in zip(stats, half)])
-    costs = allocation.column_costs((layer, form.w_k) for layer, _, form in forms)
-    by_layer: dict[int, list[str]] = {}
-    for layer, name, _ in forms:
-        by_layer.setdefault(layer, []).append(name)
+    costs = growth.column_costs((layer, form) for layer, _, form in forms)
+    names: dict[tuple[int, growth.HeadSize], list[str]] = {}
+    for layer, name, form in forms:
+        names.setdefault((layer, growth.head_size_of(form)), []).append(name)
     found = []
-    for layer, names in by_layer.items():
-        first = a[names[0]]
-        room = max(0, min(s.max_d_head, first.e_in) - first.d_head)
-        found.append(allocation.offer(layer, [a[n] for n in names], [b[n] for n in names], costs[layer], room))
+    for (layer, side), shared in names.items():
+        first = a[shared[0]]
+        limit = s.max_d_v if side == "d_v" else s.max_d_head
+        room = max(0, min(limit, first.max_width) - first.width)
+        found.append(allocation.offer(layer, side, [a[n] for n in shared], [b[n] for n in shared], costs[layer, side],
+                                      room))
     return found
 
 
@@ -165,8 +167,9 @@ class GrowthEvent:
             bought = allocation.allocate(offers(forms, stats, half, self.settings), self.allowance)
             # Rank 0's decisions on every rank, as for the grown tensors below.
             decided = {"allowance": self.allowance, "decisions": self.broadcast([o.as_dict() for o in bought])}
-            columns = {d["layer"]: d["columns"] for d in decided["decisions"]}
-            plan = plan.resized({name: form.d_head + columns[layer] for layer, name, form in forms})
+            columns = {(d["layer"], d["side"]): d["columns"] for d in decided["decisions"]}
+            plan = plan.resized({name: form.width + columns[layer, growth.head_size_of(form)]
+                                 for layer, name, form in forms})
             if not any(columns.values()):
                 clock.lap("plan")
                 return {"alpha": None, **decided, "timings": clock.seconds, "seconds": clock.total()}, {}

@@ -47,17 +47,17 @@ def grew(event: dict) -> bool:
 
 
 def decision_text(event: dict) -> str:
-    """e.g. `allowance 16 values per token; layer 0 +2 of 3 above the floor (held-out gains 0.031 0.012 0.004 0.001
-    vs fitted noise 0.01 0.011 0.009 0.008, 4 values per column)`: what the automatic schedule could buy, and per
-    layer the columns bought, how many cleared the noise floor, and the first candidates' held-out gains against the
-    noise their half fitted (in-sample − held-out)."""
+    """e.g. `allowance 16 values per token; layer 0 d_head +2 of 3 above the floor (held-out gains 0.031 0.012 0.004
+    0.001 vs fitted noise 0.01 0.011 0.009 0.008, 4 values per column)`: what the automatic schedule could buy, and
+    per side of each layer the columns bought, how many cleared the noise floor, and the first candidates' held-out
+    gains against the noise their half fitted (in-sample − held-out)."""
     shown = lambda xs: " ".join(f"{x:.2g}" for x in xs) or "–"  # noqa: E731
     allowance = event["allowance"]
     parts = [f"allowance {allowance:.4g} values per token" if math.isfinite(allowance) else "no budget"]
     for d in event["decisions"]:
         first = slice(0, d["columns"] + 2)
         noise = [seen - held for held, seen in zip(d["held_out"], d["in_sample"])]
-        parts.append(f"layer {d['layer']} +{d['columns']} of {d['above_floor']} above the floor (held-out gains "
+        parts.append(f"layer {d['layer']} {d.get('side', 'd_head')} +{d['columns']} of {d['above_floor']} above the floor (held-out gains "
                      f"{shown(d['held_out'][first])} vs fitted noise {shown(noise[first])}, {d['cost']} values per column)")
     return "; ".join(parts)
 
@@ -67,10 +67,11 @@ def event_line(event: dict) -> str:
     an automatic check adds its decision per layer (`decision_text`)."""
     where = f"growth at step {event['step']} (epoch {event['epoch']})"
     decided = f"; {decision_text(event)}" if "decisions" in event else ""
+    kept = ", ".join(f"{key} stays {event[key]}" for key in ("d_head", "d_v") if key in event)
     if event["skipped"]:
-        return f"{where}: skipped, {event['reason']}; d_head stays {event['d_head']}"
+        return f"{where}: skipped, {event['reason']}; {kept}"
     if not grew(event):
-        return f"growth check at step {event['step']} (epoch {event['epoch']}): no layer grows, d_head stays {event['d_head']}{decided}"
+        return f"growth check at step {event['step']} (epoch {event['epoch']}): no layer grows, {kept}{decided}"
     return (
         f"{where}: {_sizes(event)}, α={_alpha(event['alpha'])}, "
         f"loss {event['loss_before']:.4g}→{event['loss_after']:.4g} on the kept batches, {event['seconds']:.2g} s{decided}"
@@ -101,12 +102,12 @@ def event_metrics(event: dict, layer_of: dict[str, tuple[int, bool]]) -> dict[st
     if math.isfinite(event.get("allowance", math.inf)):
         metrics["growth/auto/allowance"] = event["allowance"]
     for d in event.get("decisions", []):
-        layer = d["layer"]
-        metrics[f"growth/auto/columns/layer_{layer}"] = float(d["columns"])
-        metrics[f"growth/auto/above_floor/layer_{layer}"] = float(d["above_floor"])
+        tag = lambda name: f"growth/auto/{name}{'_v' if d.get('side') == 'd_v' else ''}/layer_{d['layer']}"  # noqa: E731
+        metrics[tag("columns")] = float(d["columns"])
+        metrics[tag("above_floor")] = float(d["above_floor"])
         if d["held_out"]:
-            metrics[f"growth/auto/first_gain/layer_{layer}"] = d["held_out"][0]
-            metrics[f"growth/auto/first_noise/layer_{layer}"] = d["in_sample"][0] - d["held_out"][0]
+            metrics[tag("first_gain")] = d["held_out"][0]
+            metrics[tag("first_noise")] = d["in_sample"][0] - d["held_out"][0]
     if not grew(event):
         return metrics
     keys = ["sign_fallbacks", "predicted_decrease", "realised_decrease", "seconds"]
@@ -154,9 +155,12 @@ def add_layout(trainer: L.Trainer, n_layer: int) -> None:
             "seconds": ["Multiline", ["growth/seconds"]],
             "automatic schedule: columns bought and above the noise floor": ["Multiline", [
                 *per_layer("auto/columns"), *per_layer("auto/above_floor")]],
+            "automatic schedule: value columns bought and above the noise floor": ["Multiline", [
+                *per_layer("auto/columns_v"), *per_layer("auto/above_floor_v")]],
             "automatic schedule: first column's held-out gain vs fitted noise": ["Multiline", [
-                *per_layer("auto/first_gain"), *per_layer("auto/first_noise")]],
-            "automatic schedule: allowance (K-cache values per token)": ["Multiline", ["growth/auto/allowance"]],
+                *per_layer("auto/first_gain"), *per_layer("auto/first_noise"), *per_layer("auto/first_gain_v"),
+                *per_layer("auto/first_noise_v")]],
+            "automatic schedule: allowance (cache values per token)": ["Multiline", ["growth/auto/allowance"]],
         },
         "training": {
             "loss": ["Multiline", ["train/loss", "val/loss"]],

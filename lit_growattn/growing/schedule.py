@@ -12,7 +12,7 @@ statistics window is the `statistics.batches` micro-batches just before it.
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
 `AutoSchedule` checks every `check_every` optimizer steps instead, until `spend_until` of the run or until its
-K-cache budget is spent, and decides at each check which layers take how many columns. Its next point and its
+KV-cache budget is spent, and decides at each check which side of which layer takes how many columns. Its next point and its
 allowance are read from the history alone (one record per check), so a resumed run continues exactly where it
 stopped.
 """
@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from lit_growattn.growth import HeadSize
 from lit_growattn.settings import GrowthSettings, ScheduleKind, StatisticsSettings
 
 
@@ -78,14 +79,15 @@ class GrowthSchedule(abc.ABC):
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         """The next point without an event in the history (None: no more growth)."""
 
-    def bind(self, settings: GrowthSettings, statistics: StatisticsSettings, layers: list[int], start_sizes: list[int],
-             costs: dict[int, int]) -> None:
-        """At setup: learns the growing layers, their sizes and the K-cache values per token one more column of each
-        costs (`costs`, by layer), and refuses what it cannot apply (the settings were checked against the schedule's
-        kind when the callback was built: `GrowthSettings.check_schedule`)."""
+    def bind(self, settings: GrowthSettings, statistics: StatisticsSettings, layers: list[int],
+             start_sizes: dict[HeadSize, list[int]], costs: dict[tuple[int, HeadSize], int]) -> None:
+        """At setup: learns the growing layers, their head sizes (d_head, and d_v when the value side grows: one per
+        layer of the model) and the cache values per token one more column of each growing side costs (`costs`, by
+        (layer, head size)), and refuses what it cannot apply (the settings were checked against the schedule's kind
+        when the callback was built: `GrowthSettings.check_schedule`)."""
 
     def allowance(self, history: list[dict]) -> float | None:
-        """The K-cache values per token the next event may add (None: the growth settings size each event)."""
+        """The cache values per token the next event may add (None: the growth settings size each event)."""
         return None
 
     def summary(self, history: list[dict]) -> str | None:
@@ -176,22 +178,25 @@ class AtSteps(_FixedSchedule):
 
 
 class AutoSchedule(GrowthSchedule):
-    """Spends a K-cache budget where the statistics say it pays: a check every `check_every` optimizer steps until
-    `spend_until` of the run, where every growing layer offers its next query/key columns and the best, by held-out
-    first-order gain per K-cache value, are bought across layers while the check's allowance lasts
-    (`lit_growattn.growth.allocation`). The allowance spreads the budget evenly over the checks, so the widths follow
-    the run's length: all of it is available at the last check, and what earlier checks did not spend carries over.
-    A column is bought only above a noise floor measured on the same statistics, so a budget can stay unspent (the
-    summary at the end of fit says how much). After the last check, or once the budget is spent, no statistics are
-    taken and steps cost what plain steps cost. Measured (docs/capacity.md): it spends 33–71 % of its budget (about
-    half), mostly in the first layer; on a 2-layer model a uniform static d_head of the budget beats it on 2 of 3 corpora
-    (train that at a fixed K cache), on an 8-layer model it was at or below uniform on all three.
+    """Spends a KV-cache budget where the statistics say it pays: a check every `check_every` optimizer steps until
+    `spend_until` of the run, where every growing side (`growth.grow`: query/key, value or both) of every growing
+    layer offers its next columns and the best, by held-out first-order gain per cache value, are bought across
+    layers and sides while the check's allowance lasts (`lit_growattn.growth.allocation`). The allowance spreads the
+    budget evenly over the checks, so the widths follow the run's length: all of it is available at the last check,
+    and what earlier checks did not spend carries over. A column is bought only above a noise floor measured on the
+    same statistics, so a budget can stay unspent (the summary at the end of fit says how much). After the last
+    check, or once the budget is spent, no statistics are taken and steps cost what plain steps cost. Measured on the
+    query/key side (docs/capacity.md): it spends 33–71 % of its budget (about half), mostly in the first layer; on a
+    2-layer model a uniform static d_head of the budget beats it on 2 of 3 corpora (train that at a fixed K cache),
+    on an 8-layer model it was at or below uniform on all three.
 
     Args:
-        budget: the K cache the grown model may use, as its mean query/key head size over the growing layers,
-            weighted by their key heads (KV heads under GQA), so that it is proportional to the K cache's bytes per
-            token: budget × (key heads of the growing layers) × bytes per value. null: no budget; every column above
-            the noise floor is bought, up to growth.max_d_head.
+        budget: the cache the grown model may use, as the mean head size of the growing sides over the growing
+            layers, weighted by their cache heads, so that it is proportional to the cache's bytes per token:
+            budget × (cache heads) × bytes per value. With growth.grow query_key the K cache (mean d_head over the key
+            heads, KV heads under GQA), with value the V cache (mean d_v over the value heads), with both the KV cache
+            (the mean of d_head and d_v over both). null: no budget; every column above the noise floor is bought, up
+            to growth.max_d_head (and growth.max_d_v).
         check_every: optimizer steps between checks (the statistics window is the `statistics.batches`
             micro-batches before each).
         spend_until: the share of the run's optimizer steps over which the budget is spread (in (0, 1]); the last
@@ -202,36 +207,46 @@ class AutoSchedule(GrowthSchedule):
 
     def __init__(self, budget: float | None = None, check_every: int = 50, spend_until: float = 0.5):
         if budget is not None and not budget > 0:
-            raise ValueError(f"budget is a mean query/key head size (> 0), or null for no budget; got {budget}")
+            raise ValueError(f"budget is a mean head size (> 0), or null for no budget; got {budget}")
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
         if not 0 < spend_until <= 1:
             raise ValueError(f"spend_until is a share of the run's optimizer steps in (0, 1], got {spend_until}")
         self.budget, self.check_every, self.spend_until = budget, check_every, spend_until
-        # Learnt in `bind` and `check_run`: the growing layers' K-cache cost per column, their limit and sizes at the
-        # start, and the number of checks.
-        self.costs: dict[int, int] = {}
-        self.max_d_head: int | None = None
-        self.start_sizes: list[int] = []
+        # Learnt in `bind` and `check_run`: the growing sides' cache cost per column by (layer, head size), their
+        # limits and sizes at the start, and the number of checks.
+        self.costs: dict[tuple[int, HeadSize], int] = {}
+        self.limits: dict[HeadSize, int] = {}
+        self.start_sizes: dict[HeadSize, list[int]] = {}
         self.checks: int | None = None
 
-    def bind(self, settings: GrowthSettings, statistics: StatisticsSettings, layers: list[int], start_sizes: list[int],
-             costs: dict[int, int]) -> None:
+    def bind(self, settings: GrowthSettings, statistics: StatisticsSettings, layers: list[int],
+             start_sizes: dict[HeadSize, list[int]], costs: dict[tuple[int, HeadSize], int]) -> None:
         if statistics.layers_per_event is not None and statistics.layers_per_event < len(layers):
             raise ValueError(
                 f"AutoSchedule offers every growing layer's columns at each check, but statistics.layers_per_event="
                 f"{statistics.layers_per_event} covers {statistics.layers_per_event} of {len(layers)}: leave "
                 "layers_per_event unset with AutoSchedule (or bound memory with growth.layers), or use AtSteps")
-        self.costs, self.max_d_head, self.start_sizes = {i: costs[i] for i in layers}, settings.max_d_head, start_sizes
+        self.costs = {(layer, side): cost for (layer, side), cost in costs.items() if layer in layers}
+        self.limits = {side: limit for side, limit in [("d_head", settings.max_d_head), ("d_v", settings.max_d_v)]
+                       if any(s == side for _, s in self.costs)}
+        self.start_sizes = start_sizes
         if self.budget is None:
             return
-        start = self.cache(start_sizes) / sum(self.costs.values())
+        weight = sum(self.costs.values())
+        start, most = self.cache(start_sizes) / weight, sum(c * self.limits[s] for (_, s), c in self.costs.items()) / weight
         if self.budget < start:
-            raise ValueError(f"AutoSchedule(budget={self.budget}) is below the mean query/key head size the growing "
-                             f"layers start at ({start:.4g}): raise the budget, or start the model narrower")
-        if self.budget > self.max_d_head:
-            raise ValueError(f"AutoSchedule(budget={self.budget}) exceeds growth.max_d_head={self.max_d_head}, so it "
-                             "could never be spent: lower the budget (or raise max_d_head)")
+            raise ValueError(f"AutoSchedule(budget={self.budget}) is below the mean {self._what()} the growing layers "
+                             f"start at ({start:.4g}): raise the budget, or start the model narrower")
+        if self.budget > most:
+            limits = " and ".join(f"growth.max_{side}={limit}" for side, limit in self.limits.items())
+            raise ValueError(f"AutoSchedule(budget={self.budget}) exceeds the mean {self._what()} that {limits} "
+                             f"allow ({most:.4g}), so it could never be spent: lower the budget (or raise the limit)")
+
+    def _what(self) -> str:
+        """The budget's unit in words, by the sides that grow."""
+        return {("d_head",): "query/key head size", ("d_v",): "value head size"}.get(
+            tuple(self.limits), "head size of the query/key and value sides")
 
     def check_run(self, trainer, stats_batches: int) -> None:
         steps = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
@@ -247,22 +262,23 @@ class AutoSchedule(GrowthSchedule):
                 f"micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): raise check_every or "
                 "lower statistics.batches")
 
-    def cache(self, sizes: list[int]) -> int:
-        """K-cache values per token of the growing layers at `sizes` (one per layer of the model)."""
-        return sum(cost * sizes[layer] for layer, cost in self.costs.items())
+    def cache(self, sizes: dict[HeadSize, list[int]]) -> int:
+        """Cache values per token of the growing sides of the growing layers at `sizes` (per head size, one per
+        layer of the model)."""
+        return sum(cost * sizes[side][layer] for (layer, side), cost in self.costs.items())
 
-    def _sizes(self, history: list[dict]) -> list[int]:
-        return history[-1]["d_head"] if history else self.start_sizes
+    def _sizes(self, history: list[dict]) -> dict[HeadSize, list[int]]:
+        return {side: history[-1][side] for side in self.limits} if history else self.start_sizes
 
-    def _start(self, history: list[dict]) -> list[int]:
+    def _start(self, history: list[dict]) -> dict[HeadSize, list[int]]:
         # A resumed model is built at its grown sizes: where the run started is in its history.
-        return history[0]["d_head_before"] if history else self.start_sizes
+        return {side: history[0][f"{side}_before"] for side in self.limits} if history else self.start_sizes
 
     def spent(self, history: list[dict]) -> int:
         return self.cache(self._sizes(history)) - self.cache(self._start(history))
 
     def total(self, history: list[dict]) -> float:
-        """The K-cache values per token the budget adds to the run's start (inf: no budget)."""
+        """The cache values per token the budget adds to the run's start (inf: no budget)."""
         if self.budget is None:
             return float("inf")
         return self.budget * sum(self.costs.values()) - self.cache(self._start(history))
@@ -273,21 +289,28 @@ class AutoSchedule(GrowthSchedule):
 
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         sizes = self._sizes(history)
-        room = {layer for layer in self.costs if sizes[layer] < self.max_d_head}
         left = self.total(history) - self.spent(history)
-        affordable = any(self.costs[layer] <= left for layer in room)
+        affordable = any(cost <= left for (layer, side), cost in self.costs.items()
+                         if sizes[side][layer] < self.limits[side])
         if len(history) >= self.checks or not affordable:
             return None
         return GrowthPoint("step", self.check_every * (len(history) + 1))
 
     def summary(self, history: list[dict]) -> str:
-        sizes, weight = self._sizes(history), sum(self.costs.values())
-        mean = self.cache(sizes) / weight
+        sizes, weight, cache = self._sizes(history), sum(self.costs.values()), self.cache(self._sizes(history))
+        cache_of = {("d_head",): "K", ("d_v",): "V"}.get(tuple(self.limits), "KV")
+        mean = f"mean {self._what()} {cache / weight:.4g}"
+        if len(self.limits) > 1:
+            per_side = [f"{side} {self._side_mean(side, sizes):.4g}" for side in self.limits]
+            mean += f" ({', '.join(per_side)})"
         if self.budget is None:
-            return f"K cache: mean query/key head size {mean:.4g} (no budget), {self.cache(sizes)} values per token"
-        unspent = self.budget * weight - self.cache(sizes)
-        return (f"K-cache budget: mean query/key head size {mean:.4g} of {self.budget:.4g}, {self.cache(sizes)} of "
-                f"{self.budget * weight:.6g} values per token; {unspent:.6g} unspent")
+            return f"{cache_of} cache: {mean} (no budget), {cache} values per token"
+        return (f"{cache_of}-cache budget: {mean} of {self.budget:.4g}, {cache} of {self.budget * weight:.6g} values per "
+                f"token; {self.budget * weight - cache:.6g} unspent")
+
+    def _side_mean(self, side: HeadSize, sizes: dict[HeadSize, list[int]]) -> float:
+        costs = {layer: cost for (layer, s), cost in self.costs.items() if s == side}
+        return sum(cost * sizes[side][layer] for layer, cost in costs.items()) / sum(costs.values())
 
 
 def check_same_schedule(state_dict: dict, kind: str) -> None:

@@ -10,10 +10,10 @@ grouped    GroupedGrowth: the same for forms with shared keys (GQA) or rotary co
 choices    the allowed values of every setting (one Literal each; the methods come from the registry).
 step_size  step-size candidates, the choice among their losses, and the quadratic step rule.
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
-allocation the automatic schedule's rule: held-out gain of each candidate column per K-cache value, bought
-           across layers within an allowance.
+allocation the automatic schedule's rule: held-out gain of each candidate column per cache value, bought
+           across layers and sides within an allowance.
 sides      what each side needs, picked by the grown object's type (query/key form or value map): growth_for,
-           stats_like, weights_of, …; everything above handles lists of both.
+           stats_like, weights_of, column_costs, …; everything above handles lists of both.
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
 shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
@@ -28,7 +28,7 @@ from lit_growattn.growth.form import FormShape, FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.sides import (
-    growth_for, is_value, leading_tensor, restore, stats_from_state_dict, stats_like, tensor_names, weights_of,
+    HeadSize, column_costs, growth_for, head_size_of, is_value, leading_tensor, restore, stats_from_state_dict, stats_like, tensor_names, weights_of,
 )
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
@@ -80,6 +80,9 @@ __all__ = [
     "direction",
     "flatten_stats",
     "growth_for",
+    "HeadSize",
+    "column_costs",
+    "head_size_of",
     "installed",
     "quadratic_step",
     "register_direction",

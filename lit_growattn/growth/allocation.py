@@ -1,9 +1,10 @@
-"""Where the query/key width goes under a K-cache budget: the automatic schedule's rule (docs/capacity.md).
+"""Where the width goes under a KV-cache budget: the automatic schedule's rule (docs/capacity.md).
 
-At each check every growing layer offers its next columns: the leading pairs of the SVD of its bottleneck ΔM⊥ =
-(I − P_Q)ΔM(I − P_K), the part of the direction ΔM that its current columns cannot express, in the order `append`
-takes them. Each column is rated by its first-order loss decrease per K-cache value it costs, and the best are bought
-across layers while the check's allowance lasts (`allocate`).
+At each check every growing side of every growing layer offers its next columns: on the query/key side the leading
+pairs of the SVD of its bottleneck ΔM⊥ = (I − P_Q)ΔM(I − P_K), the part of the direction ΔM that its current columns
+cannot express; on the value side the leading pairs of its value bottleneck (I − P_V)ΔW_M(I − P_O) (docs/value.md);
+both in the order `append` takes them. Each column is rated by its first-order loss decrease per cache value it costs,
+and the best are bought across layers and sides while the check's allowance lasts (`allocate`).
 
 Held out. The statistics window is split in two halves A and B (alternate micro-batches). The pairs fitted on one half
 are scored against the other half's score gradient N̄: with pair j of half X (σ_j, u_j, v_j),
@@ -19,36 +20,46 @@ g_j > max(ĝ_j − g_j, 0): the halves agree on more than they disagree. Both si
 calibrated to the loss's scale, the corpus or the learning rate. A layer's columns are bought in order, so its first
 column below the floor closes it for this check.
 
-Cost. A column of a layer adds one value per token to the K cache of every key head of the layer's forms (with GQA
-one per KV head, not per query head; DIFF's two maps both). Forms whose query heads share keys or carry rotary
-columns (`grouped.GroupedGrowth`) give their gains per group of heads, summed here over the layer.
+Cost. A query/key column of a layer adds one value per token to the K cache of every key head of the layer's forms
+(with GQA one per KV head, not per query head; DIFF's two maps both); a value column adds one to the V cache of
+every value head (one per KV head under GQA). Forms whose query heads share keys or carry rotary columns
+(`grouped.GroupedGrowth`), and value maps whose query heads share a value head, give their gains per group of heads,
+summed here over the layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from lit_growattn.growth.factorize import FormGrowth
 from lit_growattn.growth.grouped import GroupedGrowth
+from lit_growattn.growth.sides import HeadSize
+from lit_growattn.growth.value import ValueGrowth
 
-Growths = Sequence[FormGrowth | GroupedGrowth]
+Growths = Sequence[FormGrowth | GroupedGrowth] | Sequence[ValueGrowth]
 
 
 @dataclass(frozen=True)
 class Offer:
-    """One layer at one check: its head size, the K-cache values per token one more column costs, and per candidate
-    column (in the order they would be appended) the held-out and in-sample gains; `columns`: how many it bought."""
+    """One side of one layer at one check: its head size, the cache values per token one more column costs, and per
+    candidate column (in the order they would be appended) the held-out and in-sample gains; `columns`: how many it
+    bought."""
 
     layer: int
-    d_head: int
+    width: int
     cost: int
     held_out: list[float]
     in_sample: list[float]
     columns: int = 0
+    side: HeadSize = "d_head"
+
+    @property
+    def key(self) -> tuple[int, HeadSize]:
+        return self.layer, self.side
 
     @property
     def above_floor(self) -> int:
@@ -65,39 +76,33 @@ class Offer:
 
 
 def layer_gains(growths: Growths, n: Sequence[Tensor] | None = None) -> Tensor:
-    """(e′,) first-order decrease at α = 1 of appending column j to every head (every group of heads sharing keys)
-    of every form of one layer, against each form's own N̄ or the given ones (held out)."""
+    """(k,) first-order decrease at α = 1 of appending column j to every head (every group of heads sharing keys or
+    values) of every form (or value map) of one side of a layer, against each one's own N̄ or the given ones (held
+    out)."""
     held = n if n is not None else [None] * len(growths)
     return torch.stack([g.column_gains(h).sum(0) for g, h in zip(growths, held)]).sum(0)
 
 
-def offer(layer: int, a: Growths, b: Growths, cost: int, room: int) -> Offer:
-    """What `layer` offers: its forms' growths fitted on the halves `a` and `b` of the window, at most `room` columns."""
+def offer(layer: int, side: HeadSize, a: Growths, b: Growths, cost: int, room: int) -> Offer:
+    """What one side of `layer` offers: its forms' (or value maps') growths fitted on the halves `a` and `b` of the
+    window, at most `room` columns."""
     n_a, n_b = [g.moments.n for g in a], [g.moments.n for g in b]
     held_out = (layer_gains(a, n_b) + layer_gains(b, n_a)) / 2
     in_sample = (layer_gains(a) + layer_gains(b)) / 2
-    return Offer(layer, a[0].d_head, cost, held_out[:room].tolist(), in_sample[:room].tolist())
+    return Offer(layer, a[0].width, cost, held_out[:room].tolist(), in_sample[:room].tolist(), side=side)
 
 
 def allocate(offers: Sequence[Offer], allowance: float) -> list[Offer]:
     """The offers with the columns bought: repeatedly the next column above the floor with the largest held-out gain
-    per cache value, among the layers whose next column the remaining allowance pays for (ties: the lower layer)."""
-    bought = {o.layer: 0 for o in offers}
+    per cache value, among the offers whose next column the remaining allowance pays for (ties: the lower layer, then
+    the query/key side)."""
+    bought = {o.key: 0 for o in offers}
     left = allowance
     while True:
-        options = [(o.held_out[bought[o.layer]] / o.cost, -o.layer, o) for o in offers
-                   if bought[o.layer] < o.above_floor and o.cost <= left]
+        options = [(o.held_out[bought[o.key]] / o.cost, -o.layer, o.side == "d_head", o) for o in offers
+                   if bought[o.key] < o.above_floor and o.cost <= left]
         if not options:
-            return [Offer(**{**asdict(o), "columns": bought[o.layer]}) for o in offers]
-        *_, best = max(options, key=lambda option: option[:2])
-        bought[best.layer] += 1
+            return [Offer(**{**asdict(o), "columns": bought[o.key]}) for o in offers]
+        *_, best = max(options, key=lambda option: option[:3])
+        bought[best.key] += 1
         left -= best.cost
-
-
-def column_costs(forms: Iterable[tuple[int, Tensor]]) -> dict[int, int]:
-    """Per layer, the K-cache values per token one more query/key column costs: the key heads (w_k's first
-    dimension) of every form of the layer, from (layer, w_k) pairs."""
-    costs: dict[int, int] = {}
-    for layer, w_k in forms:
-        costs[layer] = costs.get(layer, 0) + w_k.shape[0]
-    return costs

@@ -5,6 +5,7 @@ module handles a list of both without asking which is which."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable, Literal
 
 import torch
 
@@ -15,9 +16,27 @@ from lit_growattn.growth.stats import FormStats, Moments, Sums
 from lit_growattn.growth.value import ValueGrowth, ValueShape, ValueStats, ValueWeights
 
 
+HeadSize = Literal["d_head", "d_v"]  # which head size a column widens (query/key or value): its key in an event record
+
+
 def is_value(unit: object) -> bool:
     """True for a value map, False for a query/key form."""
     return isinstance(unit, ValueShape)
+
+
+def head_size_of(unit: FormShape | ValueShape) -> HeadSize:
+    return "d_v" if is_value(unit) else "d_head"
+
+
+def column_costs(units: Iterable[tuple[int, FormShape | ValueShape]]) -> dict[tuple[int, HeadSize], int]:
+    """Per (layer, side), the cache values per token one more column costs, from (layer, form or value map) pairs: a
+    query/key column lengthens the K cache of every key head of the layer's forms (w_k's first dimension: KV heads
+    under GQA, both maps of DIFF), a value column the V cache of every value head (KV heads under GQA)."""
+    costs: dict[tuple[int, HeadSize], int] = {}
+    for layer, unit in units:
+        key = layer, head_size_of(unit)
+        costs[key] = costs.get(key, 0) + (unit.n_kv_head if is_value(unit) else unit.w_k.shape[0])
+    return costs
 
 
 def weights_of(unit: FormShape | ValueShape) -> FormWeights | ValueWeights:

@@ -6,6 +6,10 @@ configs/text_auto.yaml, query/key head size 16 in every row, every row trained f
     static d_v 4        a quarter of its V cache
     grown d_v 4→16      from d_v 4, GrowAttentionCallback at epochs 1 and 2 (0-based), 6 value columns per head at
                         each, by the natural direction, from 16 statistics batches: d_v 4 → 10 → 16
+    auto d_v 4, budget 16
+                        from d_v 4, AutoSchedule(budget=16, check_every=50, spend_until=0.5) on the value side
+                        (max_d_v 16, natural direction, 16 statistics batches): it buys what clears the noise floor,
+                        at most static d_v 16's V cache
 
     python studies/value_growth/value_study.py --text FILE --corpus NAME --seeds 0 1 2 3 4 5
 
@@ -28,16 +32,17 @@ sys.path.insert(0, str(STUDIES / "kcache_budget"))
 
 from study_runs import TEXT_SETTING, read_results, run, save, v_cache_bytes  # noqa: E402
 
-from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings  # noqa: E402
+from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings  # noqa: E402
 from lit_growattn.settings import StatisticsSettings  # noqa: E402
 
 CONFIG = "configs/text_auto.yaml"  # its growth callback (query/key, automatic) is dropped in every row
 D_HEAD = 16  # the query/key head size of every row: only the value side differs
 SMALL, FULL = 4, 16
-ROWS = {"static d_v 16": FULL, "static d_v 4": SMALL, "grown d_v 4→16": SMALL}  # each row's starting d_v
-GROWN = "grown d_v 4→16"
+GROWN, AUTO = "grown d_v 4→16", "auto d_v 4, budget 16"
+ROWS = {"static d_v 16": FULL, "static d_v 4": SMALL, GROWN: SMALL, AUTO: SMALL}  # each row's starting d_v
 EPOCHS = [1, 2]  # as configs/text_grow.yaml
 STATISTICS_BATCHES = 16  # as configs/text_grow.yaml
+CHECK_EVERY = 50  # the automatic row's optimizer steps between checks, as configs/text_auto.yaml
 OUT = Path(__file__).resolve().parent / "results.json"
 WHAT = ("settings[corpus]: the overrides of its runs besides the corpus; runs[corpus][row][seed]: final "
         "validation loss and bpb, final d_head and d_v per layer, V-cache bytes per token (n_head × Σ d_v × 4), "
@@ -45,12 +50,16 @@ WHAT = ("settings[corpus]: the overrides of its runs besides the corpus; runs[co
         "study_runs.StepTimer), the curve as [step, FLOPs, loss, d_v] and growths as [step, d_v before, d_v after]")
 
 
-def value_growth() -> GrowAttentionCallback:
-    """The grown row's callback: d_v 4 → 10 → 16, the query/key side left as it is."""
+def value_growth(row: str) -> GrowAttentionCallback:
+    """A growing row's callback, the query/key side left as it is: d_v 4 → 10 → 16 at listed epochs, or as the
+    automatic schedule buys within a V cache of static d_v 16's."""
+    statistics = StatisticsSettings(batches=STATISTICS_BATCHES)
+    if row == AUTO:
+        return GrowAttentionCallback(AutoSchedule(budget=FULL, check_every=CHECK_EVERY, spend_until=0.5),
+                                     GrowthSettings(grow="value", method="natural", max_d_v=FULL), statistics)
     columns = (FULL - SMALL) // len(EPOCHS)
-    return GrowAttentionCallback(AtEpochs(EPOCHS),
-                                 GrowthSettings(grow="value", value_columns=columns, method="natural"),
-                                 StatisticsSettings(batches=STATISTICS_BATCHES))
+    return GrowAttentionCallback(AtEpochs(EPOCHS), GrowthSettings(grow="value", value_columns=columns,
+                                                                  method="natural"), statistics)
 
 
 def compact(result: dict) -> dict:
@@ -74,7 +83,7 @@ def run_grid(args, results: dict, work: Path) -> None:
             overrides = [*common, f"--seed_everything={seed}", f"--data.init_args.seed={seed}",
                          f"--model.init_args.d_head={D_HEAD}", f"--model.init_args.d_v={ROWS[name]}"]
             result = run(CONFIG, overrides, str(work), grow=False,
-                         callbacks=[value_growth()] if name == GROWN else [])
+                         callbacks=[value_growth(name)] if name in (GROWN, AUTO) else [])
             done.setdefault(name, {})[str(seed)] = record = compact(result)
             save(results, args.out)
             print(json.dumps({"run": name, "seed": seed, **{k: record[k] for k in
