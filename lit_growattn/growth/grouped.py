@@ -4,9 +4,10 @@ Shapes: H query heads, KV key heads, group size g = H/KV (query head j uses key 
 head size d = r + nope (the first r columns rotary). M_j = τ_j W_Qj W_K(j//g)ᵀ counts every column as it acts at
 relative position 0 (RoPE's rotation is the identity there); only the direction's normalisation and the
 bottleneck's projections use M, and new columns are NoPE, for which N̄_j = Σ X′ᵀG_jX′ is the exact gradient.
-- append (the only mode): per head the bottleneck ΔM⊥_j = (I − P_Qj)ΔM_j(I − P_K(j//g)); per group the truncated
-  SVD of its heads' bottlenecks stacked, [ΔM⊥_j]_j (g·e′ × e′) ≈ U Σ Vᵀ: the rows of U split into per-head Q
-  columns, V gives the group's new K columns. With τ̄ the group's mean temperature,
+- append (the only mode): per group the part of its heads' directions stacked, [ΔM_j]_j (g·e′ × e′), that no
+  first-order change of the factors reaches (`GroupedGrowth.bottleneck`: the shared key head moves the heads' Q
+  factors together, so the projection is onto the group's stacked Q span, not each head's), and its truncated SVD
+  ≈ U Σ Vᵀ: the rows of U split into per-head Q columns, V gives the group's new K columns. With τ̄ the group's mean temperature,
       K_new = V (ασ/τ̄)^½,   Q_new,j = U_j (ασ τ̄)^½ / τ′_j,   so τ′_j Q_new,j K_newᵀ = α U_j Σ Vᵀ;
   zero fan-in (α = 0, vanishing σ) keeps the Q column and sets the K column to 0, as `factorize` does.
 - replace is refused: it would refactor the rotary columns (not one bilinear form of X), and one K factor cannot
@@ -28,7 +29,7 @@ from torch import Tensor
 from lit_growattn.growth.choices import BASELINES, METHODS, MODES, TEMPERATURES, TRUNCATIONS, check_choice
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, FormGrowth, Growth, sizing_method
 from lit_growattn.growth.form import FormShape
-from lit_growattn.growth.linalg import column_basis, factored_score_energy, project_out, psd_sqrt
+from lit_growattn.growth.linalg import column_basis, factored_score_energy, psd_sqrt
 from lit_growattn.growth.solvers import DIRECTIONS, direction
 from lit_growattn.growth.stats import Moments
 
@@ -99,13 +100,21 @@ class GroupedGrowth(FormShape):
         return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per group, in the truncation's coordinates: u (KV, g·e′, e′), σ (KV, e′), v (KV, e′, e′), ‖ΔM‖² (KV,)."""
+        """Per group, in the truncation's coordinates: u (KV, g·e′, e′), σ (KV, e′), v (KV, e′, e′), ‖ΔM‖² (KV,).
+
+        The residual of the group's ΔM_j that no first-order change of the factors reaches: δM_j = τ_j (δW_Q,j W_Kᵀ
+        + W_Q,j δW_Kᵀ) with δW_K shared by the group. Each head's own δW_Q,j takes the part in the span of W_K's
+        columns on the right, (I − P_K); the shared δW_K can only move the heads' left factors together, so what it
+        takes is the projection onto the span of the group's stacked [τ_j W_Q,j]_j (g·e′ × d), not onto each
+        head's own W_Q,j: R = (I − P_stacked) [ΔM_j (I − P_K)]_j. For one head per group R = (I − P_Q)ΔM(I − P_K)."""
         if method not in self._bottlenecks:
             delta = self._to_work(self.direction(method))
-            basis_q = column_basis(self._cols(self.w_q, 0))
             basis_k = self.keys_per_head(column_basis(self._cols(self.w_k, 0)))
             kv, e = self.w_k.shape[0], self.e_in
-            stacked = project_out(delta, basis_q, basis_k).reshape(kv, self.group * e, e)
+            outside = (delta - (delta @ basis_k) @ basis_k.mT).reshape(kv, self.group * e, e)
+            left = (self.log_tau.exp()[:, None, None] * self._cols(self.w_q, 0)).reshape(kv, self.group * e, -1)
+            basis_q = column_basis(left)
+            stacked = outside - basis_q @ (basis_q.mT @ outside)
             u, s, vh = torch.linalg.svd(stacked, full_matrices=False)
             energy = delta.square().sum((-2, -1)).reshape(kv, self.group).sum(-1)
             self._bottlenecks[method] = u, s, vh.mT, energy
