@@ -98,7 +98,7 @@ def _values(pl_module) -> list:
 
 
 def _value_sizes(pl_module) -> list[int] | None:
-    """d_v per layer, where the module reports it (GrowAttentionLM; not HFCausalLM)."""
+    """d_v per layer, where the module reports it (GrowAttentionLM, HFCausalLM)."""
     return pl_module.value_sizes() if hasattr(pl_module, "value_sizes") else None
 
 

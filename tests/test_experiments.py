@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SHAKESPEARE, needs_shakespeare
 from lit_growattn import AutoSchedule
 
 sys.path.insert(0, str(REPO / "studies" / "growth_pays"))
@@ -244,4 +244,24 @@ def test_value_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, monk
     shown = (tmp_path / "summary" / "summary.md").read_text()
     assert f"{100 * (small['loss'] / full['loss'] - 1):+.2f} % (1 seed)" in shown
     assert "| tiny | grown d_v 4→16 | 1 | 16.0, 16.0 | 512 | 100%; 62% |" in shown
+    assert "| tiny | auto d_v 4, budget 16 | 1 |" in shown
     assert (tmp_path / "summary" / "loss_vs_vcache.png").stat().st_size > 0
+
+
+@needs_shakespeare
+def test_hf_both_sides_run_grows_a_tiny_llama_and_its_export_loads_the_same(tmp_path):
+    sys.path.insert(0, str(REPO / "studies" / "value_growth"))
+    import hf_llama_both
+
+    out = tmp_path / "hf.json"
+    tiny = ["--override=--trainer.max_epochs=3", "--override=--data.init_args.samples_per_epoch=256",
+            "--override=--trainer.callbacks.init_args.statistics.batches=2", "--override=--trainer.limit_val_batches=1"]
+    hf_llama_both.main(["--text", str(SHAKESPEARE), "--out", str(out), *tiny])  # 4 steps an epoch
+    runs = json.loads(out.read_text())["runs"]
+    small, large, grown = (runs[row] for row in hf_llama_both.ROWS)
+    assert (small["d_head"], small["d_v"], large["d_head"], large["d_v"]) == ([8, 8], [8, 8], [16, 16], [16, 16])
+    assert grown["growths"] == [[4, [12, 12], [12, 12]], [8, [16, 16], [16, 16]]]
+    assert grown["vcache_bytes"] == large["vcache_bytes"] == 2 * 2 * 16 * 4  # 2 KV heads, 2 layers, float32
+    exported = grown["export"]
+    assert exported["qk_head_sizes"] == exported["v_head_sizes"] == [16, 16]
+    assert exported["max_logit_difference"] < 1e-5 and exported["same_greedy_generation"]

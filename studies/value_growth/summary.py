@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CAPACITY = HERE.parent / "capacity" / "results.json"
-FULL, SMALL, GROWN = "static d_v 16", "static d_v 4", "grown d_v 4→16"
+FULL, SMALL, GROWN, AUTO = "static d_v 16", "static d_v 4", "grown d_v 4→16", "auto d_v 4, budget 16"
 FULL_VCACHE = 4 * 2 * 16 * 4  # bytes per token of static d_v 16: 4 heads × 2 layers × d_v 16 × 4 B
 
 
@@ -75,18 +75,19 @@ def training_share(record: dict) -> float:
 
 
 def loss_table(found: dict[str, Cell]) -> str:
-    lines = ["| corpus | seeds (static 16, static 4, grown) | static d_v 16 loss | static d_v 4 loss | grown loss | "
-             "grown − static d_v 4 | grown − static d_v 16 | static d_v 4 − static d_v 16 | "
-             "grown at the ceiling (≤ static d_v 16) |", "|" + "---|" * 9]
+    lines = ["| corpus | seeds (static 16, static 4, grown, auto) | static d_v 16 loss | static d_v 4 loss | grown loss | "
+             "auto loss | grown − static d_v 4 | grown − static d_v 16 | static d_v 4 − static d_v 16 | "
+             "auto − static d_v 16 | auto − grown | grown at the ceiling (≤ static d_v 16) | auto at the ceiling |",
+             "|" + "---|" * 13]
     for corpus, cell in found.items():
-        full, small, grown = (cell.loss(row) for row in (FULL, SMALL, GROWN))
+        full, small, grown, auto = (cell.loss(row) for row in (FULL, SMALL, GROWN, AUTO))
         mean = lambda losses: f"{statistics.mean(losses.values()):.4f}" if losses else "–"  # noqa: E731
-        ceiling = paired(grown, full)
+        judged = lambda a, b: f"{shown(paired(a, b))} ({verdict(paired(a, b))})"  # noqa: E731
+        met = lambda a: {"≤": "met", "–": "–"}.get(verdict(paired(a, full)), "not met")  # noqa: E731
         lines.append("| " + " | ".join([
-            corpus, f"{len(full)}, {len(small)}, {len(grown)}", mean(full), mean(small), mean(grown),
-            f"{shown(paired(grown, small))} ({verdict(paired(grown, small))})",
-            f"{shown(ceiling)} ({verdict(ceiling)})", f"{shown(paired(small, full))} ({verdict(paired(small, full))})",
-            {"≤": "met", "–": "–"}.get(verdict(ceiling), "not met")]) + " |")
+            corpus, f"{len(full)}, {len(small)}, {len(grown)}, {len(auto)}", mean(full), mean(small), mean(grown),
+            mean(auto), judged(grown, small), judged(grown, full), judged(small, full), judged(auto, full),
+            judged(auto, grown), met(grown), met(auto)]) + " |")
     return "\n".join(lines)
 
 
@@ -97,7 +98,7 @@ def cache_table(found: dict[str, Cell]) -> str:
              "|" + "---|" * 8]
     for corpus, cell in found.items():
         flops16 = cell.mean(FULL, lambda r: r["flops"])
-        for row in (FULL, SMALL, GROWN):
+        for row in (FULL, SMALL, GROWN, AUTO):
             runs = list(cell.rows.get(row, {}).values())
             if not runs:
                 continue
@@ -116,7 +117,7 @@ def plot(found: dict[str, Cell], path: Path) -> None:
     """Final validation loss against V-cache bytes per token at the end: each row's mean over the seeds, one marker
     per row, one colour per corpus."""
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    markers = {FULL: "x", SMALL: "s", GROWN: "o"}
+    markers = {FULL: "x", SMALL: "s", GROWN: "o", AUTO: "^"}
     for i, (corpus, cell) in enumerate(found.items()):
         for row, marker in markers.items():
             losses = cell.loss(row)
