@@ -123,23 +123,34 @@ def test_bad_models_fail_before_training(tmp_path):
         HFCausalLM(config={"model_type": "bert"})
 
 
-def test_auto_schedule_grows_a_rotary_gqa_model_within_its_budget(tmp_path):
-    """A tiny Llama (4 query heads sharing 2 key heads per layer, rotary d_head 8): each column costs its layer's
-    2 KV heads, and the K cache never exceeds the budget's mean head size 12 (2 layers × 2 KV heads × 12 values)."""
+@pytest.mark.parametrize("grow", ["query_key", "both"])
+def test_auto_schedule_grows_a_rotary_gqa_model_within_its_budget(tmp_path, grow):
+    """A tiny Llama (4 query heads sharing 2 key/value heads per layer, rotary d_head 8, d_v 8): each column costs its
+    layer's 2 KV heads, and the K cache (the KV cache when both sides grow) never exceeds the budget's mean head size
+    12 (2 layers × 2 KV heads × 12 values per side)."""
     path = tmp_path / "auto.yaml"
     rule = {"budget": 12, "check_every": 4, "spend_until": 1.0}  # checks at steps 4, 8 and 12 of 16
-    grow = {"class_path": "lit_growattn.GrowAttentionCallback",
-            "init_args": {"schedule": {"class_path": "lit_growattn.AutoSchedule", "init_args": rule},
-                          "growth": {"columns": None}, "statistics": {"batches": 4}}}
+    grow_settings = {"columns": None, "grow": grow}
+    grow_callback = {"class_path": "lit_growattn.GrowAttentionCallback",
+                     "init_args": {"schedule": {"class_path": "lit_growattn.AutoSchedule", "init_args": rule},
+                                   "growth": grow_settings, "statistics": {"batches": 4}}}
     watch = {"class_path": "hf_helpers.RotaryWatch", "init_args": {"out": str(tmp_path)}}
-    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [grow, watch]}}))
+    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [grow_callback, watch]}}))
     done = _fit(tmp_path, f"--config={path}")
     out = done.stdout + done.stderr
     assert "at step 4 (epoch 0)" in out and "at step 12 (epoch 1)" in out and "at step 16" not in out
-    assert out.count("2 values per column") == 6  # both layers at each of the 3 checks
+    sides = 2 if grow == "both" else 1
+    assert out.count("2 values per column") == 6 * sides  # both layers (and sides) at each of the 3 checks
     sizes = _last_head_sizes(tmp_path)
-    assert min(sizes) >= 8 and 2 * sum(sizes) <= 2 * 2 * 12
-    assert f"mean query/key head size {sum(sizes) / 2:.4g} of 12" in out
+    assert min(sizes) >= 8
+    if grow == "both":
+        checkpoint = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False)
+        v_sizes = checkpoint["hyper_parameters"]["v_head_sizes"]
+        assert min(v_sizes) >= 8 and 2 * (sum(sizes) + sum(v_sizes)) <= 2 * 2 * 2 * 12
+        assert f"KV-cache budget: mean head size of the query/key and value sides {(sum(sizes) + sum(v_sizes)) / 4:.4g}" in out
+    else:
+        assert 2 * sum(sizes) <= 2 * 2 * 12
+        assert f"mean query/key head size {sum(sizes) / 2:.4g} of 12" in out
     growths = torch.load(tmp_path / "rotary_watch.pt")
     assert growths and all(same for event in growths for _, _, same in event)  # rotary columns bit-identical
     assert [d for _, d, _ in growths[-1]] == sizes

@@ -281,3 +281,12 @@ def test_both_sides_grow_under_ddp_with_identical_replicas(tmp_path):
     assert p0["model.model.layers.0.self_attn.value.w_v"].shape == (2, 64, 10)
     assert p0["model.model.layers.0.self_attn.value.w_o"].shape == (4, 10, 64)
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+@pytest.mark.parametrize("sizes, named", [(dict(head_sizes=[8, 8]), "head_sizes"),
+                                          (dict(v_head_sizes=[8, 8]), "v_head_sizes"),
+                                          (dict(head_sizes=[8, 8], v_head_sizes=[8, 8]), "head_sizes and v_head_sizes")])
+def test_head_sizes_without_growable_attention_are_refused_naming_the_fix(sizes, named):
+    with pytest.raises(ValueError, match=f"^{named} size growable attention, but growable=false keeps the model's own "
+                                         f"attention: set growable=true"):
+        HFCausalLM(config=tiny_config("llama").to_dict(), growable=False, **sizes)
