@@ -1,11 +1,11 @@
-"""GrowAttentionCallback: grows the query/key head size of attention at scheduled epochs or optimizer steps, or
-by itself (AutoSchedule) while the statistics say that width pays.
+"""GrowAttentionCallback: grows the query/key head size of attention, its value head size, or both (`growth.grow`), at
+scheduled epochs or optimizer steps, or by itself (AutoSchedule) while the statistics say that width pays.
 
 Thin Lightning glue over `lit_growattn.growing` (docs/design.md, "Lightning mechanics"):
 - schedule: at every training-batch start the trainer's counters say whether a growth happens now, or
   whether this micro-batch is one of the `statistics.batches` before the next growth (a statistics step);
-- window: on a statistics step the forms capture (X′, G X′) during the real training step, `on_after_backward`
-  folds them into sums, and the window's last batch all-reduces them once;
+- window: on a statistics step the forms capture (X′, G X′) and the value maps (A·X′, ∂L/∂Y) during the real
+  training step, `on_after_backward` folds them into sums, and the window's last batch all-reduces them once;
 - event: plan, step size, broadcast of rank 0's tensors, install;
 - rebuild: DDP re-wrapped, averaged copies of Lightning's weight-averaging callbacks grown alike, optimizer and
   scheduler rebuilt with their state carried over (other callbacks that hold parameters or schedulers are
@@ -40,7 +40,8 @@ from lit_growattn.training.lightning_private import should_update_logs
 
 
 class GrowAttentionCallback(Callback):
-    """Grows the query/key head size of a `lit_growattn.model.contract.GrowableModule` (GrowAttentionLM is one).
+    """Grows the query/key and/or value head size of a `lit_growattn.model.contract.GrowableModule` (GrowAttentionLM
+    and HFCausalLM are).
 
     Args:
         schedule: when to grow: `AtEpochs(epochs)`, `AtSteps(steps)` or `AutoSchedule(...)` (in a config:
