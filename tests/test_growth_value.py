@@ -56,6 +56,14 @@ def test_n_is_the_gradient_of_each_heads_w_m(bias):
     torch.testing.assert_close(moments.c, torch.einsum("bhse,bhsf->hef", p.p, p.p) / p.p.shape[0])
 
 
+def test_empty_sums_fit_the_value_map():
+    p = ValueProblem(kv=2, e=6, h=4, bias=True)  # e′ = 7 with the bias row
+    empty = ValueStats.empty_like(ValueWeights(p.w_v, p.w_o), dtype=F64, rcond=1e-3)
+    assert empty.c_sum.shape == (4, 7, 7) and empty.n_sum.shape == (4, 7, 6) and empty.c_sum.dtype == F64
+    assert empty.rcond == 1e-3 and not empty.c_sum.any() and not empty.n_sum.any() and empty.instances == 0
+    empty.update(p.p, torch.zeros(3, 10, 6, dtype=F64))  # a captured pair of the map's shapes fits
+
+
 def test_sums_merge_and_flatten_like_the_query_key_ones():
     p = ValueProblem()
     whole = p.stats()
@@ -192,7 +200,7 @@ def test_weights_install_through_set_weights():
 
     grown, holder = ValueProblem().growth().grow(0.5, 4), Holder()
     grown.install(holder)
-    assert ValueWeights.of(holder).d_v == 4
+    assert holder.w_v is grown.w_v and holder.w_o is grown.w_o and ValueWeights.of(holder).d_v == 4
 
 
 @pytest.mark.parametrize("call, message", [
@@ -226,10 +234,13 @@ def test_each_new_pair_has_a_canonical_sign():
 def test_rank_counts_singular_values_above_the_threshold_within_the_bound():
     vg = ValueProblem(kv=2).growth()
     s = vg.bottleneck("natural")[1]
-    for share in (0.5, 0.2, 0.05):
+    for share in (0.9, 0.6, 0.3, 0.2, 0.05):
         count = max(int((row > share * s.max()).sum()) for row in s)
         assert vg.rank(share, 6) == max(1, min(count, 4))  # at most max_width 6 − d_v 2
+    # The spectra relative to the largest (group 0's first): 1, 0.42, 0.33, 0.20 and 0.78, 0.67, 0.35, 0.23.
+    assert [vg.rank(share, 6) for share in (0.9, 0.6, 0.3, 0.21)] == [1, 2, 3, 4]
     assert vg.rank(1e-9, 3) == 1  # a cap of 3 leaves one column
+    assert vg.rank(1e-9, 2) == 0 and vg.rank(0.9, 2) == 0  # no room: no column, whatever the spectrum
 
 
 def test_random_columns_have_the_old_columns_scale():

@@ -53,7 +53,8 @@ def test_the_budget_is_spread_evenly_over_the_checks_and_unspent_allowance_carri
     # A resumed run's model starts at its grown sizes: the budget still counts from where the run started.
     schedule.start_sizes = {"d_head": [2, 1]}
     assert schedule.total(one) == 24 and schedule.allowance(one) == pytest.approx(2 * 24 / 5 - 4)
-    assert "4 of 4, 32 of 32 values per token; 0 unspent" in schedule.summary([check([1, 1], [4, 4])])
+    assert schedule.summary([check([1, 1], [4, 4])]) == ("K-cache budget: mean query/key head size 4 of 4, 32 of 32 "
+                                                         "values per token; 0 unspent")
     assert "mean query/key head size 2.5 of 4" in schedule.summary([check([1, 1], [3, 2])])
     assert "; 12 unspent" in schedule.summary([check([1, 1], [3, 2])])
 
