@@ -177,6 +177,28 @@ def test_column_gains_add_up_to_the_predicted_decrease():
         torch.testing.assert_close(torch.tensor(vg.grow(1.0, 2 + p).predicted_decrease, dtype=F64), gains[:, :p].sum())
 
 
+def test_gains_against_another_gradient_are_linear_in_it():
+    """The automatic schedule rates columns fitted on one half of the window against the other half's N̄."""
+    vg = ValueProblem(kv=2).growth("natural")
+    n1, n2 = torch.randn(2, *vg.moments.n.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(vg.column_gains(vg.moments.n), vg.column_gains())
+    assert not torch.allclose(vg.column_gains(n1), vg.column_gains(), rtol=1e-3)
+    torch.testing.assert_close(vg.column_gains(n1 + 2 * n2), vg.column_gains(n1) + 2 * vg.column_gains(n2),
+                               rtol=1e-12, atol=1e-14)
+
+
+def test_a_value_growth_is_built_from_a_value_map_with_its_method_and_cut_off():
+    p = ValueProblem(kv=2)
+    values, moments = ValueWeights(p.w_v, p.w_o), p.stats().means()
+    assert ValueWeights.of(values).w_v is p.w_v and ValueWeights.of(values).w_o is p.w_o
+    gradient = ValueGrowth.from_values(values, moments, "gradient")
+    assert gradient.method == "gradient" and ValueGrowth.from_values(values, moments).method == "natural"
+    torch.testing.assert_close(gradient.direction("gradient"), p.growth("gradient").direction("gradient"), rtol=0, atol=0)
+    # A cut-off that drops C̄'s weaker directions changes the natural direction.
+    assert not torch.allclose(ValueGrowth.from_values(values, moments, rcond=0.5).direction("natural"),
+                              p.growth().direction("natural"), rtol=1e-3)
+
+
 def test_baselines_draw_from_the_generator_and_zero_has_zero_o_rows():
     p = ValueProblem()
     a = p.growth("random").grow(1.0, 4, generator=torch.Generator().manual_seed(3))
