@@ -199,6 +199,37 @@ def test_a_value_growth_is_built_from_a_value_map_with_its_method_and_cut_off():
                               p.growth().direction("natural"), rtol=1e-3)
 
 
+def test_a_natural_growth_that_predicts_no_decrease_falls_back_to_the_gradient():
+    p = ValueProblem(kv=2)
+    vg = p.growth("natural")
+    vg._directions["natural"] = -vg.direction("gradient")  # an ascent in place of the natural direction
+    kept = vg.grow(0.0, 4)  # α = 0 changes nothing: no sign to check
+    assert (kept.method, kept.fell_back) == ("natural", False)
+    grown = vg.grow(0.5, 4)
+    assert (grown.method, grown.fell_back) == ("gradient", True) and grown.predicted_decrease > 0
+    gradient = p.growth("gradient").grow(0.5, 4)
+    torch.testing.assert_close((grown.w_v, grown.w_o), (gradient.w_v, gradient.w_o), rtol=0, atol=0)
+
+
+def test_the_gradient_direction_is_minus_n_scaled_and_a_zero_gradient_grows_nothing():
+    p = ValueProblem(kv=2)
+    vg = p.growth("gradient")
+    delta, n = vg.direction("gradient"), vg.moments.n
+    scale = (delta / -n).flatten()
+    torch.testing.assert_close(scale, scale[:1].expand_as(scale), rtol=1e-10, atol=0)
+    assert scale[0] > 0
+    flat = vg.moments._replace(n=torch.zeros_like(n))
+    for method in ("natural", "gradient"):
+        still = ValueGrowth(p.w_v, p.w_o, flat, method)
+        assert torch.equal(still.direction(method), torch.zeros_like(n))  # unscaled: no 0/0
+        grown = still.grow(0.5, 4)
+        assert grown.predicted_decrease == 0.0 and torch.isfinite(grown.w_v).all() and torch.isfinite(grown.w_o).all()
+        torch.testing.assert_close(grown.w_v.repeat_interleave(2, 0) @ grown.w_o, still.matrix(), rtol=0, atol=1e-12)
+    # A request for the current size grows nothing and changes nothing.
+    same = vg.grow(0.5, 2)
+    assert same.w_v.shape == p.w_v.shape and torch.equal(same.w_v, p.w_v) and torch.equal(same.w_o, p.w_o)
+
+
 def test_baselines_draw_from_the_generator_and_zero_has_zero_o_rows():
     p = ValueProblem()
     a = p.growth("random").grow(1.0, 4, generator=torch.Generator().manual_seed(3))

@@ -116,7 +116,7 @@ def cache_table(found: dict[str, Cell]) -> str:
 def plot(found: dict[str, Cell], path: Path) -> None:
     """Final validation loss against V-cache bytes per token at the end: each row's mean over the seeds, one marker
     per row, one colour per corpus."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
     markers = {FULL: "x", SMALL: "s", GROWN: "o", AUTO: "^"}
     for i, (corpus, cell) in enumerate(found.items()):
         for row, marker in markers.items():
@@ -129,7 +129,7 @@ def plot(found: dict[str, Cell], path: Path) -> None:
     ax.set_xlabel("V-cache bytes per token (at the end of training)")
     ax.set_ylabel("final validation loss, mean over seeds")
     ax.set_xscale("log", base=2)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))  # beside the axes: points fill them
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
