@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lit_growattn.growth import sides
 from lit_growattn.growth.linalg import psd_pinv
+from lit_growattn.growth.stats import FormStats
 from lit_growattn.growth.stats import flatten_stats, unflatten_stats
 from lit_growattn.growth.value import ValueGrowth, ValueStats, ValueWeights, value_direction
 
@@ -304,9 +306,36 @@ def test_random_columns_have_the_old_columns_scale():
         assert 0.5 < ratio < 2  # the same RMS up to the draw (27–54 values per head)
 
 
-def test_discarded_energy_is_the_directions_energy_the_kept_pairs_leave_out():
-    vg = ValueProblem(kv=2).growth("gradient")
+@pytest.mark.parametrize("kv", [1, 2])
+def test_discarded_energy_is_the_directions_energy_the_kept_pairs_leave_out(kv):
+    vg = ValueProblem(kv=kv).growth("gradient")
     _, s, _, energy = vg.bottleneck("gradient")
+    torch.testing.assert_close(energy, vg.direction("gradient").square().sum((-2, -1)).reshape(kv, -1).sum(-1))
     grown = vg.grow(0.5, 4)
     torch.testing.assert_close(grown.discarded_energy, 0.25 * (energy - s[:, :2].square().sum(-1)))
     assert (grown.discarded_energy > 0).all()
+    assert grown.alpha == 0.5 and torch.equal(grown.spectrum, s[:, :2])
+
+
+def test_the_sides_pick_the_value_maps_types_and_pass_their_settings():
+    p = ValueProblem(kv=2)
+    values = ValueWeights(p.w_v, p.w_o)
+    assert sides.is_value(values) and sides.head_size_of(values) == "d_v"
+    assert sides.tensor_names(values) == ("w_v", "w_o") and sides.leading_tensor(values) is p.w_v
+    empty = sides.stats_like(values, "natural", dtype=F64)
+    assert isinstance(empty, ValueStats) and empty.c_sum.shape == (4, 6, 6) and empty.c_sum.dtype == F64
+    stats = p.stats()
+    restored = sides.stats_from_state_dict(stats.state_dict())
+    assert isinstance(restored, ValueStats) and torch.equal(restored.n_sum, stats.n_sum)
+    assert isinstance(sides.stats_from_state_dict(FormStats(3, 5).state_dict()), FormStats)
+    grown = sides.growth_for(values, stats.means(), "random", size_by="natural")
+    assert isinstance(grown, ValueGrowth) and (grown.method, grown.sizing_method) == ("random", "natural")
+
+
+def test_a_float32_map_grows_in_float64_and_returns_float32():
+    p = ValueProblem(kv=2)
+    grown = ValueGrowth(p.w_v.float(), p.w_o.float(), p.stats().means()).grow(0.5, 4)
+    exact = p.growth().grow(0.5, 4)
+    assert grown.w_v.dtype == grown.w_o.dtype == torch.float32
+    torch.testing.assert_close(grown.w_v, exact.w_v.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grown.w_o, exact.w_o.float(), rtol=1e-4, atol=1e-5)
