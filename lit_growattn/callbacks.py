@@ -147,7 +147,8 @@ class GrowAttentionCallback(Callback):
         if self.settings.grows("query_key"):
             check_modes(named, self.settings.mode, self.search.line_search)
         report.say(trainer, check_statistics_memory(growing, layers, self.statistics.layers_per_event,
-                                                    self.settings.method, self.statistics.max_memory_gb))
+                                                    self.settings.method, self.statistics.max_memory_gb,
+                                                    self.window.halves))
         self.settings = dataclasses.replace(self.settings, **limits)
         self.schedule.bind(self.settings, self.statistics, layers, self._sizes(pl_module),
                            growth.column_costs((f.layer, f.form) for f in growing))
@@ -288,7 +289,7 @@ class GrowAttentionCallback(Callback):
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"history": self.history, "window": self.window.state_dict(self._strategy, self._world),
-                "schedule": self.schedule.kind}
+                "schedule": self.schedule.kind, "grow": self.settings.grow}
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # The averaged copies of weight-averaging callbacks were made from the model as built, before it took the
@@ -297,6 +298,11 @@ class GrowAttentionCallback(Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         check_same_schedule(state_dict, self.schedule.kind)
+        # Another side would not match the window's sums, and AutoSchedule's budget counts the sides it grew.
+        if state_dict.get("grow", self.settings.grow) != self.settings.grow:  # absent: written before value growth
+            raise ValueError(f"the checkpoint was written by a run with growth.grow={state_dict['grow']!r}, this one "
+                             f"has {self.settings.grow!r}: resume with growth.grow={state_dict['grow']}, or start a new "
+                             "run from its weights with --model.init_args.init_from=CHECKPOINT")
         self.history = list(state_dict["history"])
         self.window.load_state_dict(state_dict["window"], self._rank, self._world)
 

@@ -145,7 +145,7 @@ class GrowthSettings:
                                  "refactor the layers it leaves as they are: use growth.mode='append'")
             for setting in ("columns", "value_columns", "rank_threshold", "max_columns"):
                 if getattr(self, setting) is not None:
-                    raise ValueError(f"{name} chooses each layer's growth from its statistics, within its KV-cache "
+                    raise ValueError(f"{name} chooses each layer's growth from its statistics, within its cache "
                                      f"budget and the budget's spending schedule: leave growth.{setting} out (set "
                                      f"{name}.budget to bound the widths)")
         elif self.max_columns is not None and self.rank_threshold is None:

@@ -110,6 +110,15 @@ def test_auto_with_both_sides_resumes_from_inside_a_window_with_the_same_decisio
                     full)
 
 
+def test_resuming_with_other_growing_sides_is_refused_before_any_step(auto_kv_run, tmp_path):
+    """A run's KV-cache budget and window count the sides it grew: resuming a run of both sides with query/key alone
+    would drop its value columns from the budget."""
+    out, _ = auto_kv_run
+    with pytest.raises(ValueError, match=r"written by a run with growth.grow='both', this one has 'query_key': resume "
+                                         r"with growth.grow=both, or start a new run from its weights"):
+        cli_fit(tmp_path, AUTO, ckpt_path=out / "ckpt" / "step=8.ckpt", config="configs/recall_auto.yaml")
+
+
 @pytest.mark.parametrize("checkpoint", [
     "step=3.ckpt",  # inside the first check's window
     "step=5.ckpt",  # between the window and the first check

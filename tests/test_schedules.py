@@ -107,7 +107,7 @@ def test_no_budget_buys_until_spend_until_and_max_d_head():
     (lambda: AutoSchedule(spend_until=0), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
     (lambda: AutoSchedule(spend_until=1.5), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
     (lambda: bound(budget=0.5), r"budget=0.5\) is below the mean query/key head size the growing layers start at \(1\)"),
-    (lambda: bound(budget=17), r"exceeds the mean query/key head size that growth.max_d_head=16 allow \(16\), so it "
+    (lambda: bound(budget=17), r"exceeds the mean query/key head size that growth.max_d_head=16 allows \(16\), so it "
                                "could never be spent"),
     (lambda: bound(budget=13, value_costs={0: 4, 1: 4}, max_d_v=8),
      r"exceeds the mean head size of the query/key and value sides that growth.max_d_head=16 and growth.max_d_v=8 "

@@ -46,6 +46,18 @@ def test_value_maps_count_c_per_head_and_n_to_the_output():
         f"growth statistics: {4 * 4 * 65 * (65 + 64) / 1e6:.3g} MB per rank")
 
 
+def test_the_automatic_schedule_holds_twice_the_sums_and_is_told_to_grow_fewer_layers():
+    """AutoSchedule keeps the sums of half the window beside the whole window's; it offers every growing layer at
+    each check, so fewer growing layers (growth.layers), not layers_per_event, bound its memory."""
+    forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(16)]
+    line = check_statistics_memory(forms, list(range(16)), None, "natural", None, halves=True)
+    assert line.startswith("growth statistics: 17.7 GB per rank (16 of 16 layers per window; query/key 32 heads × "
+                           "e′² = 2048²; twice: the automatic schedule keeps each half of the window; 4 B each)")
+    with pytest.raises(ValueError, match=r"exceed statistics.max_memory_gb=2.0: grow at most 1 layer with "
+                                         r"growth.layers \(the automatic schedule offers every growing layer"):
+        check_statistics_memory(forms, list(range(16)), None, "natural", 2.0, halves=True)
+
+
 @pytest.mark.parametrize("method, limit_gb, fix", [
     ("pinv", 0.9, r"one layer alone needs 1.09 GB with pinv's second sum: use method natural or gradient \(0.554 GB"),
     ("pinv", 0.3, r"one layer alone needs 1.09 GB: raise statistics.max_memory_gb above that$"),

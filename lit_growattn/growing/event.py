@@ -149,11 +149,11 @@ class GrowthEvent:
     install: Callable[[dict[str, growth.Growth]], None]
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
     choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str, int], StepChoice] = choose_step_size
-    allowance: float | None = None  # K-cache values per token the automatic schedule may buy (None: the settings size)
+    allowance: float | None = None  # cache values per token the automatic schedule may buy (None: the settings size)
     terms: int = 1  # values (tokens) each rated loss averages: its round-off (trainer_ops.loss_terms)
 
-    def run(self, forms: NamedForms, stats: list[growth.FormStats], seed: int,
-            half: list[growth.FormStats] | None = None) -> tuple[dict, dict[str, Tensor]]:
+    def run(self, forms: NamedForms, stats: list[growth.Sums], seed: int,
+            half: list[growth.Sums] | None = None) -> tuple[dict, dict[str, Tensor]]:
         """Grows `forms` from their reduced `stats`; returns the event's record and the kept spectra per form.
         `half`: the sums of half the window's micro-batches, which the automatic schedule's decision needs.
         Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""

@@ -57,7 +57,8 @@ def decision_text(event: dict) -> str:
     for d in event["decisions"]:
         first = slice(0, d["columns"] + 2)
         noise = [seen - held for held, seen in zip(d["held_out"], d["in_sample"])]
-        parts.append(f"layer {d['layer']} {d.get('side', 'd_head')} +{d['columns']} of {d['above_floor']} above the floor (held-out gains "
+        side = d.get("side", "d_head")  # absent in checks written before the value side could grow
+        parts.append(f"layer {d['layer']} {side} +{d['columns']} of {d['above_floor']} above the floor (held-out gains "
                      f"{shown(d['held_out'][first])} vs fitted noise {shown(noise[first])}, {d['cost']} values per column)")
     return "; ".join(parts)
 

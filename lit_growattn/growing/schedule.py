@@ -240,8 +240,9 @@ class AutoSchedule(GrowthSchedule):
                              f"start at ({start:.4g}): raise the budget, or start the model narrower")
         if self.budget > most:
             limits = " and ".join(f"growth.max_{side}={limit}" for side, limit in self.limits.items())
+            verb = "allow" if len(self.limits) > 1 else "allows"
             raise ValueError(f"AutoSchedule(budget={self.budget}) exceeds the mean {self._what()} that {limits} "
-                             f"allow ({most:.4g}), so it could never be spent: lower the budget (or raise the limit)")
+                             f"{verb} ({most:.4g}), so it could never be spent: lower the budget (or raise the limit)")
 
     def _what(self) -> str:
         """The budget's unit in words, by the sides that grow."""
@@ -297,7 +298,8 @@ class AutoSchedule(GrowthSchedule):
         return GrowthPoint("step", self.check_every * (len(history) + 1))
 
     def summary(self, history: list[dict]) -> str:
-        sizes, weight, cache = self._sizes(history), sum(self.costs.values()), self.cache(self._sizes(history))
+        sizes, weight = self._sizes(history), sum(self.costs.values())
+        cache = self.cache(sizes)
         cache_of = {("d_head",): "K", ("d_v",): "V"}.get(tuple(self.limits), "KV")
         mean = f"mean {self._what()} {cache / weight:.4g}"
         if len(self.limits) > 1:

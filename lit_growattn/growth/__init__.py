@@ -28,7 +28,8 @@ from lit_growattn.growth.form import FormShape, FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.sides import (
-    HeadSize, column_costs, growth_for, head_size_of, is_value, leading_tensor, restore, stats_from_state_dict, stats_like, tensor_names, weights_of,
+    HeadSize, column_costs, growth_for, head_size_of, is_value, leading_tensor, restore, stats_from_state_dict,
+    stats_like, tensor_names, weights_of,
 )
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
@@ -80,14 +81,14 @@ __all__ = [
     "direction",
     "flatten_stats",
     "growth_for",
-    "HeadSize",
-    "column_costs",
-    "head_size_of",
     "installed",
     "quadratic_step",
     "register_direction",
     "sizing_method",
     "unflatten_stats",
+    "HeadSize",
+    "column_costs",
+    "head_size_of",
     "is_value",
     "leading_tensor",
     "restore",

@@ -2,8 +2,9 @@
 
 At each check every growing side of every growing layer offers its next columns: on the query/key side the leading
 pairs of the SVD of its bottleneck ΔM⊥ = (I − P_Q)ΔM(I − P_K), the part of the direction ΔM that its current columns
-cannot express; on the value side the leading pairs of its value bottleneck (I − P_V)ΔW_M(I − P_O) (docs/value.md);
-both in the order `append` takes them. Each column is rated by its first-order loss decrease per cache value it costs,
+cannot express (under GQA per group of heads sharing keys, `grouped.GroupedGrowth.bottleneck`); on the value side
+the leading pairs of its value bottleneck (I − P_V)ΔW_M(I − P_O) (docs/value.md); both in the order `append` takes
+them. Each column is rated by its first-order loss decrease per cache value it costs,
 and the best are bought across layers and sides while the check's allowance lasts (`allocate`).
 
 Held out. The statistics window is split in two halves A and B (alternate micro-batches). The pairs fitted on one half

@@ -163,11 +163,10 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
                                  "(`config`), not a pretrained folder")
             for named in self.growable_forms():
                 named.form.keep_rotary(rotary_dim)
-        if not self.growable_forms() and (given := [n for n, v in [("head_sizes", head_sizes),
-                                                                   ("v_head_sizes", v_head_sizes)] if v is not None]):
-            raise ValueError(f"{' and '.join(given)} size growable attention, but growable=false keeps the model's own "
-                             "attention: set growable=true (a checkpoint of a growth run needs it), or leave "
-                             f"{' and '.join(given)} out")
+        given = " and ".join(n for n, v in [("head_sizes", head_sizes), ("v_head_sizes", v_head_sizes)] if v is not None)
+        if given and not self.growable_forms():
+            raise ValueError(f"{given} size growable attention, but growable=false keeps the model's own attention: set "
+                             f"growable=true (a checkpoint of a growth run needs it), or leave {given} out")
         if head_sizes is not None:
             if len(head_sizes) != len(self.growable_forms()):
                 raise ValueError(f"head_sizes has {len(head_sizes)} entries for {len(self.growable_forms())} layers")

@@ -5,7 +5,8 @@ share 2 key/value heads, head_dim 8; bytes of the given text, 4 epochs of 250 st
 reported beside each other and not judged (one seed):
 
     static head_dim 8       the model as configured (K and V cache of head_dim 8)
-    static head_dim 16      built at twice the head size (the ceiling)
+    static head_dim 16      built at twice the head size, its first 8 query/key columns rotary (RoPE of head_dim 8)
+                            and the other 8 position-independent, as the grown model's are (the ceiling)
     grown both 8→16         from head_dim 8, the config's AtEpochs([1, 2]) growing both sides (growth.grow: both),
                             4 query/key and 4 value columns at each event: d_head and d_v 8 → 12 → 16
 
@@ -38,7 +39,7 @@ KV_HEADS = 2
 GROWN = "grown both 8→16"
 ROWS = {
     "static head_dim 8": [],
-    "static head_dim 16": ["--model.init_args.config.head_dim=16"],
+    "static head_dim 16": ["--model.init_args.config.head_dim=16", "--model.init_args.rotary_dim=8"],
     GROWN: ["--trainer.callbacks.init_args.growth.grow=both", "--trainer.callbacks.init_args.growth.columns=4",
             "--trainer.callbacks.init_args.growth.value_columns=4"],
 }

@@ -77,8 +77,8 @@ def training_share(record: dict) -> float:
 def loss_table(found: dict[str, Cell]) -> str:
     lines = ["| corpus | seeds (static 16, static 4, grown, auto) | static d_v 16 loss | static d_v 4 loss | grown loss | "
              "auto loss | grown − static d_v 4 | grown − static d_v 16 | static d_v 4 − static d_v 16 | "
-             "auto − static d_v 16 | auto − grown | grown at the ceiling (≤ static d_v 16) | auto at the ceiling |",
-             "|" + "---|" * 13]
+             "auto − static d_v 16 | auto − static d_v 4 | auto − grown | grown at the ceiling (≤ static d_v 16) | "
+             "auto at the ceiling |", "|" + "---|" * 14]
     for corpus, cell in found.items():
         full, small, grown, auto = (cell.loss(row) for row in (FULL, SMALL, GROWN, AUTO))
         mean = lambda losses: f"{statistics.mean(losses.values()):.4f}" if losses else "–"  # noqa: E731
@@ -87,7 +87,7 @@ def loss_table(found: dict[str, Cell]) -> str:
         lines.append("| " + " | ".join([
             corpus, f"{len(full)}, {len(small)}, {len(grown)}, {len(auto)}", mean(full), mean(small), mean(grown),
             mean(auto), judged(grown, small), judged(grown, full), judged(small, full), judged(auto, full),
-            judged(auto, grown), met(grown), met(auto)]) + " |")
+            judged(auto, small), judged(auto, grown), met(grown), met(auto)]) + " |")
     return "\n".join(lines)
 
 
