@@ -258,8 +258,9 @@ def test_hf_both_sides_run_grows_a_tiny_llama_and_its_export_loads_the_same(tmp_
             "--override=--trainer.callbacks.init_args.statistics.batches=2", "--override=--trainer.limit_val_batches=1"]
     hf_llama_both.main(["--text", str(SHAKESPEARE), "--out", str(out), *tiny])  # 4 steps an epoch
     runs = json.loads(out.read_text())["runs"]
-    small, large, grown = (runs[row] for row in hf_llama_both.ROWS)
+    small, large, values, grown = (runs[row] for row in hf_llama_both.ROWS)
     assert (small["d_head"], small["d_v"], large["d_head"], large["d_v"]) == ([8, 8], [8, 8], [16, 16], [16, 16])
+    assert (values["d_head"], values["d_v"]) == ([8, 8], [16, 16])
     assert grown["growths"] == [[4, [12, 12], [12, 12]], [8, [16, 16], [16, 16]]]
     assert grown["vcache_bytes"] == large["vcache_bytes"] == 2 * 2 * 16 * 4  # 2 KV heads, 2 layers, float32
     exported = grown["export"]

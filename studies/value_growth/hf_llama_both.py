@@ -5,8 +5,10 @@ share 2 key/value heads, head_dim 8; bytes of the given text, 4 epochs of 250 st
 reported beside each other and not judged (one seed):
 
     static head_dim 8       the model as configured (K and V cache of head_dim 8)
-    static head_dim 16      built at twice the head size, its first 8 query/key columns rotary (RoPE of head_dim 8)
-                            and the other 8 position-independent, as the grown model's are (the ceiling)
+    static head_dim 16      built at twice the head size (the ceiling; every query/key column rotary, where the
+                            grown model's 8 new ones are position-independent)
+    static d_head 8, d_v 16 head_dim 16 with rotary_dim 8: query/key head size 8 (RoPE of head_dim 8), value head
+                            size 16: the value side alone at the ceiling's width
     grown both 8→16         from head_dim 8, the config's AtEpochs([1, 2]) growing both sides (growth.grow: both),
                             4 query/key and 4 value columns at each event: d_head and d_v 8 → 12 → 16
 
@@ -39,7 +41,8 @@ KV_HEADS = 2
 GROWN = "grown both 8→16"
 ROWS = {
     "static head_dim 8": [],
-    "static head_dim 16": ["--model.init_args.config.head_dim=16", "--model.init_args.rotary_dim=8"],
+    "static head_dim 16": ["--model.init_args.config.head_dim=16"],
+    "static d_head 8, d_v 16": ["--model.init_args.config.head_dim=16", "--model.init_args.rotary_dim=8"],
     GROWN: ["--trainer.callbacks.init_args.growth.grow=both", "--trainer.callbacks.init_args.growth.columns=4",
             "--trainer.callbacks.init_args.growth.value_columns=4"],
 }
