@@ -162,6 +162,10 @@ class GrowthSettings:
         columns = setting[layer] if isinstance(setting, list) else setting
         return 1 if columns is None else columns
 
+    def max_width(self, value: bool = False) -> int | None:
+        """The largest query/key (or value) head size a growth may reach (None: the form's own bound)."""
+        return self.max_d_v if value else self.max_d_head
+
     def cap(self, layer: int) -> int | None:
         return self.max_columns[layer] if isinstance(self.max_columns, list) else self.max_columns
 

@@ -46,8 +46,7 @@ def plan_growth(forms: NamedForms, stats: list[growth.Sums], s: GrowthSettings, 
         grow_by = {name: s.count(layer, value) for name, (layer, value) in side_of.items()}
     return growth.GrowthPlan.build(
         {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
-        dynamic_rank=s.rank_threshold, max_width={name: s.max_d_v if value else s.max_d_head
-                                                  for name, (_, value) in side_of.items()},
+        dynamic_rank=s.rank_threshold, max_width={name: s.max_width(value) for name, (_, value) in side_of.items()},
         group_of=side_of.__getitem__, mode=s.mode, temperature=s.temperature, truncation=s.truncation,
         line_search=line_search, size_by=s.size_by,
         # Random columns of the baselines: the same draw on every rank, and on a resumed run.
@@ -71,8 +70,7 @@ def offers(forms: NamedForms, stats: list[growth.Sums], half: list[growth.Sums],
     found = []
     for (layer, side), shared in names.items():
         first = a[shared[0]]
-        limit = s.max_d_v if side == "d_v" else s.max_d_head
-        room = max(0, min(limit, first.max_width) - first.width)
+        room = max(0, min(s.max_width(side == "d_v"), first.max_width) - first.width)
         found.append(allocation.offer(layer, side, [a[n] for n in shared], [b[n] for n in shared], costs[layer, side],
                                       room))
     return found

@@ -228,13 +228,14 @@ class AutoSchedule(GrowthSchedule):
                 f"{statistics.layers_per_event} covers {statistics.layers_per_event} of {len(layers)}: leave "
                 "layers_per_event unset with AutoSchedule (or bound memory with growth.layers), or use AtSteps")
         self.costs = {(layer, side): cost for (layer, side), cost in costs.items() if layer in layers}
-        self.limits = {side: limit for side, limit in [("d_head", settings.max_d_head), ("d_v", settings.max_d_v)]
+        self.limits = {side: settings.max_width(side == "d_v") for side in ("d_head", "d_v")
                        if any(s == side for _, s in self.costs)}
         self.start_sizes = start_sizes
         if self.budget is None:
             return
-        weight = sum(self.costs.values())
-        start, most = self.cache(start_sizes) / weight, sum(c * self.limits[s] for (_, s), c in self.costs.items()) / weight
+        weight = self.heads()
+        start = self.cache(start_sizes) / weight
+        most = sum(self.heads(side) * limit for side, limit in self.limits.items()) / weight
         if self.budget < start:
             raise ValueError(f"AutoSchedule(budget={self.budget}) is below the mean {self._what()} the growing layers "
                              f"start at ({start:.4g}): raise the budget, or start the model narrower")
@@ -263,10 +264,14 @@ class AutoSchedule(GrowthSchedule):
                 f"micro-batches (accumulate_grad_batches={trainer.accumulate_grad_batches}): raise check_every or "
                 "lower statistics.batches")
 
-    def cache(self, sizes: dict[HeadSize, list[int]]) -> int:
-        """Cache values per token of the growing sides of the growing layers at `sizes` (per head size, one per
-        layer of the model)."""
-        return sum(cost * sizes[side][layer] for (layer, side), cost in self.costs.items())
+    def cache(self, sizes: dict[HeadSize, list[int]], side: HeadSize | None = None) -> int:
+        """Cache values per token of the growing sides (or of `side`) of the growing layers at `sizes` (per head
+        size, one per layer of the model)."""
+        return sum(cost * sizes[s][layer] for (layer, s), cost in self.costs.items() if side in (None, s))
+
+    def heads(self, side: HeadSize | None = None) -> int:
+        """The cache heads of the growing sides (or of `side`): the cache values per token of head size 1."""
+        return sum(cost for (_, s), cost in self.costs.items() if side in (None, s))
 
     def _sizes(self, history: list[dict]) -> dict[HeadSize, list[int]]:
         return {side: history[-1][side] for side in self.limits} if history else self.start_sizes
@@ -282,7 +287,7 @@ class AutoSchedule(GrowthSchedule):
         """The cache values per token the budget adds to the run's start (inf: no budget)."""
         if self.budget is None:
             return float("inf")
-        return self.budget * sum(self.costs.values()) - self.cache(self._start(history))
+        return self.budget * self.heads() - self.cache(self._start(history))
 
     def allowance(self, history: list[dict]) -> float:
         checks_done = len(history) + 1  # counting the one about to happen
@@ -298,21 +303,17 @@ class AutoSchedule(GrowthSchedule):
         return GrowthPoint("step", self.check_every * (len(history) + 1))
 
     def summary(self, history: list[dict]) -> str:
-        sizes, weight = self._sizes(history), sum(self.costs.values())
+        sizes, weight = self._sizes(history), self.heads()
         cache = self.cache(sizes)
         cache_of = {("d_head",): "K", ("d_v",): "V"}.get(tuple(self.limits), "KV")
         mean = f"mean {self._what()} {cache / weight:.4g}"
         if len(self.limits) > 1:
-            per_side = [f"{side} {self._side_mean(side, sizes):.4g}" for side in self.limits]
+            per_side = [f"{side} {self.cache(sizes, side) / self.heads(side):.4g}" for side in self.limits]
             mean += f" ({', '.join(per_side)})"
         if self.budget is None:
             return f"{cache_of} cache: {mean} (no budget), {cache} values per token"
         return (f"{cache_of}-cache budget: {mean} of {self.budget:.4g}, {cache} of {self.budget * weight:.6g} values per "
                 f"token; {self.budget * weight - cache:.6g} unspent")
-
-    def _side_mean(self, side: HeadSize, sizes: dict[HeadSize, list[int]]) -> float:
-        costs = {layer: cost for (layer, s), cost in self.costs.items() if s == side}
-        return sum(cost * sizes[side][layer] for layer, cost in costs.items()) / sum(costs.values())
 
 
 def check_same_schedule(state_dict: dict, kind: str) -> None:

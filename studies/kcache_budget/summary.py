@@ -188,6 +188,18 @@ def plot(found: dict[tuple[str, str], Cell], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def read_merged(parser: argparse.ArgumentParser, paths: list[Path], merge, script: str) -> dict:
+    """The results of `paths` (one grid's files, written side by side) as one dict by `merge`; absent files, or a
+    run found in two, fail through `parser` naming `script`, the grid that writes them (the value study's summary
+    reads its files with this too)."""
+    if absent := [str(p) for p in paths if not p.is_file()]:
+        parser.error(f"no results at {', '.join(absent)}: run {script} first (README.md gives the commands)")
+    try:
+        return merge([json.loads(p.read_text()) for p in paths])
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def merged(parts: list[dict]) -> dict:
     """One results dict from the JSONs of parallel invocations (each wrote its own file); a run in two is refused."""
     runs: dict = {}
@@ -227,12 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=Path, default=CAPACITY, help="the capacity study's results.json")
     parser.add_argument("--out", type=Path, default=HERE, help="folder for summary.md and loss_vs_kcache.png")
     args = parser.parse_args(argv)
-    if absent := [str(p) for p in args.results if not p.is_file()]:
-        parser.error(f"no results at {', '.join(absent)}: run kcache_study.py first (README.md gives the commands)")
-    try:
-        results = merged([json.loads(p.read_text()) for p in args.results])
-    except ValueError as error:
-        parser.error(str(error))
+    results = read_merged(parser, args.results, merged, "kcache_study.py")
     capacity = json.loads(args.capacity.read_text())["runs"]
     text = report(results, capacity)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,7 @@ def _kcache_summary():
 
 kcache = _kcache_summary()
 paired, shown, verdict, percent = kcache.paired, kcache.shown, kcache.verdict, kcache.percent
+read_merged = kcache.read_merged
 
 
 class Cell:
@@ -162,12 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--capacity", type=Path, default=CAPACITY, help="the capacity study's results.json")
     parser.add_argument("--out", type=Path, default=HERE, help="folder for summary.md and loss_vs_vcache.png")
     args = parser.parse_args(argv)
-    if absent := [str(p) for p in args.results if not p.is_file()]:
-        parser.error(f"no results at {', '.join(absent)}: run value_study.py first (README.md gives the commands)")
-    try:
-        results = merged([json.loads(p.read_text()) for p in args.results])
-    except ValueError as error:
-        parser.error(str(error))
+    results = read_merged(parser, args.results, merged, "value_study.py")
     capacity = json.loads(args.capacity.read_text())["runs"]["2layer"]
     text = report(results, capacity)
     args.out.mkdir(parents=True, exist_ok=True)
