@@ -106,10 +106,10 @@ def test_growth_under_mixed_precision_on_cuda(tmp_path, tiny_cli_args, precision
 
 def test_compiled_growth_on_cuda_equals_eager_with_one_graph_per_size(tmp_path, tiny_cli_args, record_property):
     gpu = "--trainer.accelerator=gpu"
-    eager = compiled_growth_fit(tmp_path / "eager", tiny_cli_args, gpu)
+    _, eager = compiled_growth_fit(tmp_path / "eager", tiny_cli_args, gpu)
     torch.compiler.reset()
     graphs = counters["stats"]["unique_graphs"]
-    compiled = compiled_growth_fit(tmp_path / "compiled", tiny_cli_args, gpu, "--model.init_args.compile=true")
+    _, compiled = compiled_growth_fit(tmp_path / "compiled", tiny_cli_args, gpu, "--model.init_args.compile=true")
     graphs = counters["stats"]["unique_graphs"] - graphs
     record_property("compiled_graphs", graphs)
     record_property("recompile_resets", compiled.model.compiled.resets)
@@ -137,7 +137,8 @@ def test_tiny_llama_grows_in_bf16_and_exports(tmp_path):
                 "--trainer.precision=bf16-mixed"], run=False)
     cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.model.head_sizes() == [16, 16]
-    trained = cli.model.model.eval()
+    # Lightning hands the module back on the CPU after `fit`; the comparison runs on the GPU.
+    trained = cli.model.model.to(CUDA).eval()
     assert export(trained, tmp_path / "out") == "growattn_llama"
     ids = torch.randint(0, trained.config.vocab_size, (2, 24), device=CUDA)
     with torch.no_grad():
