@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from lit_growattn.commands.cli import main
+from lit_growattn.model.compiled import CompiledBlocks
 from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
 
@@ -66,3 +67,20 @@ def test_more_graphs_than_the_bound_fail_loudly(monkeypatch):
     with pytest.raises(RuntimeError, match="more than 2 compiled graphs"):
         model(torch.randint(0, 16, (2, 8)))
     torch.compiler.reset()
+
+
+def test_moving_the_blocks_before_their_first_step_does_not_drop_compiled_code(monkeypatch):
+    # Lightning moves the model to its device (and dtype) after it was built: only a change between compiled
+    # steps, a growth, may reset dynamo, or a GPU run would count one reset more than a CPU run.
+    monkeypatch.setattr(torch, "compile", lambda block, **kwargs: block)
+    resets = []
+    monkeypatch.setattr(torch.compiler, "reset", lambda: resets.append(True))
+    blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    compiled = CompiledBlocks(blocks)
+    blocks.double()
+    compiled(torch.zeros(2, 4, dtype=torch.float64))
+    compiled(torch.zeros(2, 4, dtype=torch.float64))
+    assert compiled.resets == 0 and not resets
+    blocks[0] = torch.nn.Linear(4, 4, bias=False, dtype=torch.float64)  # the parameters change, as in a growth
+    compiled(torch.zeros(2, 4, dtype=torch.float64))
+    assert compiled.resets == 1 and resets == [True]

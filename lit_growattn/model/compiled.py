@@ -33,14 +33,15 @@ class CompiledBlocks:
                                f"{torch.__version__}; upgrade torch or set compile: false")
         self.blocks = blocks
         self.compiled = [torch.compile(block, dynamic=False, fullgraph=True) for block in blocks]
-        self.signature = parameter_signature(blocks)
+        self.signature = None  # taken at the first call: moving the model to its device is not a growth
         self.resets = 0
 
     def __call__(self, x: Tensor) -> Tensor:
         signature = parameter_signature(self.blocks)
-        if signature != self.signature:
+        if self.signature is not None and signature != self.signature:
             torch.compiler.reset()  # the graphs of the old shapes would otherwise stay cached
-            self.signature, self.resets = signature, self.resets + 1
+            self.resets += 1
+        self.signature = signature
         limit = self.graphs_bound
         try:
             with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
