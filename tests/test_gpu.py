@@ -146,6 +146,11 @@ def test_tiny_llama_grows_in_bf16_and_exports(tmp_path):
         exact = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).to(CUDA).eval()
         assert_near(exact(ids).logits, want, torch.float32, "fp32 logits of the exported model")
         half = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16).to(CUDA).eval()
-        assert_near(half(ids).logits, want, torch.bfloat16, "bf16 logits of the exported model")
+        # Trained weights make this model's logits sensitive to bf16 rounding (measured 5-6 % of the largest logit,
+        # on the GPU and on the CPU alike, for the module itself cast to bf16): the export in bf16 must be no further
+        # from the fp32 logits than the trained module run in bf16, within a factor 2 for the other rounding order.
+        own_error = (copy.deepcopy(trained).to(torch.bfloat16)(ids).logits.float() - want).abs().max().item()
+        error = (half(ids).logits.float() - want).abs().max().item()
+        assert error <= 2 * own_error, f"bf16 export: max difference {error:.3g}, the module in bf16 {own_error:.3g}"
         greedy = half.generate(ids[:1, :4], max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
         assert greedy.shape == (1, 12)
