@@ -32,7 +32,7 @@ from lit_growattn.dint.gpt import to_dint
 from lit_growattn.growth.shrink import shrink_form, shrink_values
 from lit_growattn.module import GrowAttentionLM
 from lit_growattn.training.checkpoint import read_checkpoint
-from lit_growattn.writing import check_output, new_file
+from lit_growattn.training.writing import check_output, new_file
 
 TARGETS = ("dint", "lowrank_dint", "mha")
 
@@ -53,8 +53,8 @@ def convert_checkpoint(
     or one per layer). Otherwise variant_args go to the new attention (`rank`, `d2_ratio` for lowrank_dint) and the
     second map is initialised from `seed`, without touching the global RNG.
 
-    dst_path is written whole or not at all (`lit_growattn.writing`): never onto src_path, and onto an existing
-    file only with overwrite=True.
+    dst_path is written whole or not at all (`lit_growattn.training.writing`): never onto src_path, and in place
+    of an existing file only with overwrite=True.
     """
     dst_path = check_output(dst_path, "file", {"the checkpoint src_path": src_path}, overwrite, option="dst_path")
     module = converted(src_path, to, seed, d_head, d_v, **variant_args)

@@ -15,7 +15,7 @@ from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.module import HFCausalLM
 from lit_growattn.training.checkpoint import read_checkpoint
 from lit_growattn.training.divergence import ADVICE, TrainingDiverged, first_names, non_finite
-from lit_growattn.writing import check_output, new_folder
+from lit_growattn.training.writing import check_output, new_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")

@@ -24,7 +24,7 @@ from torch import nn
 from lit_growattn.dint import attention as dint_layer
 from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.surgery import replace_attention
-from lit_growattn.writing import check_output, new_folder
+from lit_growattn.training.writing import check_output, new_folder
 
 FAMILIES = {
     "llama": ("llama", "Llama"),
@@ -95,8 +95,8 @@ def convert_pretrained(src: str, out: str | os.PathLike, settings: dint_layer.Di
                        overwrite: bool = False) -> nn.Module:
     """Converts the model folder `src` (save_pretrained layout) to DINT and writes it, with src's tokenizer when it
     has one and a README.md on how to load it, to the folder `out`; the weights keep their stored dtype. `out` is
-    written whole or not at all (`lit_growattn.writing`): never onto, into or above src, and in place of an existing
-    non-empty folder only with overwrite=True. Returns the converted model."""
+    written whole or not at all (`lit_growattn.training.writing`): never onto, into or above src, and in place of
+    an existing non-empty folder only with overwrite=True. Returns the converted model."""
     from transformers import AutoTokenizer
 
     from lit_growattn.hf.module import from_pretrained

@@ -24,7 +24,7 @@ from torch import nn
 from lit_growattn.attention.value import rename_linear_keys, to_linear
 from lit_growattn.hf.growable import GrowableAttention, growable_class, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
-from lit_growattn.writing import check_output, new_folder
+from lit_growattn.training.writing import check_output, new_folder
 
 PREFIX = "growattn_"
 
@@ -80,8 +80,8 @@ def to_native(attn: GrowableAttention) -> nn.Module:
 
 def export(model: nn.Module, out: str | os.PathLike, overwrite: bool = False) -> str:
     """Writes `model` (a growable AutoModelForCausalLM, unchanged) to the folder `out`; returns the model type written.
-    `out` is written whole or not at all (`lit_growattn.writing`): never onto, into or above the folder the model
-    was loaded from, and in place of an existing non-empty folder only with overwrite=True."""
+    `out` is written whole or not at all (`lit_growattn.training.writing`): never onto, into or above the folder the
+    model was loaded from, and in place of an existing non-empty folder only with overwrite=True."""
     loaded_from = model.config.name_or_path
     out = check_output(out, "folder", {"the folder the model was loaded from": loaded_from if os.path.isdir(
         loaded_from) else None}, overwrite, option="out")
