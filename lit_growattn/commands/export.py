@@ -73,6 +73,10 @@ def main(argv: list[str]) -> None:
     if args.pretrained is not None:
         if hparams["pretrained"] is None:
             raise ValueError(f"{args.ckpt} was trained from a config, not a pretrained folder: leave out --pretrained")
+        if not os.path.isfile(os.path.join(args.pretrained, "config.json")):
+            problem = "holds no config.json" if os.path.isdir(args.pretrained) else "does not exist"
+            raise FileNotFoundError(f"--pretrained {args.pretrained} {problem}: give the model folder the checkpoint "
+                                    f"was trained from ({hparams['pretrained']} then), where it is now")
         hparams["pretrained"] = args.pretrained
     tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"])
     recorded = ckpt["hyper_parameters"]["pretrained"]
