@@ -65,8 +65,8 @@ def _beside(path: Path, tag: str) -> Path:
 
 
 def _new_partial(out: Path) -> Path:
-    """A fresh temporary path beside `out` (resolved: a link is written through), after removing the ones a killed
-    earlier write to `out` left there."""
+    """A fresh temporary path beside `out` (resolved by the caller, so that a link is written through), after
+    removing the ones a killed earlier write to `out` left there."""
     out.parent.mkdir(parents=True, exist_ok=True)
     # Exactly _beside's names for `out`: `.a.*.partial` would also match the partials of a target `a.b`.
     for stale in out.parent.glob(f".{glob.escape(out.name)}.{'[0-9a-f]' * 8}.partial"):
