@@ -7,6 +7,7 @@ no refusal of an unreadable checkpoint advises loading it with weights_only=Fals
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -195,8 +196,10 @@ def mha_ckpt(tmp_path_factory):
 
 def test_convert_ckpt_writes_its_files_whole_and_never_onto_its_source(mha_ckpt, tmp_path, cli, monkeypatch):
     original = mha_ckpt.read_bytes()
-    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", mha_ckpt, "--overwrite"), "is the checkpoint")
-    assert mha_ckpt.read_bytes() == original
+    for out, relation in ((mha_ckpt, "is"), (mha_ckpt.parent, "holds"), (mha_ckpt / "x.ckpt", "is inside")):
+        refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out, "--overwrite"),
+                f"--out {out} {relation} the checkpoint", "not even with --overwrite")
+    assert mha_ckpt.read_bytes() == original and sorted(p.name for p in mha_ckpt.parent.iterdir()) == ["mha.ckpt"]
     out = tmp_path / "dint.ckpt"
     assert cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out).returncode == 0
     written = out.read_bytes(), out.with_suffix(".yaml").read_text()
@@ -204,13 +207,16 @@ def test_convert_ckpt_writes_its_files_whole_and_never_onto_its_source(mha_ckpt,
     refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out.with_suffix(".yaml"), "--overwrite"),
             "ends in .yaml")
 
-    import lit_growattn.commands.convert as convert
+    import yaml
 
-    def fail(*args, **kwargs):
+    def checkpoint_written_then_fail(*args, **kwargs):  # the model config, the second of the two files
+        (partial,) = tmp_path.glob(".dint.ckpt.*.partial")
+        assert torch.load(partial, weights_only=True)["hyper_parameters"]["attention"] == "lowrank_dint"
         raise OSError("disk full")
 
-    monkeypatch.setattr(convert, "convert_checkpoint", fail)
-    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out, "--overwrite"), "disk full")
+    monkeypatch.setattr(yaml, "safe_dump", checkpoint_written_then_fail)
+    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "lowrank_dint", "--rank", "2", "--out", out, "--overwrite"),
+            "disk full")
     assert (out.read_bytes(), out.with_suffix(".yaml").read_text()) == written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dint.ckpt", "dint.yaml"]
     monkeypatch.undo()
@@ -218,6 +224,132 @@ def test_convert_ckpt_writes_its_files_whole_and_never_onto_its_source(mha_ckpt,
     assert done.returncode == 0, done.stderr
     assert torch.load(out, weights_only=True)["hyper_parameters"]["attention"] == "lowrank_dint"
     assert "lowrank_dint" in out.with_suffix(".yaml").read_text()
+
+
+def test_convert_checkpoint_from_python_never_writes_onto_its_source_and_writes_whole(mha_ckpt, tmp_path, monkeypatch):
+    from lit_growattn.commands.convert import convert_checkpoint
+
+    original = mha_ckpt.read_bytes()
+    for dst, relation in ((mha_ckpt, "is"), (mha_ckpt.parent, "holds"), (mha_ckpt / "x.ckpt", "is inside")):
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=re.escape(f"dst_path {dst} {relation} the checkpoint src_path") +
+                               ".*not even with overwrite=True"):
+                convert_checkpoint(mha_ckpt, dst, to="mha", d_head=2, overwrite=overwrite)
+    assert mha_ckpt.read_bytes() == original and sorted(p.name for p in mha_ckpt.parent.iterdir()) == ["mha.ckpt"]
+    out = tmp_path / "small.ckpt"
+    convert_checkpoint(mha_ckpt, out, to="mha", d_head=2)
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=re.escape(f"dst_path {out} already exists: give overwrite=True to replace")):
+        convert_checkpoint(mha_ckpt, out, to="mha", d_head=3)
+    save = torch.save
+
+    def written_then_fail(obj, path, *args, **kwargs):
+        save(obj, path, *args, **kwargs)
+        assert torch.load(path, weights_only=True)["hyper_parameters"]["d_head"] == [3]  # whole, not yet in place
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", written_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        convert_checkpoint(mha_ckpt, out, to="mha", d_head=3, overwrite=True)
+    assert out.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["small.ckpt"]
+    monkeypatch.undo()
+    convert_checkpoint(mha_ckpt, out, to="mha", d_head=3, overwrite=True)
+    assert torch.load(out, weights_only=True)["hyper_parameters"]["d_head"] == [3]
+
+
+def test_convert_pretrained_from_python_never_writes_onto_its_source_and_writes_whole(model, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
+    import lit_growattn.dint.models as models
+    from lit_growattn.dint.attention import DintSettings
+
+    folder, _ = model
+    settings = DintSettings("full")
+    before = snapshot(folder.parent)
+    for out, relation in ((folder, "is"), (folder.parent, "holds"), (folder / "dint", "is inside")):
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=re.escape(f"out {out} {relation} the model folder src ({folder})") +
+                               ".*not even with overwrite=True"):
+                models.convert_pretrained(str(folder), out, settings, overwrite=overwrite)
+    assert snapshot(folder.parent) == before
+    out = tmp_path / "dint"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match=re.escape(f"out {out} already exists (keep.txt): give overwrite=True")):
+        models.convert_pretrained(str(folder), out, settings)
+
+    def weights_written_then_fail(partial, *args):  # the loading files, the last ones
+        assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in partial.iterdir()}
+        raise OSError("disk full")
+
+    monkeypatch.setattr(models, "write_loading_files", weights_written_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        models.convert_pretrained(str(folder), out, settings, overwrite=True)
+    assert snapshot(out) == {"keep.txt": b"mine"} and sorted(p.name for p in tmp_path.iterdir()) == ["dint"]
+    monkeypatch.undo()
+    models.convert_pretrained(str(folder), out, settings, overwrite=True)
+    assert AutoConfig.from_pretrained(out).model_type == "dint_llama" and not (out / "keep.txt").exists()
+
+
+def test_export_from_python_never_writes_onto_its_source_and_writes_whole(model, tmp_path, monkeypatch):
+    import transformers.modeling_utils
+
+    from lit_growattn.hf import HFCausalLM
+    from lit_growattn.hf.export import export
+
+    folder, _ = model
+    grown = {d: HFCausalLM(pretrained=str(folder), head_sizes=[d, d]).model for d in (10, 12)}
+    before = snapshot(folder.parent)
+    for out, relation in ((folder, "is"), (folder.parent, "holds"), (folder / "sub", "is inside")):
+        for overwrite in (False, True):
+            with pytest.raises(ValueError, match=re.escape(f"out {out} {relation} the folder the model was loaded "
+                                                           f"from ({folder})") + ".*not even with overwrite=True"):
+                export(grown[10], out, overwrite=overwrite)
+    assert snapshot(folder.parent) == before
+    out = tmp_path / "out"
+    export(grown[10], out)
+    old = snapshot(out)
+    with pytest.raises(ValueError, match=re.escape(f"out {out} already exists (config.json") + ".*give overwrite=True"):
+        export(grown[12], out)
+
+    def config_written_then_fail(*args, **kwargs):  # the weights, after config.json
+        (partial,) = tmp_path.glob(".out.*.partial")
+        assert (partial / "config.json").is_file()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", config_written_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        export(grown[12], out, overwrite=True)
+    assert snapshot(out) == old and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    monkeypatch.undo()
+    export(grown[12], out, overwrite=True)
+    assert load(out).config.qk_head_sizes == [12, 12]
+
+
+def test_export_onto_a_link_replaces_the_folder_it_points_to_and_keeps_the_link(model, tmp_path, cli):
+    folder, ckpt = model
+    real = tmp_path / "v1"
+    assert cli("export", "--ckpt", ckpt, "--out", real).returncode == 0
+    (real / "notes.txt").write_text("old")
+    link = tmp_path / "latest"
+    link.symlink_to(real)
+    refused(cli("export", "--ckpt", ckpt, "--out", link), f"--out {link} already exists", "--overwrite")
+    done = cli("export", "--ckpt", ckpt, "--out", link, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and link.resolve() == real and not (real / "notes.txt").exists()
+    assert load(link).config.qk_head_sizes == [10, 10]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "v1"]  # nothing hidden left beside them
+
+
+def test_convert_names_a_damaged_weights_file(model, tmp_path, cli):
+    folder, _ = model
+    damaged = tmp_path / "damaged"
+    shutil.copytree(folder, damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    refused(cli("convert", "--pretrained", damaged, "--to", "dint", "--out", tmp_path / "dint"),
+            f"ValueError: {weights} is damaged", "save or download the model folder again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged"]
 
 
 # -- item 8: the low-rank DINT rank ------------------------------------------------------------------------------
@@ -296,6 +428,15 @@ def test_export_of_a_moved_folder_takes_pretrained(model, tmp_path, cli):
     done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "out", "--pretrained", tmp_path / "now_here")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+def test_export_names_a_pretrained_folder_that_is_not_there(model, tmp_path, cli):
+    folder, ckpt = model
+    (tmp_path / "empty").mkdir()
+    for pretrained, problem in ((tmp_path / "nowhere", "does not exist"), (tmp_path / "empty", "holds no config.json")):
+        refused(cli("export", "--ckpt", ckpt, "--out", tmp_path / "out", "--pretrained", pretrained),
+                f"--pretrained {pretrained} {problem}: give the model folder the checkpoint was trained from ({folder} ")
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_copies_the_tokenizer_the_model_was_trained_with(model, tmp_path, cli):

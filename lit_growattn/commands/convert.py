@@ -28,11 +28,11 @@ import lightning as L
 import torch
 import yaml
 
-from lit_growattn.commands.writing import check_output, new_file, new_folder
 from lit_growattn.dint.gpt import to_dint
 from lit_growattn.growth.shrink import shrink_form, shrink_values
 from lit_growattn.module import GrowAttentionLM
 from lit_growattn.training.checkpoint import read_checkpoint
+from lit_growattn.training.writing import check_output, new_file
 
 TARGETS = ("dint", "lowrank_dint", "mha")
 
@@ -44,6 +44,7 @@ def convert_checkpoint(
     seed: int = 0,
     d_head: int | list[int] | None = None,
     d_v: int | list[int] | None = None,
+    overwrite: bool = False,
     **variant_args,
 ) -> GrowAttentionLM:
     """Converts the `mha` checkpoint at src_path and saves it at dst_path; returns the converted module.
@@ -51,7 +52,20 @@ def convert_checkpoint(
     to="mha" shrinks every layer's query/key head size to d_head and/or its value head size to d_v (each one int,
     or one per layer). Otherwise variant_args go to the new attention (`rank`, `d2_ratio` for lowrank_dint) and the
     second map is initialised from `seed`, without touching the global RNG.
+
+    dst_path is written whole or not at all (`lit_growattn.training.writing`): never onto src_path, and in place
+    of an existing file only with overwrite=True.
     """
+    dst_path = check_output(dst_path, "file", {"the checkpoint src_path": src_path}, overwrite, option="dst_path")
+    module = converted(src_path, to, seed, d_head, d_v, **variant_args)
+    with new_file(dst_path) as partial:
+        save_weights(module, partial)
+    return module
+
+
+def converted(src_path: str | Path, to: str, seed: int, d_head: int | list[int] | None, d_v: int | list[int] | None,
+              **variant_args) -> GrowAttentionLM:
+    """convert_checkpoint's module, not written (the command writes it together with its model config)."""
     if to not in TARGETS:
         raise ValueError(f"can convert mha to {', '.join(TARGETS)}, not {to!r}")
     if (to == "mha") != (d_head is not None or d_v is not None):
@@ -73,9 +87,12 @@ def convert_checkpoint(
         forms = GrowAttentionLM(**hparams).model.named_qk_forms()  # mha: one form per layer
     hparams["d_head"] = [state[f"model.{name}.w_q"].shape[-1] for _, name, _ in forms]
     if to == "mha":
-        module = _shrunk(src_path, hparams, state, d_head, d_v)
-    else:
-        module = to_dint(src_path, hparams, state, to, seed, variant_args)
+        return _shrunk(src_path, hparams, state, d_head, d_v)
+    return to_dint(src_path, hparams, state, to, seed, variant_args)
+
+
+def save_weights(module: GrowAttentionLM, path: Path) -> None:
+    """`module` as a weights-only checkpoint that load_from_checkpoint reads."""
     torch.save(
         {
             "state_dict": module.state_dict(),
@@ -83,9 +100,8 @@ def convert_checkpoint(
             "hparams_name": "kwargs",
             "pytorch-lightning_version": L.__version__,
         },
-        dst_path,
+        path,
     )
-    return module
 
 
 def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int] | None,
@@ -149,9 +165,10 @@ def main(argv: list[str] | None = None) -> None:
                          "give the checkpoint's name, e.g. converted.ckpt")
     check_output(config_path, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite, option="--out's model config")
     one_or_list = lambda sizes: None if sizes is None else sizes[0] if len(sizes) == 1 else sizes  # noqa: E731
+    module = converted(args.ckpt, args.to, args.seed, one_or_list(args.d_head), one_or_list(args.d_v), **variant_args)
+    # Both partial files are complete before either is renamed into place.
     with new_file(out) as partial_ckpt, new_file(config_path) as partial_config:
-        module = convert_checkpoint(args.ckpt, partial_ckpt, args.to, seed=args.seed, d_head=one_or_list(args.d_head),
-                                    d_v=one_or_list(args.d_v), **variant_args)
+        save_weights(module, partial_ckpt)
         # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
         init_args = {k: v for k, v in module.hparams.items() if k not in ("vocab_size", "block_size")}
         init_args["init_from"] = str(out.resolve())
@@ -172,9 +189,8 @@ def _convert_pretrained(parser: argparse.ArgumentParser, args: argparse.Namespac
     kind = "lowrank" if args.to == "lowrank_dint" else "full"
     settings = DintSettings(kind, rank=variant_args.get("rank"), d2_ratio=variant_args.get("d2_ratio"))
     out = check_output(args.out, "folder", {"the model folder --pretrained": args.pretrained}, args.overwrite)
-    with new_folder(out) as folder:
-        convert_pretrained(args.pretrained, folder, settings, seed=args.seed, name=str(out))
-        has_tokenizer = (folder / "tokenizer_config.json").is_file()
+    convert_pretrained(args.pretrained, out, settings, seed=args.seed, overwrite=args.overwrite)
+    has_tokenizer = (out / "tokenizer_config.json").is_file()
     # Every run config takes these: the model class and the folder replace the config's model, its tokenizer the data's.
     command = ["python", "-m", "lit_growattn", "fit", "--config", "<run config>", "--model=lit_growattn.hf.HFCausalLM",
                "--model.init_args.config=null", f"--model.init_args.pretrained={out}", "--model.init_args.growable=false"]

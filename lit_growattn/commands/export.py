@@ -10,12 +10,12 @@ import os
 import shutil
 from pathlib import Path
 
-from lit_growattn.commands.writing import check_output, new_folder
-from lit_growattn.hf.export import export, registered_here
+from lit_growattn.hf.export import registered_here, save_export
 from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.module import HFCausalLM
 from lit_growattn.training.checkpoint import read_checkpoint
 from lit_growattn.training.divergence import ADVICE, TrainingDiverged, first_names, non_finite
+from lit_growattn.training.writing import check_output, new_folder
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
@@ -73,6 +73,10 @@ def main(argv: list[str]) -> None:
     if args.pretrained is not None:
         if hparams["pretrained"] is None:
             raise ValueError(f"{args.ckpt} was trained from a config, not a pretrained folder: leave out --pretrained")
+        if not os.path.isfile(os.path.join(args.pretrained, "config.json")):
+            problem = "holds no config.json" if os.path.isdir(args.pretrained) else "does not exist"
+            raise FileNotFoundError(f"--pretrained {args.pretrained} {problem}: give the model folder the checkpoint "
+                                    f"was trained from ({hparams['pretrained']} then), where it is now")
         hparams["pretrained"] = args.pretrained
     tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"])
     recorded = ckpt["hyper_parameters"]["pretrained"]
@@ -87,7 +91,7 @@ def main(argv: list[str]) -> None:
     module = HFCausalLM(**{k: v for k, v in hparams.items() if k in inspect.signature(HFCausalLM).parameters})
     module.load_state_dict(ckpt["state_dict"])
     with new_folder(out) as folder:
-        written = export(module.model, folder)
+        written = save_export(module.model, folder)
         copied = copy_tokenizer(tokenizer, folder)
         if registered_here(written):
             write_loading_files(folder, written, str(out), f"`python -m lit_growattn export` of {args.ckpt}")

@@ -24,6 +24,7 @@ from torch import nn
 from lit_growattn.dint import attention as dint_layer
 from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.hf.surgery import replace_attention
+from lit_growattn.training.writing import check_output, new_folder
 
 FAMILIES = {
     "llama": ("llama", "Llama"),
@@ -90,29 +91,33 @@ def convert_to_dint(model: nn.Module, settings: dint_layer.DintSettings, seed: i
     return converted.eval() if not model.training else converted
 
 
-def convert_pretrained(src: str, out: str | os.PathLike, settings: dint_layer.DintSettings, seed: int = 0, name: str | None = None
-                       ) -> nn.Module:
+def convert_pretrained(src: str, out: str | os.PathLike, settings: dint_layer.DintSettings, seed: int = 0,
+                       overwrite: bool = False) -> nn.Module:
     """Converts the model folder `src` (save_pretrained layout) to DINT and writes it, with src's tokenizer when it
-    has one and a README.md on how to load it, to `out`; the weights keep their stored dtype. `name`: the folder's
-    name in the README (out's, unless out is a temporary folder). Returns the converted model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    has one and a README.md on how to load it, to the folder `out`; the weights keep their stored dtype. `out` is
+    written whole or not at all (`lit_growattn.training.writing`): never onto, into or above src, and in place of
+    an existing non-empty folder only with overwrite=True. Returns the converted model."""
+    from transformers import AutoTokenizer
 
+    from lit_growattn.hf.module import from_pretrained
     from lit_growattn.training.checkpoint import refusal, unsafe_load_refused
 
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise FileNotFoundError(f"--pretrained {src!r} is not a model folder (no config.json): give a local folder "
                                 "written by save_pretrained (models are never downloaded here)")
+    out = check_output(out, "folder", {"the model folder src": src}, overwrite, option="out")
     try:
-        model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
+        model = from_pretrained(src, dtype="auto")
     except (pickle.UnpicklingError, RuntimeError) as error:  # a pytorch_model.bin that weights_only loading refuses
         if unsafe_load_refused(error):
             raise refusal(f"a weights file of {src}", error) from None
         raise
     converted = convert_to_dint(model, settings, seed)
-    converted.save_pretrained(out)
-    if any(os.path.isfile(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    write_loading_files(out, converted.config.model_type, name or str(out), f"the DINT conversion of {src}")
+    with new_folder(out) as folder:
+        converted.save_pretrained(folder)
+        if any(os.path.isfile(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            AutoTokenizer.from_pretrained(src).save_pretrained(folder)
+        write_loading_files(folder, converted.config.model_type, str(out), f"the DINT conversion of {src}")
     return converted
 
 

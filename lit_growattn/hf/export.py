@@ -24,6 +24,7 @@ from torch import nn
 from lit_growattn.attention.value import rename_linear_keys, to_linear
 from lit_growattn.hf.growable import GrowableAttention, growable_class, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
+from lit_growattn.training.writing import check_output, new_folder
 
 PREFIX = "growattn_"
 
@@ -77,8 +78,20 @@ def to_native(attn: GrowableAttention) -> nn.Module:
     return native
 
 
-def export(model: nn.Module, out: str | os.PathLike) -> str:
-    """Writes `model` (a growable AutoModelForCausalLM, unchanged) to the folder `out`; returns the model type written."""
+def export(model: nn.Module, out: str | os.PathLike, overwrite: bool = False) -> str:
+    """Writes `model` (a growable AutoModelForCausalLM, unchanged) to the folder `out`; returns the model type written.
+    `out` is written whole or not at all (`lit_growattn.training.writing`): never onto, into or above the folder the
+    model was loaded from, and in place of an existing non-empty folder only with overwrite=True."""
+    loaded_from = model.config.name_or_path
+    out = check_output(out, "folder", {"the folder the model was loaded from": loaded_from if os.path.isdir(
+        loaded_from) else None}, overwrite, option="out")
+    with new_folder(out) as folder:
+        return save_export(model, folder)
+
+
+def save_export(model: nn.Module, folder: str | os.PathLike) -> str:
+    """export's writing, into `folder` as it is: for a folder of the writing layer that gets more files (the
+    `export` command adds the tokenizer)."""
     model = copy.deepcopy(model)
     if natively_expressible(model):
         for name, attn in _growables(model):
@@ -93,7 +106,7 @@ def export(model: nn.Module, out: str | os.PathLike) -> str:
         settings.pop("model_type", None)
         model.config = config_cls(**{k: v for k, v in settings.items() if k not in ("architectures", "transformers_version")})
         model.__class__ = model_cls
-    model.save_pretrained(out)
+    model.save_pretrained(folder)
     return model.config.model_type
 
 

@@ -60,7 +60,7 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
         raise ValueError(f"{pretrained} is a {hf_config.model_type!r} model; supported model types: {supported()} "
                          "(and their DINT conversions, dint_<type>)")
     if in_folder:
-        model = from_pretrained(pretrained, attn_implementation)
+        model = from_pretrained(pretrained, dtype=torch.float32, attn_implementation=attn_implementation)
     else:
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation)
     # from_pretrained returns the model in eval mode, and Lightning keeps modules' modes: fine-tuning would run
@@ -68,13 +68,14 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
     return model.train()
 
 
-def from_pretrained(folder: str, attn_implementation: str):
-    """The folder's model in float32; a damaged weights file is named (safetensors' own error does not)."""
+def from_pretrained(folder: str, **kwargs):
+    """The folder's model (kwargs go to AutoModelForCausalLM.from_pretrained); a damaged weights file is named
+    (safetensors' own error does not)."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except SafetensorError as error:
         files = ", ".join(unreadable_safetensors(folder)) or f"a .safetensors file in {folder}"
         raise ValueError(f"{files} is damaged (truncated or overwritten?) and cannot be read ({error}); save or "
