@@ -7,7 +7,7 @@ Batches are the data modules' (inputs, labels) pairs with labels already shifted
 cross-entropy (the model's own loss would shift a second time).
 
 A checkpoint does not need the pretrained folder: the folder's config is recorded in the hyperparameters
-(`pretrained_config`), and the weights are in the checkpoint.
+(`pretrained_config`), and the weights are in the checkpoint. Where a folder is there, it must hold that config.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
                                 "local folder written by save_pretrained (models are never downloaded here)")
     if in_folder:
         hf_config = AutoConfig.from_pretrained(pretrained)
-        if pretrained_config is not None:  # a checkpoint's model: the config it recorded is the one to build
+        if pretrained_config is not None:  # a checkpoint's model: the folder must hold the config it recorded
             refuse_another_model(pretrained, hf_config, pretrained_config)
     elif pretrained is not None:
         hf_config = CONFIG_MAPPING[pretrained_config["model_type"]].from_dict(pretrained_config)
@@ -149,7 +149,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
             tokenizer.json file or a folder holding one, or a hub name. The CLI gives it to a data module whose
             tokenizer is left out (so a resumed run keeps its tokenizer).
         pretrained_config: recorded: the pretrained folder's config (config.json as a mapping), from which a
-            checkpoint rebuilds the model when the folder has moved.
+            checkpoint rebuilds the model when the folder has moved, and which a folder found must match.
     """
 
     def __init__(
