@@ -24,7 +24,8 @@ VOCAB = 320
 
 
 def same_shaped(folder, model_type: str = "llama", **settings) -> str:
-    """A tiny random model saved in `folder` with the weight shapes of the trained one, and `settings` on its config."""
+    """A tiny random model of `model_type` saved in `folder`, `settings` on its config (a llama has the weight shapes
+    of the trained one: its state dict would load without a word)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
@@ -93,7 +94,7 @@ def test_a_folder_replaced_in_place_is_refused_and_the_fixes_it_names_give_the_t
     folder, ckpt, module = run
     shutil.copytree(folder, tmp_path / "kept")
     shutil.rmtree(folder)
-    same_shaped(folder, tie_word_embeddings=True)  # its tokenizer files gone too: only the config is checked first
+    same_shaped(folder, tie_word_embeddings=True)
     differs = "tie_word_embeddings: recorded False, folder True"
     assert differs in refusal(cli("export", "--ckpt", ckpt, "--out", tmp_path / "out"))
     with pytest.raises(ValueError, match=f"{folder} is not the model this checkpoint was trained from: .*{differs}"):
