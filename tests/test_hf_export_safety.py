@@ -6,6 +6,7 @@ no refusal of an unreadable checkpoint advises loading it with weights_only=Fals
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -382,35 +383,50 @@ def test_the_fine_tune_command_that_convert_prints_runs(model, tmp_path, cli):
 
 
 LOADS_WITHOUT_IMPORT = """
+import builtins
 import sys
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+
+def prompt(question=""):
+    print("PROMPTED:", question.splitlines()[0])
+    raise EOFError  # as a closed stdin answers
+
+
+builtins.input = prompt
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+print("TOKENIZER:", tokenizer.eos_token, "lit_growattn" in sys.modules)
 try:
-    AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
 except ValueError as error:
     print("REFUSED:", error)
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32).eval()
-print("LOADED:", type(model).__name__, "lit_growattn" in sys.modules)
+import lit_growattn.hf
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+print("LOADED:", type(model).__name__)
 with torch.no_grad():
     torch.save(model(torch.arange(12)[None] % 96).logits, sys.argv[2])
 """
 
 
-def test_a_grown_export_says_how_to_load_it_and_loads_without_the_import(model, tmp_path, cli):
+def test_a_grown_export_says_how_to_load_it_and_its_tokenizer_loads_without_the_import_or_a_prompt(model, tmp_path,
+                                                                                                    cli):
     folder, ckpt = model
     done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "grown")
     assert done.returncode == 0, done.stderr
     assert "model type growattn_llama" in done.stdout and "load it after `import lit_growattn.hf`" in done.stdout
     assert "import lit_growattn.hf" in (tmp_path / "grown" / "README.md").read_text()
+    assert "auto_map" not in json.loads((tmp_path / "grown" / "config.json").read_text())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
     child = subprocess.run([sys.executable, "-c", LOADS_WITHOUT_IMPORT, str(tmp_path / "grown"), str(tmp_path / "l.pt")],
                            env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert child.returncode == 0, child.stderr[-3000:]
-    refusal = child.stdout[child.stdout.index("REFUSED:"):child.stdout.index("LOADED:")]
-    assert "trust_remote_code=True" in refusal and "upgrade" not in refusal
-    assert "LOADED: GrowAttnLlamaForCausalLM True" in child.stdout
+    assert "PROMPTED" not in child.stdout
+    assert "TOKENIZER: <eos> False" in child.stdout  # the tokenizer needs neither lit_growattn nor remote code
+    # No remote code to trust: the model type is lit_growattn's, and transformers says it does not know it.
+    assert "REFUSED: The checkpoint you are trying to load has model type `growattn_llama`" in child.stdout
+    assert "LOADED: GrowAttnLlamaForCausalLM" in child.stdout
     with torch.no_grad():
         expected = load(tmp_path / "grown")(torch.arange(12)[None] % VOCAB).logits  # this process imported it
     torch.testing.assert_close(torch.load(tmp_path / "l.pt"), expected, rtol=0, atol=1e-6)

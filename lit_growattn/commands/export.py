@@ -28,13 +28,14 @@ def training_tokenizer(hparams: dict, pretrained: str | None) -> str | None:
     tokenizer = hparams.get("tokenizer") or recorded_folder  # recorded since fit names it; before, the folder's own
     if tokenizer in (None, "bytes"):
         return None
-    if recorded_folder is not None and Path(tokenizer).resolve() == Path(recorded_folder).resolve():
-        tokenizer = pretrained  # the model folder's own tokenizer, wherever the folder is now
+    path = Path(tokenizer).resolve()
+    of_folder = recorded_folder is not None and Path(recorded_folder).resolve() in (path, path.parent)
+    if of_folder:  # the model folder's own tokenizer (or its tokenizer.json), wherever the folder is now
+        tokenizer = pretrained if path == Path(recorded_folder).resolve() else os.path.join(pretrained, path.name)
     if not os.path.exists(tokenizer):
-        moved = tokenizer == pretrained
         raise FileNotFoundError(
             f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or file here (moved?): "
-            + ("give --pretrained DIR, the folder's new place" if moved else "put it there (export copies the "
+            + ("give --pretrained DIR, the folder's new place" if of_folder else "put it there (export copies the "
                "tokenizer the model was trained with, never another)"))
     return tokenizer
 
@@ -44,6 +45,11 @@ def copy_tokenizer(source: str | None, folder: Path) -> list[str]:
     the names written."""
     if source is None:
         return []
+    # A tokenizer folder's own tokenizer.json is that folder's tokenizer: its tokenizer_config.json names the special
+    # tokens (eos, bos, pad), which tokenizer.json alone does not.
+    if os.path.basename(source) == "tokenizer.json" and os.path.isfile(
+            os.path.join(os.path.dirname(source), "tokenizer_config.json")):
+        source = os.path.dirname(source)
     if os.path.isfile(source):  # a bare tokenizers file: a tokenizer_config.json lets AutoTokenizer load it
         shutil.copy(source, folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -101,7 +107,7 @@ def main(argv: list[str]) -> None:
         tokens = "no tokenizer files: the model was trained on raw bytes (token ids 0–255, the bytes of UTF-8 text)"
     else:
         tokens = f"no tokenizer files ({tokenizer} has none)" if tokenizer else "no tokenizer (the checkpoint names none)"
-    loading = (f"; load it after `import lit_growattn.hf`, or with trust_remote_code=True ({out / 'README.md'})"
+    loading = (f"; load it after `import lit_growattn.hf` ({out / 'README.md'})"
                if registered_here(written) else "")
     sizes = f", query/key head sizes {module.head_sizes()}" if module.head_sizes() else ""  # none: DINT, not growable
     print(f"wrote {out}: model type {written}{sizes}, {tokens}{loading}")

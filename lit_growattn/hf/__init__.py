@@ -3,8 +3,8 @@
 surgery   replace each layer's native attention by a module built from it, by model type.
 growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [rotary | NoPE], GQA; the value map.
 module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
-export    a trained model as a save_pretrained folder; loading: the README.md and loader that say how such a
-          folder of a model type registered here is loaded.
+export    a trained model as a save_pretrained folder; loading: the README.md that says how such a folder of a
+          model type registered here is loaded.
 
 DINT conversions of these models are `lit_growattn.dint`'s. Importing this package (and only this: `import
 lit_growattn` leaves it alone) registers every model type the project writes with transformers' Auto classes: the

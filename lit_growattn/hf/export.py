@@ -1,6 +1,5 @@
 """Export of a growable Hugging Face model as a `save_pretrained` folder that `AutoModelForCausalLM.from_pretrained`
-loads back after `import lit_growattn.hf` (no remote code; `hf.loading` adds a README.md saying so, and a loader for
-`trust_remote_code=True` that only imports lit_growattn.hf).
+loads back after `import lit_growattn.hf` (no remote code; `hf.loading` adds a README.md saying so).
 
 - Expressible natively (every layer at its rotary/original query/key width and its original value width, and for
   Qwen3 one temperature per layer, since its q_norm is scale-invariant): the original architecture, with τ_j/scaling

@@ -7,7 +7,7 @@ Batches are the data modules' (inputs, labels) pairs with labels already shifted
 cross-entropy (the model's own loss would shift a second time).
 
 A checkpoint does not need the pretrained folder: the folder's config is recorded in the hyperparameters
-(`pretrained_config`), and the weights are in the checkpoint.
+(`pretrained_config`), and the weights are in the checkpoint. Where a folder is there, it must hold that config.
 """
 
 from __future__ import annotations
@@ -46,6 +46,8 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
                                 "local folder written by save_pretrained (models are never downloaded here)")
     if in_folder:
         hf_config = AutoConfig.from_pretrained(pretrained)
+        if pretrained_config is not None:  # a checkpoint's model: the folder must hold the config it recorded
+            refuse_another_model(pretrained, hf_config, pretrained_config)
     elif pretrained is not None:
         hf_config = CONFIG_MAPPING[pretrained_config["model_type"]].from_dict(pretrained_config)
     else:
@@ -66,6 +68,34 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
     # from_pretrained returns the model in eval mode, and Lightning keeps modules' modes: fine-tuning would run
     # without dropout.
     return model.train()
+
+
+# Fields of config.json that say how a folder was written or is loaded, not what its model computes: the transformers
+# release that wrote it, the folder's own path, the class names, the dtype it was saved in (weights are read in
+# float32 here), the attention kernel (HFCausalLM's own attn_implementation setting picks it) and `auto_map` (which
+# code loads it). Any other field differing is another model, e.g. tie_word_embeddings or rope_parameters.
+LOADING_FIELDS = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
+                  "attn_implementation", "_attn_implementation", "auto_map"}
+
+
+def refuse_another_model(folder: str, hf_config, recorded: dict[str, Any]) -> None:
+    """Refuses a pretrained folder whose config is not the one a checkpoint recorded: its weights would be laid out
+    the same and compute something else (different logits, no error)."""
+    from transformers import CONFIG_MAPPING
+
+    # The recorded mapping read back by this transformers release, as the folder's is: fields a newer release adds
+    # then carry the same defaults on both sides.
+    recorded = CONFIG_MAPPING[recorded["model_type"]].from_dict(recorded).to_dict()
+    found = hf_config.to_dict()
+    fields = ["model_type"] if recorded["model_type"] != found["model_type"] else sorted(
+        k for k in recorded.keys() | found.keys() if k not in LOADING_FIELDS and recorded.get(k) != found.get(k))
+    if fields:
+        listed = "; ".join(f"{k}: recorded {recorded.get(k)!r}, folder {found.get(k)!r}" for k in fields)
+        raise ValueError(f"{folder} is not the model this checkpoint was trained from: its config.json differs from "
+                         f"the config the checkpoint recorded ({listed}). Point at the folder the model was trained "
+                         "from (export: --pretrained DIR; Python: HFCausalLM.load_from_checkpoint(CKPT, "
+                         f"pretrained=DIR)); where that folder is lost, move {folder} away, and the model is rebuilt "
+                         "from the config the checkpoint recorded")
 
 
 def from_pretrained(folder: str, **kwargs):
@@ -120,7 +150,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
             tokenizer.json file or a folder holding one, or a hub name. The CLI gives it to a data module whose
             tokenizer is left out (so a resumed run keeps its tokenizer).
         pretrained_config: recorded: the pretrained folder's config (config.json as a mapping), from which a
-            checkpoint rebuilds the model when the folder has moved.
+            checkpoint rebuilds the model when the folder has moved, and which a folder found must match.
     """
 
     def __init__(
