@@ -72,10 +72,12 @@ class GrowAttentionCallback(Callback):
         self.window = StatsWindow(growth.method, halves=schedule.splits_window)
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
+        self._fitting = False
 
     # -- checks before any work is done --------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._strategy, self._rank, self._world = trainer.strategy, trainer.global_rank, trainer.world_size
+        self._fitting = stage == "fit"
         if stage != "fit":
             return
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
@@ -297,6 +299,8 @@ class GrowAttentionCallback(Callback):
         resize_averaged_to(trainer, checkpoint["state_dict"])
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if not self._fitting:  # validate/test evaluate the checkpoint's weights: its growth state plays no part
+            return
         check_same_schedule(state_dict, self.schedule.kind)
         # Another side would not match the window's sums, and AutoSchedule's budget counts the sides it grew.
         if state_dict.get("grow", self.settings.grow) != self.settings.grow:  # absent: written before value growth

@@ -264,9 +264,15 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step(batch, "val", dataloader_idx)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step(batch, "test", dataloader_idx)
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], split: str, dataloader_idx: int) -> Tensor:
         loss = self.batch_loss(batch)
         names = getattr(self.trainer.datamodule, "val_names", None) if self._trainer else None
-        name = names[dataloader_idx] if names else ""  # "" is the main held-out set: `val/loss`
-        prefix = f"val/{name}" if name else "val"
+        name = names[dataloader_idx] if names else ""  # "" is the main held-out set: `val/loss`, `test/loss`
+        prefix = f"{split}/{name}" if name else split
         self.log(f"{prefix}/loss", loss, prog_bar=not name, add_dataloader_idx=False, sync_dist=True)
         return loss
