@@ -181,13 +181,31 @@ class GrowAttentionCallback(Callback):
                 "statistics.layers_per_step": self.statistics.layers_per_step,
                 "step_search.batches": self.line_search_batches}
 
-    def _forms(self, pl_module: L.LightningModule) -> NamedForms:
-        """The query/key forms and value maps that grow at the next event (layer, qualified parameter-name prefix,
+    def _units(self, pl_module: L.LightningModule) -> NamedForms:
+        """The query/key forms and value maps of the next event's layers (layer, qualified parameter-name prefix,
         form or map), as `growth.grow` chooses."""
         layers = layers_of_event(self._layers, self.statistics.layers_per_event, len(self.history))
         units = ((pl_module.growable_forms() if self.settings.grows("query_key") else [])
                  + (pl_module.growable_values() if self.settings.grows("value") else []))
         return [named for named in units if named.layer in layers]
+
+    def _capped(self, named) -> bool:
+        """Whether a unit has no room left under growth.max_d_head / max_d_v (or its rank bound)."""
+        form = named.form
+        return form.width >= min(self.settings.max_width(growth.is_value(form)), form.max_width)
+
+    def _forms(self, pl_module: L.LightningModule) -> NamedForms:
+        """The units that grow at the next event: those with room left. A capped one gathers no statistics."""
+        return [named for named in self._units(pl_module) if not self._capped(named)]
+
+    def _capped_text(self, pl_module: L.LightningModule) -> str:
+        """e.g. `d_v at growth.max_d_v=11 in layers [0, 1]`: the next event's capped sides ("": none)."""
+        capped: dict[str, set[int]] = {}
+        for named in filter(self._capped, self._units(pl_module)):
+            capped.setdefault(growth.head_size_of(named.form), set()).add(named.layer)
+        setting = {"d_head": "max_d_head", "d_v": "max_d_v"}
+        return ", ".join(f"{side} at growth.{setting[side]}={self.settings.max_width(side == 'd_v')} in layers "
+                         f"{sorted(layers)}" for side, layers in capped.items())
 
     def _sizes(self, pl_module: L.LightningModule) -> dict[str, list[int]]:
         """The head sizes an event record keeps: d_head, and d_v when the value side grows."""
@@ -210,6 +228,8 @@ class GrowAttentionCallback(Callback):
         if not left:
             return
         forms = self._forms(pl_module)
+        if not forms:  # every unit of the event is capped: the event is skipped, with nothing to gather
+            return
         active = layers_in_turn(sorted({f.layer for f in forms}), self._per_step, batches - left)
         mode = capture_mode(self.statistics.capture, pl_module.device)
         self.window.begin_step(point.name, forms, active, mode, self._window_settings(trainer),
@@ -235,8 +255,12 @@ class GrowAttentionCallback(Callback):
 
     def _grow(self, trainer: L.Trainer, pl_module: L.LightningModule, point: GrowthPoint, batch_idx: int) -> None:
         forms = self._forms(pl_module)
+        capped = self._capped_text(pl_module)
         where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch": batch_idx,
-                 **{f"{key}_before": sizes for key, sizes in self._sizes(pl_module).items()}}
+                 **{f"{key}_before": sizes for key, sizes in self._sizes(pl_module).items()},
+                 **({"capped": capped} if capped else {})}
+        if not forms:
+            return self._skip(trainer, pl_module, where, f"nothing has room left to grow ({capped})")
         window = self.window
         if window.event != point.name or window.stats is None:
             return self._skip(trainer, pl_module, where, "no statistics were gathered for it")

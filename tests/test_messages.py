@@ -1,0 +1,65 @@
+"""Messages as a user meets them through `python -m lit_growattn`: each names the problem and a fix that works as
+written (issue 52)."""
+
+import pytest
+import torch
+
+from lit_growattn.growing.window import StatsWindow
+
+from conftest import REPO, needs_transformers
+
+# One layer, growth at epochs 1 and 2 of 3 (4 steps each) from one statistics batch.
+TWO_EVENTS = ["--config", str(REPO / "configs/mqar_grow.yaml"), "--trainer.max_epochs=3",
+              "--trainer.callbacks.init_args.schedule.init_args.epochs=[1,2]",
+              "--trainer.callbacks.init_args.statistics.batches=1", "--model.init_args.n_layer=1",
+              "--model.init_args.n_embd=32", "--model.init_args.d_v=8", "--data.init_args.num_train_examples=128",
+              "--data.init_args.num_val_examples=32", "--data.init_args.batch_size=32",
+              "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+              "--trainer.callbacks.init_args.growth.value_columns=3", "--trainer.callbacks.init_args.growth.max_d_v=11"]
+
+
+@pytest.fixture
+def gathered(monkeypatch):
+    """Per event, the names of the units that gathered statistics for it."""
+    seen: dict[str, set[str]] = {}
+    begin = StatsWindow.begin_step
+
+    def spy(self, event, forms, *args, **kwargs):
+        seen.setdefault(event, set()).update(name for _, name, _ in forms)
+        return begin(self, event, forms, *args, **kwargs)
+
+    monkeypatch.setattr(StatsWindow, "begin_step", spy)
+    return seen
+
+
+def test_a_value_event_capped_by_max_d_v_is_skipped_without_gathering_statistics(tmp_path, cli, gathered):
+    done = cli("fit", *TWO_EVENTS, "--trainer.callbacks.init_args.growth.grow=value",
+               "--trainer.callbacks.init_args.growth.columns=null", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "growth at step 4 (epoch 1): d_v 8→11 per layer" in done.stdout
+    assert ("growth at step 8 (epoch 2): skipped, nothing has room left to grow (d_v at growth.max_d_v=11 in layers "
+            "[0]); d_head stays [2], d_v stays [11]") in done.stdout
+    assert set(gathered) == {"epoch 1"}
+
+
+def test_a_capped_side_of_a_growth_of_both_is_skipped_and_the_other_grows(tmp_path, cli, gathered):
+    done = cli("fit", *TWO_EVENTS, "--trainer.callbacks.init_args.growth.grow=both",
+               f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("growth at step 8")]
+    assert line.startswith("growth at step 8 (epoch 2): d_head 4→6 per layer, α=")
+    assert line.endswith("; skipped: d_v at growth.max_d_v=11 in layers [0]")
+    assert {name.endswith(".value") for name in gathered["epoch 1"]} == {True, False}
+    assert gathered["epoch 2"] and not any(name.endswith(".value") for name in gathered["epoch 2"])
+
+
+def test_export_prints_the_value_head_sizes_too(tmp_path, cli):
+    needs_transformers()
+    from hf_helpers import tiny_config
+    from lit_growattn.hf import HFCausalLM
+
+    module = HFCausalLM(config=tiny_config("llama").to_dict(), head_sizes=[9, 9], v_head_sizes=[10, 11])
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "grown.ckpt")
+    done = cli("export", "--ckpt", tmp_path / "grown.ckpt", "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "query/key head sizes [9, 9], value head sizes [10, 11]" in done.stdout
