@@ -55,11 +55,31 @@ def test_a_capped_side_of_a_growth_of_both_is_skipped_and_the_other_grows(tmp_pa
 
 def test_export_prints_the_value_head_sizes_too(tmp_path, cli):
     needs_transformers()
+    ckpt = _hf_checkpoint(tmp_path / "grown.ckpt", head_sizes=[9, 9], v_head_sizes=[10, 11])
+    done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "out")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "query/key head sizes [9, 9], value head sizes [10, 11]" in done.stdout
+
+
+def _hf_checkpoint(path, **sizes):
+    """A checkpoint of a tiny HFCausalLM (llama), as fit writes its model."""
     from hf_helpers import tiny_config
     from lit_growattn.hf import HFCausalLM
 
-    module = HFCausalLM(config=tiny_config("llama").to_dict(), head_sizes=[9, 9], v_head_sizes=[10, 11])
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "grown.ckpt")
-    done = cli("export", "--ckpt", tmp_path / "grown.ckpt", "--out", tmp_path / "out")
+    module = HFCausalLM(config=tiny_config("llama").to_dict(), **sizes)
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return path
+
+
+def test_converting_a_hugging_face_checkpoint_names_what_works(tmp_path, cli):
+    needs_transformers()
+    ckpt = _hf_checkpoint(tmp_path / "hf.ckpt")
+    done = cli("convert", "--ckpt", ckpt, "--to", "mha", "--d_v", "4", "--out", tmp_path / "small.ckpt")
+    assert done.returncode != 0
+    assert "nothing here shrinks a Hugging Face model" in done.stderr and "--pretrained" not in done.stderr
+    done = cli("convert", "--ckpt", ckpt, "--to", "dint", "--out", tmp_path / "dint.ckpt")
+    assert done.returncode != 0 and "export it (python -m lit_growattn export), then convert" in done.stderr
+    # The advice, followed as written, converts it.
+    assert cli("export", "--ckpt", ckpt, "--out", tmp_path / "folder").returncode == 0
+    done = cli("convert", "--pretrained", tmp_path / "folder", "--to", "dint", "--out", tmp_path / "dint")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "query/key head sizes [9, 9], value head sizes [10, 11]" in done.stdout
