@@ -83,3 +83,34 @@ def test_converting_a_hugging_face_checkpoint_names_what_works(tmp_path, cli):
     assert cli("export", "--ckpt", ckpt, "--out", tmp_path / "folder").returncode == 0
     done = cli("convert", "--pretrained", tmp_path / "folder", "--to", "dint", "--out", tmp_path / "dint")
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_mismatched_init_from_names_the_settings_that_make_it_fit(tmp_path, cli):
+    from lit_growattn.module import GrowAttentionLM
+
+    small = GrowAttentionLM(vocab_size=128, block_size=64, n_layer=1, n_head=2, n_embd=32, d_head=16, d_v=32)
+    torch.save({"state_dict": small.state_dict(),
+                "hyper_parameters": {**small.hparams, "_class_path": "lit_growattn.GrowAttentionLM"}},
+               tmp_path / "small.ckpt")
+    run = ["fit", "--config", REPO / "configs/mqar.yaml", "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
+           "--data.init_args.num_train_examples=64", "--data.init_args.num_val_examples=64",
+           f"--trainer.logger.init_args.save_dir={tmp_path}", f"--model.init_args.init_from={tmp_path / 'small.ckpt'}"]
+    done = cli(*run)
+    assert done.returncode != 0
+    assert "holds the weights of another model (" in done.stderr and "Missing key" not in done.stderr
+    fix = "--model.init_args.n_layer=1, --model.init_args.n_embd=32;"
+    assert fix in done.stderr
+    done = cli(*run, *fix.rstrip(";").split(", "))  # the fix, as written
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_init_from_a_checkpoint_of_another_model_class_names_it(tmp_path, cli):
+    needs_transformers()
+    ckpt = _hf_checkpoint(tmp_path / "hf.ckpt")
+    checkpoint = torch.load(ckpt)
+    checkpoint["hyper_parameters"]["_class_path"] = "lit_growattn.hf.HFCausalLM"
+    torch.save(checkpoint, ckpt)
+    done = cli("fit", "--config", REPO / "configs/mqar.yaml", f"--trainer.logger.init_args.save_dir={tmp_path}",
+               f"--model.init_args.init_from={ckpt}")
+    assert done.returncode != 0
+    assert "it is a checkpoint of lit_growattn.hf.HFCausalLM, not of GrowAttentionLM" in done.stderr
