@@ -1,6 +1,8 @@
 """Messages as a user meets them through `python -m lit_growattn`: each names the problem and a fix that works as
 written (issue 52)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -114,3 +116,27 @@ def test_init_from_a_checkpoint_of_another_model_class_names_it(tmp_path, cli):
                f"--model.init_args.init_from={ckpt}")
     assert done.returncode != 0
     assert "it is a checkpoint of lit_growattn.hf.HFCausalLM, not of GrowAttentionLM" in done.stderr
+
+
+def test_bytes_of_a_corpus_that_are_not_utf8_are_counted_in_one_warning(tmp_path, cli):
+    corpus = tmp_path / "latin1.txt"
+    corpus.write_bytes("Café, naïve façade.\n".encode("latin-1") * 200)  # é, ï, ç: 3 bytes per line that are not UTF-8
+    with pytest.warns(UserWarning) as caught:
+        done = cli("fit", "--config", REPO / "configs/text_bpe.yaml", f"--data.init_args.path={corpus}",
+                   "--data.init_args.bpe_vocab_size=300", "--data.init_args.block_size=16",
+                   "--data.init_args.batch_size=8", "--data.init_args.samples_per_epoch=8", "--trainer.max_epochs=1",
+                   "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (warning,) = [str(w.message) for w in caught if "not UTF-8" in str(w.message)]
+    assert warning.startswith(f"{corpus}: 600 bytes are not UTF-8, and are read as the replacement character U+FFFD: "
+                              "re-encode the file as UTF-8")
+
+
+def test_a_utf8_corpus_is_read_without_that_warning(tmp_path):
+    from lit_growattn.data.corpus import warn_if_not_utf8
+
+    corpus = tmp_path / "utf8.txt"
+    corpus.write_text("Café, naïve façade, and U+FFFD itself: \ufffd.\n" * 200, encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_not_utf8(str(corpus))
