@@ -35,7 +35,7 @@ from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, ch
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.grouped import check_modes
-from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch, unset
 from lit_growattn.training.lightning_private import should_update_logs
 
 
@@ -72,7 +72,7 @@ class GrowAttentionCallback(Callback):
         self.window = StatsWindow(growth.method, halves=schedule.splits_window)
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
-        self._fitting = False
+        self._fitting = True  # set by `setup`; validate and test ignore the checkpoint's growth state
 
     # -- checks before any work is done --------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -119,11 +119,12 @@ class GrowAttentionCallback(Callback):
             if firsts is None:
                 continue
             current, bound = max(firsts[i].width for i in layers), firsts[layers[0]].max_width
+            other = "value" if side == "query/key" else "query_key"
             limits[key] = getattr(self.settings, key) if getattr(self.settings, key) is not None else bound
             if current > bound:
                 raise ValueError(f"the {side} head size ({current}) already exceeds {what.format(bound, bound)}: it "
-                                 f"cannot grow; build the model at most {bound} wide, or leave this side out of "
-                                 "growth.grow")
+                                 f"cannot grow; build the model at most {bound} wide, or grow the other side only "
+                                 f"(growth.grow={other})")
             if not current <= limits[key] <= bound:
                 raise ValueError(f"{key}={limits[key]} must lie between the current {side} head size ({current}) and "
                                  f"{what.format(bound, bound)}")
@@ -131,7 +132,8 @@ class GrowAttentionCallback(Callback):
         if per_event is not None and per_event > len(layers):
             raise ValueError(
                 f"statistics.layers_per_event={per_event} exceeds the {len(layers)} growing layers {layers}: set it to "
-                f"at most {len(layers)}, or leave it unset to grow every growing layer at each event"
+                f"at most {len(layers)}, or {unset('statistics.layers_per_event')} to grow every growing layer at "
+                "each event"
             )
         check_callbacks(trainer, self, named + values)
         self._per_step = min(self.statistics.layers_per_step or len(layers), len(layers))

@@ -140,3 +140,17 @@ def test_a_utf8_corpus_is_read_without_that_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_not_utf8(str(corpus))
+
+
+def test_a_setting_the_shipped_config_gives_is_unset_as_the_message_says(tmp_path, cli):
+    """configs/mqar_grow.yaml sets growth.columns, which a value growth refuses: leaving it off the command line
+    keeps it, null removes it."""
+    run = [*TWO_EVENTS, "--trainer.max_epochs=1", "--trainer.callbacks.init_args.growth.grow=value",
+           f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    done = cli("fit", *run)
+    assert done.returncode != 0
+    fix = "--trainer.callbacks.init_args.growth.columns=null"
+    assert ("growth.columns sizes the query/key side, which does not grow with growth.grow='value': set "
+            f"growth.columns to null ({fix})") in done.stderr
+    done = cli("fit", *run, fix)
+    assert done.returncode == 0, done.stderr[-3000:]
