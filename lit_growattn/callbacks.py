@@ -35,7 +35,7 @@ from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, ch
 from lit_growattn.growing.trainer_ops import install_growth, kept_batch_losses, loss_terms
 from lit_growattn.growing.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.grouped import check_modes
-from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch, unset
 from lit_growattn.training.lightning_private import should_update_logs
 
 
@@ -72,10 +72,12 @@ class GrowAttentionCallback(Callback):
         self.window = StatsWindow(growth.method, halves=schedule.splits_window)
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
+        self._fitting = True  # set by `setup`; validate and test ignore the checkpoint's growth state
 
     # -- checks before any work is done --------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._strategy, self._rank, self._world = trainer.strategy, trainer.global_rank, trainer.world_size
+        self._fitting = stage == "fit"
         if stage != "fit":
             return
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
@@ -117,11 +119,12 @@ class GrowAttentionCallback(Callback):
             if firsts is None:
                 continue
             current, bound = max(firsts[i].width for i in layers), firsts[layers[0]].max_width
+            other = "value" if side == "query/key" else "query_key"
             limits[key] = getattr(self.settings, key) if getattr(self.settings, key) is not None else bound
             if current > bound:
                 raise ValueError(f"the {side} head size ({current}) already exceeds {what.format(bound, bound)}: it "
-                                 f"cannot grow; build the model at most {bound} wide, or leave this side out of "
-                                 "growth.grow")
+                                 f"cannot grow; build the model at most {bound} wide, or grow the other side only "
+                                 f"(growth.grow={other})")
             if not current <= limits[key] <= bound:
                 raise ValueError(f"{key}={limits[key]} must lie between the current {side} head size ({current}) and "
                                  f"{what.format(bound, bound)}")
@@ -129,7 +132,8 @@ class GrowAttentionCallback(Callback):
         if per_event is not None and per_event > len(layers):
             raise ValueError(
                 f"statistics.layers_per_event={per_event} exceeds the {len(layers)} growing layers {layers}: set it to "
-                f"at most {len(layers)}, or leave it unset to grow every growing layer at each event"
+                f"at most {len(layers)}, or {unset('statistics.layers_per_event')} to grow every growing layer at "
+                "each event"
             )
         check_callbacks(trainer, self, named + values)
         self._per_step = min(self.statistics.layers_per_step or len(layers), len(layers))
@@ -179,13 +183,31 @@ class GrowAttentionCallback(Callback):
                 "statistics.layers_per_step": self.statistics.layers_per_step,
                 "step_search.batches": self.line_search_batches}
 
-    def _forms(self, pl_module: L.LightningModule) -> NamedForms:
-        """The query/key forms and value maps that grow at the next event (layer, qualified parameter-name prefix,
+    def _units(self, pl_module: L.LightningModule) -> NamedForms:
+        """The query/key forms and value maps of the next event's layers (layer, qualified parameter-name prefix,
         form or map), as `growth.grow` chooses."""
         layers = layers_of_event(self._layers, self.statistics.layers_per_event, len(self.history))
         units = ((pl_module.growable_forms() if self.settings.grows("query_key") else [])
                  + (pl_module.growable_values() if self.settings.grows("value") else []))
         return [named for named in units if named.layer in layers]
+
+    def _capped(self, named) -> bool:
+        """Whether a unit has no room left under growth.max_d_head / max_d_v (or its rank bound)."""
+        form = named.form
+        return form.width >= min(self.settings.max_width(growth.is_value(form)), form.max_width)
+
+    def _forms(self, pl_module: L.LightningModule) -> NamedForms:
+        """The units that grow at the next event: those with room left. A capped one gathers no statistics."""
+        return [named for named in self._units(pl_module) if not self._capped(named)]
+
+    def _capped_text(self, pl_module: L.LightningModule) -> str:
+        """e.g. `d_v at growth.max_d_v=11 in layers [0, 1]`: the next event's capped sides ("": none)."""
+        capped: dict[str, set[int]] = {}
+        for named in filter(self._capped, self._units(pl_module)):
+            capped.setdefault(growth.head_size_of(named.form), set()).add(named.layer)
+        setting = {"d_head": "max_d_head", "d_v": "max_d_v"}
+        return ", ".join(f"{side} at growth.{setting[side]}={self.settings.max_width(side == 'd_v')} in layers "
+                         f"{sorted(layers)}" for side, layers in capped.items())
 
     def _sizes(self, pl_module: L.LightningModule) -> dict[str, list[int]]:
         """The head sizes an event record keeps: d_head, and d_v when the value side grows."""
@@ -208,6 +230,8 @@ class GrowAttentionCallback(Callback):
         if not left:
             return
         forms = self._forms(pl_module)
+        if not forms:  # every unit of the event is capped: the event is skipped, with nothing to gather
+            return
         active = layers_in_turn(sorted({f.layer for f in forms}), self._per_step, batches - left)
         mode = capture_mode(self.statistics.capture, pl_module.device)
         self.window.begin_step(point.name, forms, active, mode, self._window_settings(trainer),
@@ -233,8 +257,12 @@ class GrowAttentionCallback(Callback):
 
     def _grow(self, trainer: L.Trainer, pl_module: L.LightningModule, point: GrowthPoint, batch_idx: int) -> None:
         forms = self._forms(pl_module)
+        capped = self._capped_text(pl_module)
         where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch": batch_idx,
-                 **{f"{key}_before": sizes for key, sizes in self._sizes(pl_module).items()}}
+                 **{f"{key}_before": sizes for key, sizes in self._sizes(pl_module).items()},
+                 **({"capped": capped} if capped else {})}
+        if not forms:
+            return self._skip(trainer, pl_module, where, f"nothing has room left to grow ({capped})")
         window = self.window
         if window.event != point.name or window.stats is None:
             return self._skip(trainer, pl_module, where, "no statistics were gathered for it")
@@ -297,6 +325,8 @@ class GrowAttentionCallback(Callback):
         resize_averaged_to(trainer, checkpoint["state_dict"])
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if not self._fitting:  # validate/test evaluate the checkpoint's weights: its growth state plays no part
+            return
         check_same_schedule(state_dict, self.schedule.kind)
         # Another side would not match the window's sums, and AutoSchedule's budget counts the sides it grew.
         if state_dict.get("grow", self.settings.grow) != self.settings.grow:  # absent: written before value growth

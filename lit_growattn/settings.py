@@ -26,6 +26,12 @@ CAPTURES: tuple[str, ...] = get_args(Capture)
 ScheduleKind = Literal["fixed", "auto"]  # growth at listed points (AtEpochs, AtSteps) | as AutoSchedule decides
 
 
+def unset(setting: str) -> str:
+    """How to unset the callback's `setting` (e.g. growth.columns): null, since a value a config gives stays when the
+    command line leaves it out."""
+    return f"set {setting} to null (--trainer.callbacks.init_args.{setting}=null)"
+
+
 def _per_layer(value: int | list[int] | None) -> list[int | None]:
     return value if isinstance(value, list) else [value]
 
@@ -100,8 +106,8 @@ class GrowthSettings:
                 raise ValueError(f"growth.{name} must be positive, got {getattr(self, name)}")
         self._check_sides()
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
-            raise ValueError(f"growth.layers must list each layer to grow once (0-based), got {self.layers}; leave it "
-                             "out to grow all")
+            raise ValueError(f"growth.layers must list each layer to grow once (0-based), got {self.layers}; "
+                             f"{unset('growth.layers')} to grow all")
         growth.sizing_method(self.method, self.size_by, name="growth.size_by")  # a direction, only with a baseline
         if self.method in growth.BASELINES and self.mode != "append":
             raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
@@ -111,17 +117,18 @@ class GrowthSettings:
         if self.grow == "query_key":
             for name in ("value_columns", "max_d_v"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"growth.{name} sizes the value side, which does not grow with "
-                                     "growth.grow='query_key': set growth.grow to value or both, or leave it out")
+                    raise ValueError(f"growth.{name} sizes the value side, which does not grow with growth.grow="
+                                     f"'query_key': set growth.grow to value or both, or {unset(f'growth.{name}')}")
             return
         if self.grow == "value":
             for name in ("columns", "max_d_head"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"growth.{name} sizes the query/key side, which does not grow with "
-                                     "growth.grow='value': use growth.value_columns / growth.max_d_v, or grow both")
+                                     f"growth.grow='value': {unset(f'growth.{name}')} (the value side's are "
+                                     "growth.value_columns and growth.max_d_v), or grow both")
         if self.grow == "value" and self.temperature != "keep":
             raise ValueError("growth.temperature='rescale' rescales the query/key temperature, which does not grow with "
-                             "growth.grow='value': leave it at keep, or grow both")
+                             "growth.grow='value': set growth.temperature to keep, or grow both")
         if self.method not in growth.VALUE_METHODS:
             raise ValueError(f"the value side grows by {', '.join(growth.VALUE_METHODS)}, not method "
                              f"{self.method!r} (growth.grow={self.grow!r}): choose one of them")
@@ -146,7 +153,7 @@ class GrowthSettings:
             for setting in ("columns", "value_columns", "rank_threshold", "max_columns"):
                 if getattr(self, setting) is not None:
                     raise ValueError(f"{name} chooses each layer's growth from its statistics, within its cache "
-                                     f"budget and the budget's spending schedule: leave growth.{setting} out (set "
+                                     f"budget and the budget's spending schedule: {unset(f'growth.{setting}')} (set "
                                      f"{name}.budget to bound the widths)")
         elif self.max_columns is not None and self.rank_threshold is None:
             fixed = "growth.value_columns" if self.grow == "value" else "growth.columns"

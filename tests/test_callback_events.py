@@ -208,7 +208,7 @@ def test_replace_resets_the_rotated_tensors(tmp_path, monkeypatch):
         (lambda: GrowthSettings(method="random", mode="replace"), "needs mode='append'"),
         (lambda: GrowthSettings(method="random", size_by="zero"), "growth.size_by must be one of"),
         (lambda: GrowthSettings(method="natural", size_by="gradient"),
-         "growth.size_by='gradient' only applies to the baselines .* leave size_by out"),
+         "growth.size_by='gradient' only applies to the baselines .* set growth.size_by to null"),
         (lambda: StepSearch(alphas=[-1.0]), "non-empty list of finite values ≥ 0"),
         (lambda: StepSearch(alphas=[]), "non-empty list of finite values ≥ 0"),
         (lambda: StepSearch(alphas=[0.0, float("nan")]), "non-empty list of finite values ≥ 0"),

@@ -159,5 +159,6 @@ def test_rotary_dim_on_qwen3_says_it_is_refused_for_the_model_type():
     from lit_growattn.hf import HFCausalLM
 
     with pytest.raises(ValueError, match=r"rotary_dim is refused for qwen3 models \(its q_norm/k_norm normalise all 8 "
-                                         r"rotary columns of a head together.*\): leave it out"):
+                                         r"rotary columns of a head together.*\): set it to null "
+                                         r"\(--model.init_args.rotary_dim=null\)"):
         HFCausalLM(config=tiny_config("qwen3").to_dict(), rotary_dim=4)

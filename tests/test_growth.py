@@ -414,7 +414,7 @@ def test_sizing_method_of_directions_and_baselines():
     assert sizing_method("natural", None) == "natural" and sizing_method("random", None) == "gradient"
     assert sizing_method("random", "pinv") == "pinv" and sizing_method("natural", "natural") == "natural"
     message = ("^size_by='gradient' only applies to the baselines \\('random', 'zero'\\): method 'natural' is sized by its "
-               "own direction; leave size_by out$")
+               "own direction; set size_by to null$")
     with pytest.raises(ValueError, match=message):
         sizing_method("natural", "gradient")
     with pytest.raises(ValueError, match="^size_by must be one of .*; got 'newton'"):

@@ -106,20 +106,20 @@ def test_no_budget_buys_until_spend_until_and_max_d_head():
     (lambda: AutoSchedule(check_every=0), "check_every must be a positive number of optimizer steps"),
     (lambda: AutoSchedule(spend_until=0), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
     (lambda: AutoSchedule(spend_until=1.5), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
-    (lambda: bound(budget=0.5), r"budget=0.5\) is below the mean query/key head size the growing layers start at \(1\)"),
+    (lambda: bound(budget=0.5), r"budget=0.5\) is below the mean query/key head size the growing layers are at \(1\)"),
     (lambda: bound(budget=17), r"exceeds the mean query/key head size that growth.max_d_head=16 allows \(16\), so it "
                                "could never be spent"),
     (lambda: bound(budget=13, value_costs={0: 4, 1: 4}, max_d_v=8),
      r"exceeds the mean head size of the query/key and value sides that growth.max_d_head=16 and growth.max_d_v=8 "
      r"allow \(12\)"),
     (lambda: bound(budget=0.5, costs={}, value_costs={0: 4, 1: 4}),
-     r"below the mean value head size the growing layers start at \(1\)"),
+     r"below the mean value head size the growing layers are at \(1\)"),
     (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(grow="value", value_columns=2)),
-     "leave growth.value_columns out"),
+     "set growth.value_columns to null"),
     (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(rank_threshold=0.5)),
-     "leave growth.rank_threshold out"),
-    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(columns=2)), "leave growth.columns out"),
-    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(max_columns=2)), "leave growth.max_columns out"),
+     "set growth.rank_threshold to null"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(columns=2)), "set growth.columns to null"),
+    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(max_columns=2)), "set growth.max_columns to null"),
     (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(mode="replace")), "use growth.mode='append'"),
 ])
 def test_bad_auto_settings_fail_with_message(build, message):
@@ -182,7 +182,9 @@ def test_settings_at_their_bounds_are_accepted(kwargs):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(statistics=StatisticsSettings(layers_per_event=1)),
      r"^AutoSchedule offers every growing layer's columns at each check, but statistics.layers_per_event=1 covers 1 "
-     r"of 2: leave layers_per_event unset with AutoSchedule \(or bound memory with growth.layers\), or use AtSteps$"),
+     r"of 2: set statistics.layers_per_event to null "
+     r"\(--trainer.callbacks.init_args.statistics.layers_per_event=null\) with AutoSchedule \(or bound memory with "
+     r"growth.layers\), or use AtSteps$"),
     (dict(check_every=3, accumulate=2, stats_batches=8),
      r"^check_every=3 optimizer steps hold fewer than statistics.batches=8 micro-batches \(accumulate_grad_batches=2\): "
      r"raise check_every or lower statistics.batches$"),

@@ -3,6 +3,7 @@ wrote: each logs the loss of that checkpoint's model on the held-out set, as a f
 (`fit`, `convert` and `export` through `python -m lit_growattn`: tests/test_hf_dint_cli.py.)"""
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from lit_growattn.__main__ import main as command_line
 from lit_growattn.commands.cli import main
 from lit_growattn.module import GrowAttentionLM
 
-from conftest import REPO, run_command
+from conftest import REPO, needs_transformers, run_command
 
 # 4 training batches, 2 held-out batches of 64.
 MQAR = ["--config", str(REPO / "configs/mqar.yaml"), "--data.init_args.num_train_examples=256",
@@ -57,3 +58,39 @@ def test_a_subcommand_logs_the_loss_of_the_checkpoint_it_evaluates(fitted, fresh
     assert math.isfinite(logged) and logged == pytest.approx(fresh_loss, rel=1e-5)
     assert loss_at_fit == pytest.approx(fresh_loss, rel=1e-5)  # the same weights as the fit's last validation
     assert tag in done.stdout  # Lightning's table of results
+
+
+def _hf_args(tmp_path) -> list[str]:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("To be, or not to be, that is the question.\n" * 150)
+    return ["--config", str(REPO / "configs/hf_llama_grow.yaml"), f"--data.init_args.path={corpus}",
+            "--data.init_args.batch_size=8", "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=16",
+            "--trainer.limit_val_batches=1", "--trainer.limit_test_batches=1", "--model.init_args.warmup_steps=2",
+            "--trainer.callbacks.init_args.growth.columns=2", "--trainer.callbacks.init_args.statistics.batches=2"]
+
+
+def _mqar_args(tmp_path) -> list[str]:
+    return ["--config", str(REPO / "configs/mqar_grow.yaml"), "--model.init_args.n_layer=1",
+            "--model.init_args.n_embd=32", "--model.init_args.d_v=8", "--data.init_args.num_train_examples=128",
+            "--data.init_args.num_val_examples=32", "--data.init_args.batch_size=32",
+            "--trainer.callbacks.init_args.statistics.batches=1"]
+
+
+@pytest.mark.parametrize("model_args", [_mqar_args, _hf_args], ids=["GrowAttentionLM", "HFCausalLM"])
+def test_validate_and_test_evaluate_a_checkpoint_that_grew_both_sides(tmp_path, cli, model_args):
+    """Run with the config as shipped (growth.grow=query_key): the checkpoint's growth state is a fit's alone, and
+    its grown widths are restored before its weights load."""
+    if model_args is _hf_args:
+        needs_transformers()
+    args = [*model_args(tmp_path), "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]"]
+    fit = cli("fit", *args, "--trainer.max_epochs=2", "--trainer.callbacks.init_args.growth.grow=both",
+              "--trainer.callbacks.init_args.growth.value_columns=2", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    assert re.search(r"d_head \S+ per layer, d_v \S+ per layer", fit.stdout + fit.stderr)
+    (ckpt,) = tmp_path.rglob("last.ckpt")
+    loss_at_fit = last_logged(tmp_path, "val/loss")  # the final weights', measured at the end of the last epoch
+    for subcommand, tag in [("validate", "val/loss"), ("test", "test/loss")]:
+        done = cli(subcommand, *args, f"--ckpt_path={ckpt}", f"--trainer.logger.init_args.save_dir={tmp_path / tag}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert last_logged(tmp_path / tag, tag) == pytest.approx(loss_at_fit, rel=1e-5)

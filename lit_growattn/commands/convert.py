@@ -72,8 +72,13 @@ def converted(src_path: str | Path, to: str, seed: int, d_head: int | list[int] 
         raise ValueError("give d_head or d_v exactly when shrinking (to='mha'): the other targets keep the head sizes")
     ckpt = read_checkpoint(src_path)
     if "pretrained" in ckpt.get("hyper_parameters", {}):
-        raise ValueError(f"{src_path} is a checkpoint of a Hugging Face model (lit_growattn.hf.HFCausalLM): export it "
-                         "(python -m lit_growattn export), then convert the folder with --pretrained")
+        what = f"{src_path} is a checkpoint of a Hugging Face model (lit_growattn.hf.HFCausalLM)"
+        if to == "mha":
+            raise ValueError(f"{what}, and shrinking (--to mha) is for this project's GPT (GrowAttentionLM) only: "
+                             "nothing here shrinks a Hugging Face model")
+        raise ValueError(f"{what}: export it (python -m lit_growattn export), then convert the exported folder with "
+                         f"--pretrained. That converts llama, mistral, qwen2 and qwen3 models whose head sizes did not "
+                         "grow: a grown one exports as growattn_<type>, which has no DINT conversion")
     if "hyper_parameters" not in ckpt or "state_dict" not in ckpt:
         raise ValueError(f"{src_path} is not a checkpoint of lit_growattn's GrowAttentionLM (it has no "
                          "hyper_parameters and state_dict): give a checkpoint written by `python -m lit_growattn fit`")

@@ -109,5 +109,6 @@ def main(argv: list[str]) -> None:
         tokens = f"no tokenizer files ({tokenizer} has none)" if tokenizer else "no tokenizer (the checkpoint names none)"
     loading = (f"; load it after `import lit_growattn.hf` ({out / 'README.md'})"
                if registered_here(written) else "")
-    sizes = f", query/key head sizes {module.head_sizes()}" if module.head_sizes() else ""  # none: DINT, not growable
+    sizes = (f", query/key head sizes {module.head_sizes()}, value head sizes {module.value_sizes()}"
+             if module.head_sizes() else "")  # none: DINT, not growable
     print(f"wrote {out}: model type {written}{sizes}, {tokens}{loading}")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import codecs
 import os
+import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -25,6 +27,24 @@ def check_file(path: str, flag: str) -> int:
     if size == 0:
         raise ValueError(f"text file is empty: {path!r} ({flag})")
     return size
+
+
+# surrogateescape decodes each byte that is not UTF-8 to one of these lone surrogates, which valid UTF-8 never yields.
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def warn_if_not_utf8(path: str) -> None:
+    """One warning naming `path` if some of its bytes are not UTF-8: reading it replaces them by U+FFFD."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    count = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            count += len(_ESCAPED_BYTE.findall(decoder.decode(block)))
+    count += len(_ESCAPED_BYTE.findall(decoder.decode(b"", final=True)))
+    if count:
+        warnings.warn(f"{path}: {count} bytes are not UTF-8, and are read as the replacement character U+FFFD: "
+                      f"re-encode the file as UTF-8 from its encoding, e.g. `iconv -f CP1252 -t UTF-8 {path} > "
+                      f"{os.path.splitext(path)[0]}.utf8.txt` for Windows-1252, and train on that file", stacklevel=2)
 
 
 @dataclass
@@ -48,6 +68,8 @@ class LocalFiles:
         """One `datasets.Dataset` of lines per file, so that each file's tail can be held out."""
         from datasets import load_dataset
 
+        for path in self.paths:
+            warn_if_not_utf8(path)
         return [
             load_dataset("text", data_files=p, split="train", keep_linebreaks=True, encoding_errors="replace",
                          cache_dir=cache_dir)

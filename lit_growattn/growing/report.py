@@ -65,9 +65,10 @@ def decision_text(event: dict) -> str:
 
 def event_line(event: dict) -> str:
     """e.g. `growth at step 1200 (epoch 1): d_head 1→8 per layer, α=1/4, loss 2.70→2.41 on the kept batches, 0.4 s`;
-    an automatic check adds its decision per layer (`decision_text`)."""
+    an automatic check adds its decision per layer (`decision_text`), and any event the sides it skipped at their cap."""
     where = f"growth at step {event['step']} (epoch {event['epoch']})"
     decided = f"; {decision_text(event)}" if "decisions" in event else ""
+    decided += f"; skipped: {event['capped']}" if "capped" in event else ""
     kept = ", ".join(f"{key} stays {event[key]}" for key in ("d_head", "d_v") if key in event)
     if event["skipped"]:
         return f"{where}: skipped, {event['reason']}; {kept}"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lit_growattn.growth import HeadSize
-from lit_growattn.settings import GrowthSettings, ScheduleKind, StatisticsSettings
+from lit_growattn.settings import GrowthSettings, ScheduleKind, StatisticsSettings, unset
 
 
 @dataclass(frozen=True)
@@ -225,8 +225,9 @@ class AutoSchedule(GrowthSchedule):
         if statistics.layers_per_event is not None and statistics.layers_per_event < len(layers):
             raise ValueError(
                 f"AutoSchedule offers every growing layer's columns at each check, but statistics.layers_per_event="
-                f"{statistics.layers_per_event} covers {statistics.layers_per_event} of {len(layers)}: leave "
-                "layers_per_event unset with AutoSchedule (or bound memory with growth.layers), or use AtSteps")
+                f"{statistics.layers_per_event} covers {statistics.layers_per_event} of {len(layers)}: "
+                f"{unset('statistics.layers_per_event')} with AutoSchedule (or bound memory with growth.layers), or "
+                "use AtSteps")
         self.costs = {(layer, side): cost for (layer, side), cost in costs.items() if layer in layers}
         self.limits = {side: settings.max_width(side == "d_v") for side in ("d_head", "d_v")
                        if any(s == side for _, s in self.costs)}
@@ -238,7 +239,8 @@ class AutoSchedule(GrowthSchedule):
         most = sum(self.heads(side) * limit for side, limit in self.limits.items()) / weight
         if self.budget < start:
             raise ValueError(f"AutoSchedule(budget={self.budget}) is below the mean {self._what()} the growing layers "
-                             f"start at ({start:.4g}): raise the budget, or start the model narrower")
+                             f"are at ({start:.4g}): raise the budget to at least that, or start a new run from a "
+                             "narrower model (a resumed run keeps its checkpoint's sizes)")
         if self.budget > most:
             limits = " and ".join(f"growth.max_{side}={limit}" for side, limit in self.limits.items())
             verb = "allow" if len(self.limits) > 1 else "allows"

@@ -80,7 +80,7 @@ def sizing_method(method: str, size_by: str | None, name: str = "size_by") -> st
     check_choice(name, size_by, DIRECTIONS)
     if method in DIRECTIONS and size_by != method:
         raise ValueError(f"{name}={size_by!r} only applies to the baselines {BASELINES}: method {method!r} is sized "
-                         "by its own direction; leave size_by out")
+                         f"by its own direction; set {name} to null")
     return size_by
 
 

@@ -105,8 +105,8 @@ class GrowableAttention(FormShape, nn.Module):
         if hasattr(self, "q_norm") or not self.rotary:
             why = (f"its q_norm/k_norm normalise all {self.rotary} rotary columns of a head together, and fewer "
                    "columns would change what they compute" if self.rotary else "it has no rotary position embeddings")
-            raise ValueError(f"rotary_dim is refused for {self.config.model_type} models ({why}): leave it out. It "
-                             "applies to llama, mistral and qwen2")
+            raise ValueError(f"rotary_dim is refused for {self.config.model_type} models ({why}): set it to null "
+                             "(--model.init_args.rotary_dim=null). It applies to llama, mistral and qwen2")
         if rotary <= 0 or rotary % 2 or self.rotary % rotary:
             raise ValueError(f"rotary_dim={rotary} must be even and divide the {self.rotary} rotary columns of a head")
         keep = rotary_columns(self.rotary, rotary).to(self.w_q.device)

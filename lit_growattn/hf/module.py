@@ -196,8 +196,9 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
                 named.form.keep_rotary(rotary_dim)
         given = " and ".join(n for n, v in [("head_sizes", head_sizes), ("v_head_sizes", v_head_sizes)] if v is not None)
         if given and not self.growable_forms():
+            nulls = " ".join(f"--model.init_args.{name}=null" for name in given.split(" and "))
             raise ValueError(f"{given} size growable attention, but growable=false keeps the model's own attention: set "
-                             f"growable=true (a checkpoint of a growth run needs it), or leave {given} out")
+                             f"growable=true (a checkpoint of a growth run needs it), or set {given} to null ({nulls})")
         if head_sizes is not None:
             if len(head_sizes) != len(self.growable_forms()):
                 raise ValueError(f"head_sizes has {len(head_sizes)} entries for {len(self.growable_forms())} layers")
@@ -216,9 +217,11 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def _check_data_fits(self, vocab_size: int | None, block_size: int | None) -> None:
         cfg = self.model.config
         if vocab_size is not None and vocab_size > cfg.vocab_size:
+            fix = ("train it with its folder's tokenizer, --data.init_args.tokenizer=null (if that is the one given, "
+                   "the folder's tokenizer does not belong to its weights)" if self.hparams.pretrained is not None
+                   else f"raise vocab_size in the model's config to at least {vocab_size}")
             raise ValueError(f"the tokenizer has {vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}: "
-                             "use the model's own tokenizer (leave --data.init_args.tokenizer out to use the model "
-                             "folder's)")
+                             f"{fix}")
         positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if block_size is not None and positions is not None and block_size > positions:
             raise ValueError(f"blocks of {block_size} tokens exceed the model's {positions} positions: lower block_size")
@@ -281,8 +284,8 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         else:
             changed = sum(own.get(token) != i for token, i in given.items()) + len(own.keys() - given.keys())
             differs = f"vocabularies of {len(given)} and {len(own)} tokens, {changed} of them differing"
-        raise ValueError(f"the data's tokenizer {source!r} does not match the model's, {folder} ({differs}): leave "
-                         f"--data.init_args.tokenizer out to train with the model's (or give {folder})")
+        raise ValueError(f"the data's tokenizer {source!r} does not match the model's, {folder} ({differs}): train "
+                         f"with the model's, --data.init_args.tokenizer={folder}")
 
     # -- steps ---------------------------------------------------------------------------------
     def forward(self, input_ids: Tensor) -> Tensor:
@@ -295,9 +298,15 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step(batch, "val", dataloader_idx)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step(batch, "test", dataloader_idx)
+
+    def _eval_step(self, batch: tuple[Tensor, Tensor], split: str, dataloader_idx: int) -> Tensor:
         loss = self.batch_loss(batch)
         names = getattr(self.trainer.datamodule, "val_names", None) if self._trainer else None
-        name = names[dataloader_idx] if names else ""  # "" is the main held-out set: `val/loss`
-        prefix = f"val/{name}" if name else "val"
+        name = names[dataloader_idx] if names else ""  # "" is the main held-out set: `val/loss`, `test/loss`
+        prefix = f"{split}/{name}" if name else split
         self.log(f"{prefix}/loss", loss, prog_bar=not name, add_dataloader_idx=False, sync_dist=True)
         return loss

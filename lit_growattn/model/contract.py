@@ -196,7 +196,8 @@ def check_module(pl_module: object) -> list[NamedForm]:
     if not forms:
         raise ValueError(
             f"{type(pl_module).__name__}.growable_forms() is empty: no attention layer has a growable query/key form "
-            "(lit_growattn.model.contract.GrowableForm); choose an attention variant with one, or leave the callback out"
+            "(lit_growattn.model.contract.GrowableForm); choose an attention variant with one, or train without "
+            "GrowAttentionCallback (remove it from the config's trainer.callbacks)"
         )
     for named in forms:
         if lacks := missing(named.form, GrowableForm):

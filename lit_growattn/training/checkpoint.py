@@ -34,7 +34,47 @@ def load_weights(module: nn.Module, path: str) -> None:
     """`init_from`: `module` takes the weights of the checkpoint at `path` (a new run: nothing else is taken)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"init_from={path!r} does not exist; give the path of a checkpoint file")
-    module.load_state_dict(read_checkpoint(path)["state_dict"])
+    checkpoint = read_checkpoint(path)
+    try:
+        module.load_state_dict(checkpoint["state_dict"])
+    except RuntimeError as error:  # torch's message lists every key; the differing settings say what to do
+        raise ValueError(f"init_from={path!r} holds the weights of another model ({_mismatch(module, checkpoint)}): "
+                         f"{_settings_fix(module, checkpoint)}") from error
+
+
+def _mismatch(module: nn.Module, checkpoint: dict) -> str:
+    """e.g. `3 weights missing, 1 of another shape, such as model.wte.weight (128, 32) there, (128, 64) here`."""
+    ours = module.state_dict()
+    theirs = checkpoint["state_dict"]
+    missing, unexpected = ours.keys() - theirs.keys(), theirs.keys() - ours.keys()
+    shaped = sorted(k for k in ours.keys() & theirs.keys() if ours[k].shape != theirs[k].shape)
+    counts = [f"{len(keys)} {what}" for keys, what in [(missing, "weights missing"), (unexpected, "weights unknown here"),
+                                                        (shaped, "of another shape")] if keys]
+    example = (f", such as {shaped[0]} {tuple(theirs[shaped[0]].shape)} there, {tuple(ours[shaped[0]].shape)} here"
+               if shaped else f", such as {min(missing or unexpected)}")
+    return ", ".join(counts) + example
+
+
+# Settings that do not shape the weights, and the sizes a growth recorded (taken from the checkpoint as it loads).
+NOT_SHAPING = {"lr_schedule", "warmup_steps", "min_lr_ratio", "max_nonfinite_steps", "compile", "sdpa_pad",
+               "attn_implementation", "tokenizer", "d_head", "d_v", "head_sizes", "v_head_sizes"}
+FROM_DATA = {"vocab_size": "vocabulary (its tokenizer)", "block_size": "sequence length"}
+
+
+def _settings_fix(module: nn.Module, checkpoint: dict) -> str:
+    """What builds a model the checkpoint's weights fit: its class, or the settings of its that differ."""
+    theirs = checkpoint.get("hyper_parameters", {})
+    name = type(module).__name__
+    if theirs.get("_class_path", name).rsplit(".", 1)[-1] != name:  # recorded by the CLI
+        return f"it is a checkpoint of {theirs['_class_path']}, not of {name}: give a checkpoint of {name}"
+    ours = dict(getattr(module, "hparams", {}))
+    differ = {k: v for k, v in theirs.items() if k in ours and k not in NOT_SHAPING and not k.startswith("_")
+              and isinstance(v, (int, float, str, bool)) and ours[k] != v}
+    fixes = [f"--model.init_args.{k}={v}" for k, v in differ.items() if k not in FROM_DATA]
+    fixes += [f"data of its {FROM_DATA[k]} ({k}={v}, here {ours[k]})" for k, v in differ.items() if k in FROM_DATA]
+    if not fixes:
+        return "give a checkpoint of a model built like this one (the same model class and settings)"
+    return f"build this model as the checkpoint's was, {', '.join(fixes)}; or give a checkpoint of a model built like it"
 
 
 def unsafe_load_refused(error: BaseException) -> bool:
