@@ -35,8 +35,9 @@ def gathered(monkeypatch):
 
 
 def test_a_value_event_capped_by_max_d_v_is_skipped_without_gathering_statistics(tmp_path, cli, gathered):
-    done = cli("fit", *TWO_EVENTS, "--trainer.callbacks.init_args.growth.grow=value",
-               "--trainer.callbacks.init_args.growth.columns=null", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    with pytest.warns(UserWarning, match=r"growth at epoch 2 skipped: nothing has room left to grow"):
+        done = cli("fit", *TWO_EVENTS, "--trainer.callbacks.init_args.growth.grow=value",
+                   "--trainer.callbacks.init_args.growth.columns=null", f"--trainer.logger.init_args.save_dir={tmp_path}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "growth at step 4 (epoch 1): d_v 8→11 per layer" in done.stdout
     assert ("growth at step 8 (epoch 2): skipped, nothing has room left to grow (d_v at growth.max_d_v=11 in layers "
@@ -145,7 +146,8 @@ def test_a_utf8_corpus_is_read_without_that_warning(tmp_path):
 def test_a_setting_the_shipped_config_gives_is_unset_as_the_message_says(tmp_path, cli):
     """configs/mqar_grow.yaml sets growth.columns, which a value growth refuses: leaving it off the command line
     keeps it, null removes it."""
-    run = [*TWO_EVENTS, "--trainer.max_epochs=1", "--trainer.callbacks.init_args.growth.grow=value",
+    run = [*TWO_EVENTS, "--trainer.max_epochs=2", "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+           "--trainer.callbacks.init_args.growth.grow=value",
            f"--trainer.logger.init_args.save_dir={tmp_path}"]
     done = cli("fit", *run)
     assert done.returncode != 0
