@@ -1,6 +1,5 @@
 import math
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -8,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import SHAKESPEARE, needs_shakespeare
 from lit_growattn.data import FusedRecallDataModule, MQARDataModule, TextDataModule
-
-SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def check_mqar(inputs, labels, vocab_size, num_kv_pairs, noise):
@@ -217,7 +215,7 @@ def test_text_bad_inputs(tmp_path):
             TextDataModule(**kwargs)
 
 
-@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="shared tinyshakespeare.txt not available")
+@needs_shakespeare
 def test_text_tinyshakespeare():
     dm = TextDataModule(path=str(SHAKESPEARE), block_size=128, batch_size=32)
     dm.setup("fit")
