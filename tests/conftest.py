@@ -86,6 +86,20 @@ def command_line_of_its_own():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def log_handlers_on_this_sessions_stderr():
+    """Lightning's loggers get a StreamHandler on the sys.stderr of their import. Where pytest runs more than once in
+    one process (mutmut: its statistics run, then its clean run), that is an earlier session's capture stream,
+    closed by now: each record would print "--- Logging error ---" with a traceback. Point them at this one's."""
+    import logging
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+                handler.setStream(sys.stderr)
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def one_thread():
     """The models here are tiny: a second OpenMP thread only adds spin-waits (5× slower on a busy 2-core machine)."""
     threads = torch.get_num_threads()
