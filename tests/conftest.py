@@ -95,7 +95,7 @@ def log_handlers_on_this_sessions_stderr():
     for name in ("lightning.pytorch", "lightning.fabric"):
         for handler in logging.getLogger(name).handlers:
             if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
-                handler.setStream(sys.stderr)
+                handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
     yield
 
 
