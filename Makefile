@@ -19,9 +19,10 @@ demo: $(VENV)/.installed
 
 # Two test processes (pytest-xdist): most tests are small single-threaded runs, so two cores halve the wall time.
 # LIT_GROWATTN_REQUIRE_OPTIONAL: the hf extra is installed here, so a test that cannot import it fails, not skips.
+# --durations=15: the 15 slowest tests are listed after the summary, so a test that grew slow shows in every run.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	LIT_GROWATTN_REQUIRE_OPTIONAL=1 $(PY) -m pytest -q -n $(TEST_WORKERS)
+	LIT_GROWATTN_REQUIRE_OPTIONAL=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # Mutation testing of the core (docs/testing.md): tens of minutes, so neither in `make test` nor in CI.
 # `make mutants MUTANTS='lit_growattn.training.optimization.*'` runs one module's mutants (mutmut's names, globs allowed).

@@ -6,12 +6,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_growattn import GrowAttentionCallback
 from lit_growattn.data import FusedRecallDataModule
+from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
 
-def recall_data(batch_size=16, examples=128, seed=0) -> FusedRecallDataModule:
+def recall_data(batch_size=16, examples=128, seed=0, val_examples=32) -> FusedRecallDataModule:
+    """The validation split is drawn from a stream of its own: `val_examples` changes nothing of the training."""
     return FusedRecallDataModule(num_keys=8, num_values=4, num_kv_pairs=4, num_train_examples=examples,
-                                 num_val_examples=32, batch_size=batch_size, seed=seed)
+                                 num_val_examples=val_examples, batch_size=batch_size, seed=seed)
 
 
 def tiny_module(data, **kwargs) -> GrowAttentionLM:
@@ -50,3 +52,54 @@ class PreservationProbe(GrowAttentionCallback):
         with torch.no_grad():
             self.out_after = pl_module(inputs)
         pl_module.train()
+
+
+
+class HeldOutProbe(GrowAttentionCallback):
+    """The loss of every labelled token of the validation batches, which the line search never sees (it rates its
+    step sizes on the kept training batches of the statistics window), just before and just after each growth
+    event: `held_out` holds one (before, after) pair of float64 tensors per event."""
+
+    def token_losses(self, trainer, pl_module) -> torch.Tensor:
+        was_training = pl_module.training
+        pl_module.eval()
+        losses = []
+        loaders = trainer.val_dataloaders
+        with torch.no_grad():
+            for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+                for inputs, labels in loader:
+                    logits = pl_module(inputs.to(pl_module.device)).flatten(0, 1).float()
+                    labels = labels.to(pl_module.device).flatten()
+                    losses.append(torch.nn.functional.cross_entropy(logits, labels, reduction="none")[labels != -100])
+        pl_module.train(was_training)
+        assert losses, "no validation batch to measure the growth on"
+        return torch.cat(losses).double()
+
+    def _grow(self, trainer, pl_module, point, batch_idx):
+        before = self.token_losses(trainer, pl_module)
+        super()._grow(trainer, pl_module, point, batch_idx)
+        self.held_out = getattr(self, "held_out", []) + [(before, self.token_losses(trainer, pl_module))]
+
+
+def held_out_rise(before: torch.Tensor, after: torch.Tensor) -> tuple[float, float]:
+    """The mean rise of the held-out loss over its tokens, and the standard error of that mean (the paired
+    differences' spread over √tokens): a rise within a few standard errors is the noise of the sample."""
+    rise = after - before
+    return float(rise.mean()), float(rise.std() / rise.numel() ** 0.5)
+
+
+def assert_never_raises_the_held_out_loss(grow: HeldOutProbe, steps_taken: bool = True) -> None:
+    """The loss on validation batches, which the line search did not use, does not rise at any event by more
+    than 3 standard errors of its mean over the held-out tokens (plus float32 round-off); and, unless
+    `steps_taken` is False (a baseline, whose growth keeps the function), a step α > 0 was taken at some event
+    and lowered it."""
+    assert len(grow.held_out) == len(grow.history) > 0
+    for event, (before, after) in zip(grow.history, grow.held_out):
+        rise, error = held_out_rise(before, after)
+        rounding = loss_rounding(float(before.mean()), torch.float32, before.numel())
+        assert rise <= 3 * error + rounding, (event["epoch"], event["alpha"], rise, error)
+        if not event["alpha"]:  # α = 0, or a baseline: the function is kept, up to the new columns' round-off
+            assert abs(rise) <= rounding + 1e-6 * float(before.mean()), (event["epoch"], rise)
+    if steps_taken:
+        assert any(e["alpha"] and held_out_rise(*losses)[0] < 0 for e, losses in zip(grow.history, grow.held_out)), \
+            f"no step α > 0 lowered the held-out loss: α {[e['alpha'] for e in grow.history]}"

@@ -19,8 +19,6 @@ from lit_growattn.attention import ATTENTIONS  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
-# Every test that reads ../shared carries this mark: a clone without the shared data skips them.
-needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} is not beside this clone")
 
 # Set by `make test` (as is CI=true on CI services): there every optional dependency is installed, so a test that
 # cannot import one fails instead of skipping, and a broken install cannot pass by running fewer tests.
@@ -29,6 +27,35 @@ REQUIRE_OPTIONAL = "LIT_GROWATTN_REQUIRE_OPTIONAL"
 
 def optional_dependencies_required() -> bool:
     return os.environ.get(REQUIRE_OPTIONAL, "") not in ("", "0") or os.environ.get("CI", "").lower() == "true"
+
+
+# Every test that reads ../shared carries this mark. Without the shared data beside the clone they skip, or fail
+# where optional inputs are required (`make test`, CI, which run with ../shared beside the clone): a missing corpus
+# must not pass as fewer tests. Checked before each marked test by pytest_runtest_setup below.
+needs_shakespeare = pytest.mark.needs_shakespeare
+
+
+def require_shakespeare(path: Path | None = None) -> None:
+    """Nothing when the shared corpus exists; otherwise skip the calling test, or fail it where optional inputs are
+    required."""
+    path = SHAKESPEARE if path is None else path
+    if path.is_file():
+        return
+    if optional_dependencies_required():
+        pytest.fail(f"{path} is not beside this clone, and {REQUIRE_OPTIONAL} or CI=true requires every optional "
+                    f"input: put the shared folder beside the clone (../shared/data/tinyshakespeare.txt)",
+                    pytrace=False)
+    pytest.skip(f"{path} is not beside this clone")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_shakespeare: reads ../shared/data/tinyshakespeare.txt (skipped "
+                                       "without it, failed where optional inputs are required)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("needs_shakespeare") is not None:
+        require_shakespeare()
 
 
 def needs_module(name: str, extra: str):
@@ -56,6 +83,20 @@ def command_line_of_its_own():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [sys.argv[0]])
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def log_handlers_on_this_sessions_stderr():
+    """Lightning's loggers get a StreamHandler on the sys.stderr of their import. Where pytest runs more than once in
+    one process (mutmut: its statistics run, then its clean run), that is an earlier session's capture stream,
+    closed by now: each record would print "--- Logging error ---" with a traceback. Point them at this one's."""
+    import logging
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+    yield
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -71,6 +71,7 @@ def test_entropy_uses_each_layers_attention_input(attention):
                 for name, a in attention_maps(block.attn, block.ln_1(h)).items():
                     expected[i][name] = expected[i].get(name, 0) + row_entropy(a).mean(-1).sum(0)
                 h = block(h)
+    assert len(got) == len(expected) == 2
     for layer, ref in zip(got, expected):
         assert layer.keys() == ref.keys() == ({"attn"} if attention == "mha" else {"attn", "a1", "a2"})
         for name in ref:

@@ -28,6 +28,7 @@ def _window_run(tmp_path, init_scale=None, batches=4):
 def test_16_mixed_statistics_are_unscaled(tmp_path):
     reference, _ = _window_run(tmp_path / "fp32")
     scaled, module = _window_run(tmp_path / "fp16", init_scale=2.0**12)
+    assert len(reference.seen) == len(scaled.seen) > 0
     for (ref, _, _), (got, instances, weight) in zip(reference.seen, scaled.seen):
         assert (instances, weight) == (64, 4.0)  # no step overflowed at this scale
         # fp16 rounding moves single entries; a scale left in would be off by the factor 4096.
@@ -43,6 +44,7 @@ def test_16_mixed_overflowed_steps_are_dropped_not_poisoning(tmp_path):
     # Starting at 2^30 the scaler overflows and halves its scale for several steps before the gradients fit.
     with pytest.warns(UserWarning, match=SCHEDULER_FIRST):
         recorder, module = _window_run(tmp_path / "partial", init_scale=2.0**30, batches=24)
+    assert recorder.seen
     for means, instances, weight in recorder.seen:
         assert 0 < weight < 24 and instances == 16 * weight
         assert all(torch.isfinite(m).all() for m in means if m is not None)

@@ -1,6 +1,5 @@
 import math
 import random
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning as L
@@ -8,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import SHAKESPEARE, needs_shakespeare
 from lit_growattn.data import FusedRecallDataModule, MQARDataModule, TextDataModule
-
-SHAKESPEARE = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "tinyshakespeare.txt"
 
 
 def check_mqar(inputs, labels, vocab_size, num_kv_pairs, noise):
@@ -108,7 +106,8 @@ def test_mqar_train_order_depends_on_seed_and_epoch_only():
     a, b = MQARDataModule(num_train_examples=256), MQARDataModule(num_train_examples=256)
     a.setup("fit"), b.setup("fit")
     la, lb = a.train_dataloader(), b.train_dataloader()
-    assert all(torch.equal(x, y) for x, y in zip(epoch_batches(la, 3), epoch_batches(lb, 3)))
+    assert len(epoch_batches(la, 3)) == len(la) > 0
+    assert all(torch.equal(x, y) for x, y in zip(epoch_batches(la, 3), epoch_batches(lb, 3), strict=True))
     assert not torch.equal(epoch_batches(la, 0)[0], epoch_batches(la, 1)[0])
 
     # Under DDP each rank keeps its own half, deterministically.
@@ -176,7 +175,7 @@ def test_text_train_windows_depend_on_seed_and_epoch_only(tmp_path):
         dm.setup("fit")
     la, lb, lc = a.train_dataloader(), b.train_dataloader(), c.train_dataloader()
     assert len(list(la.sampler)) == 40
-    assert all(torch.equal(x, y) for x, y in zip(epoch_batches(la, 2), epoch_batches(lb, 2)))
+    assert all(torch.equal(x, y) for x, y in zip(epoch_batches(la, 2), epoch_batches(lb, 2), strict=True))
     assert not torch.equal(epoch_batches(la, 0)[0], epoch_batches(la, 1)[0])
     assert not torch.equal(epoch_batches(la, 0)[0], epoch_batches(lc, 0)[0])
 
@@ -217,7 +216,7 @@ def test_text_bad_inputs(tmp_path):
             TextDataModule(**kwargs)
 
 
-@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="shared tinyshakespeare.txt not available")
+@needs_shakespeare
 def test_text_tinyshakespeare():
     dm = TextDataModule(path=str(SHAKESPEARE), block_size=128, batch_size=32)
     dm.setup("fit")

@@ -27,8 +27,10 @@ def test_reset_drops_the_qk_adam_state_at_the_growth_and_keeps_the_rest(tmp_path
     (optimizer,) = fit.optimizers
     per_epoch = fit.num_training_batches
     steps = {name: int(optimizer.state[p]["step"]) for name, p in module.named_parameters()}
-    assert all(steps[n] == per_epoch for n in steps if n.endswith((".w_q", ".w_k")))  # restarted at epoch 1
-    assert all(s == 2 * per_epoch for n, s in steps.items() if not n.endswith((".w_q", ".w_k")))
+    qk = [n for n in steps if n.endswith((".w_q", ".w_k"))]
+    assert len(qk) == 4 and len(steps) > len(qk)  # w_q and w_k of 2 layers, and the rest
+    assert all(steps[n] == per_epoch for n in qk)  # restarted at epoch 1
+    assert all(s == 2 * per_epoch for n, s in steps.items() if n not in qk)
 
 
 def test_train_runs_record_event_losses_and_render_the_table(tmp_path):
@@ -45,5 +47,6 @@ def test_train_runs_record_event_losses_and_render_the_table(tmp_path):
     (run,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert [e["alpha"] for e in run["events"]] == [0.0, 0.0] and len(run["val"]) == 3
     before, after = run["event_loss"]["before"], run["event_loss"]["after"]
+    assert len(before) == len(after) == 2  # one loss each side of each event
     assert all(abs(a - b) < 1e-4 for a, b in zip(after, before))  # α = 0 and a reset keep the function
     assert "| grow natural/append α=0 + Q/K reset | 1 |" in growth_step.runs_table([run])

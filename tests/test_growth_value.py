@@ -339,3 +339,22 @@ def test_a_float32_map_grows_in_float64_and_returns_float32():
     assert grown.w_v.dtype == grown.w_o.dtype == torch.float32
     torch.testing.assert_close(grown.w_v, exact.w_v.float(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(grown.w_o, exact.w_o.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["random", "zero"])
+def test_baselines_are_the_generators_float64_draws_scaled_by_each_heads_rms(method):
+    """The new V columns and O rows are the generator's own N(0, 1) float64 draws, V's first, times the RMS of each
+    kv head's old V columns and each head's old O rows; `zero` keeps the draws of V and zeroes the O rows. The
+    spectrum and discarded energy of a baseline are empty: no direction was factored."""
+    p = ValueProblem(kv=2, d=3)
+    grown = p.growth(method).grow(1.0, 5, generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    w_v, w_o = p.w_v.double(), p.w_o.double()
+    new_v = torch.randn(w_v.shape[0], w_v.shape[1], 2, generator=g, dtype=torch.float64)
+    new_o = torch.randn(w_o.shape[0], 2, w_o.shape[2], generator=g, dtype=torch.float64)
+    new_v = new_v * w_v.square().mean((1, 2), keepdim=True).sqrt()
+    new_o = new_o * w_o.square().mean((1, 2), keepdim=True).sqrt() if method == "random" else torch.zeros_like(new_o)
+    torch.testing.assert_close(grown.w_v, torch.cat([w_v, new_v], -1).to(p.w_v.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(grown.w_o, torch.cat([w_o, new_o], -2).to(p.w_o.dtype), rtol=0, atol=0)
+    assert grown.discarded_energy.shape == (2,) and not grown.discarded_energy.any()
+    assert grown.spectrum.shape == (2, 0)

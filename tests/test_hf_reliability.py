@@ -109,7 +109,10 @@ def test_a_diverged_hf_run_stops_without_checkpointing_non_finite_weights(tmp_pa
                        "--trainer.gradient_clip_val=null", "--data.init_args.samples_per_epoch=160", *settings])
     assert rc == 1
     assert re.search(rf"error: TrainingDiverged: training diverged: .*{guard}", capsys.readouterr().err)
-    for path in (tmp_path / "logs").rglob("*.ckpt"):
+    checkpoints = list((tmp_path / "logs").rglob("*.ckpt"))
+    if "--trainer.callbacks.init_args.every_n_train_steps=1" in settings:
+        assert checkpoints  # one a step until the weights went non-finite: the loop below checks them
+    for path in checkpoints:
         state = torch.load(path, weights_only=True)["state_dict"]
         assert all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()), path
 
@@ -143,7 +146,7 @@ def test_a_tokenizer_that_is_not_the_models_is_refused_before_training(tmp_path,
 
 # -- checkpoints outlive the pretrained folder ---------------------------------------------------
 
-def test_a_checkpoint_resumes_rebuilds_and_exports_after_its_folder_moved(tmp_path, fit_args):
+def test_a_checkpoint_resumes_rebuilds_and_exports_after_its_folder_moved(tmp_path, fit_args, cli):
     folder, moved = tmp_path / "llama", tmp_path / "moved"
     main(["fit", *fit_args, *pretrained(folder)])
     (ckpt,) = (tmp_path / "logs").rglob("last.ckpt")
@@ -162,8 +165,27 @@ def test_a_checkpoint_resumes_rebuilds_and_exports_after_its_folder_moved(tmp_pa
     resume = ["fit", *fit_args, "--model.init_args.config=null", f"--ckpt_path={ckpt}", "--trainer.max_epochs=3"]
     with pytest.raises(ValueError, match=f"its folder {folder} does not exist \\(moved\\?\\): name the tokenizer"):
         main(resume)
-    cli = main([*resume, f"--data.init_args.tokenizer={moved}"])
-    assert cli.trainer.global_step == 6
+    resumed = main([*resume, f"--data.init_args.tokenizer={moved}"])
+    assert resumed.trainer.global_step == 6
+
+    # Exported from the checkpoint, with --pretrained naming the folder's new place: the folder loads with
+    # transformers (after `import lit_growattn.hf`) as the grown model the checkpoint holds, with its tokenizer.
+    from transformers import AutoTokenizer
+
+    import lit_growattn.hf  # noqa: F401  (registers the grown architecture with transformers)
+    from hf_helpers import load
+
+    out = tmp_path / "export"
+    done = cli("export", "--ckpt", ckpt, "--out", out, "--pretrained", moved)
+    assert done.returncode == 0, done.stderr[-2000:]
+    exported = load(out)
+    assert exported.config.qk_head_sizes == loaded.head_sizes() == [16, 16]  # grown from the folder's 8 at epoch 1
+    ids = torch.tensor([AutoTokenizer.from_pretrained(out)(TEXT)["input_ids"][:24]])
+    assert ids.shape[1] == 24
+    with torch.no_grad():
+        expected = loaded.eval().model(ids).logits
+        # float32 logits of a 2-layer model: both sides run the same operations, up to the kernel's round-off.
+        torch.testing.assert_close(exported(ids).logits, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_init_from_starts_a_new_run_from_a_checkpoints_weights_as_the_resume_warning_advises(tmp_path, fit_args):

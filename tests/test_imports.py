@@ -24,6 +24,7 @@ def module_names(root: Path, package: str | None) -> dict[str, Path]:
         if parts[-1] == "__init__":
             parts.pop()
         names[".".join([package, *parts] if package else parts)] = path
+    assert names, f"no module under {root}: nothing to check"
     return names
 
 
@@ -80,9 +81,10 @@ def test_the_package_has_no_import_cycle():
 
 def test_the_scripts_and_studies_have_no_import_cycle():
     assert cycles(REPO / "scripts", None) == []
-    for study in (REPO / "studies").iterdir():
-        if study.is_dir():  # each study's folder with the modules it shares with the others
-            assert cycles(study, None) == []
+    studies = [study for study in (REPO / "studies").iterdir() if study.is_dir()]
+    assert studies
+    for study in studies:  # each study's folder with the modules it shares with the others
+        assert cycles(study, None) == []
 
 
 def test_the_check_finds_a_cycle(tmp_path):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import REPO, REQUIRE_OPTIONAL, needs_module
+from conftest import REPO, REQUIRE_OPTIONAL, needs_module, needs_shakespeare, require_shakespeare
 
 MISSING = "lit_growattn_no_such_module"  # stands for an optional dependency that is not installed
 
@@ -42,3 +42,51 @@ def test_make_test_requires_the_optional_dependencies_it_installs():
     install = next(line for line in makefile.splitlines() if "pip install -e" in line)
     recipe = makefile.split("\ntest:", 1)[1].splitlines()[1]
     assert ".[dev,hf]" in install and f"{REQUIRE_OPTIONAL}=1 " in recipe
+
+
+# The shared corpus (../shared/data/tinyshakespeare.txt) is an optional input like the optional dependencies:
+# the tests marked needs_shakespeare skip without it, and fail where optional inputs are required.
+
+def test_a_missing_shared_corpus_skips_on_a_plain_install(plain_install, tmp_path):
+    with pytest.raises(pytest.skip.Exception, match="nope.txt is not beside this clone"):
+        require_shakespeare(tmp_path / "nope.txt")
+
+
+@pytest.mark.parametrize("variable, value", [(REQUIRE_OPTIONAL, "1"), ("CI", "true")])
+def test_a_missing_shared_corpus_fails_where_optional_inputs_are_required(plain_install, monkeypatch, tmp_path,
+                                                                          variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(pytest.fail.Exception, match="nope.txt is not beside this clone, and .* requires every "
+                                                    "optional input: put the shared folder beside the clone"):
+        require_shakespeare(tmp_path / "nope.txt")
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_present_shared_corpus_runs_the_test(plain_install, monkeypatch, tmp_path, required):
+    if required:
+        monkeypatch.setenv(REQUIRE_OPTIONAL, "1")
+    (tmp_path / "corpus.txt").write_text("to be")
+    assert require_shakespeare(tmp_path / "corpus.txt") is None
+
+
+class MarkedItem:
+    """What pytest_runtest_setup reads of a test: its marks."""
+
+    def __init__(self, *marks):
+        self.marks = {mark.name: mark for mark in marks}
+
+    def get_closest_marker(self, name):
+        return self.marks.get(name)
+
+
+@pytest.mark.parametrize("marks, outcome", [((needs_shakespeare.mark,), pytest.fail.Exception), ((), None)])
+def test_the_needs_shakespeare_mark_is_checked_before_its_tests(plain_install, monkeypatch, tmp_path, marks, outcome):
+    import conftest
+
+    monkeypatch.setattr(conftest, "SHAKESPEARE", tmp_path / "nope.txt")
+    monkeypatch.setenv("CI", "true")
+    if outcome is None:
+        assert conftest.pytest_runtest_setup(MarkedItem(*marks)) is None
+    else:
+        with pytest.raises(outcome, match="nope.txt is not beside this clone"):
+            conftest.pytest_runtest_setup(MarkedItem(*marks))

@@ -83,3 +83,26 @@ def test_each_event_grows_its_own_layers(tmp_path, capsys):
     trainer(tmp_path, [grow], max_epochs=3).fit(module, data)
     assert [e["d_head"] for e in grow.history] == [[3, 2], [3, 3]]
     assert "growth statistics: " in capsys.readouterr().out
+
+
+def test_the_automatic_schedule_is_told_how_many_layers_fit_in_the_plural():
+    forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(16)]  # 1.11 GB per layer, both halves
+    with pytest.raises(ValueError) as refused:
+        check_statistics_memory(forms, list(range(16)), None, "natural", 2.5, halves=True)
+    assert str(refused.value).endswith(": grow at most 2 layers with growth.layers (the automatic schedule offers every "
+                                       "growing layer at each check), or raise statistics.max_memory_gb")
+
+
+@pytest.mark.parametrize("halves, limit_gb, fix", [
+    # Both halves: 2.18 GB a layer with pinv, 1.11 GB without its second sum.
+    (True, 1.5, "one layer alone needs 2.18 GB with pinv's second sum: use method natural or gradient (1.11 GB per "
+                "layer), or raise statistics.max_memory_gb"),
+    # Exactly the bytes of one layer without pinv's second sum (553,648,128 B): that fits.
+    (False, 0.553648128, "one layer alone needs 1.09 GB with pinv's second sum: use method natural or gradient "
+                         "(0.554 GB per layer), or raise statistics.max_memory_gb"),
+])
+def test_pinv_is_told_what_the_other_methods_need_with_the_same_halves(halves, limit_gb, fix):
+    forms = [NamedForm(i, f"l{i}", _Form(32, 2048)) for i in range(4)]
+    with pytest.raises(ValueError) as refused:
+        check_statistics_memory(forms, list(range(4)), None, "pinv", limit_gb, halves=halves)
+    assert str(refused.value).endswith(f": {fix}")

@@ -216,7 +216,7 @@ def test_streaming_reshuffles_per_epoch_and_splits_rows_across_ranks(tmp_path):
     assert bytes(as_list(dm.val_sets[0].tokens)).decode().startswith("row 0000 ")
     assert dm.bytes_per_token == [1.0]
     again, _, _ = stream()
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again))  # same (seed, epoch): same stream
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))  # same (seed, epoch): same stream
     assert not torch.equal(stream(epoch=1)[0][0][0], batches[0][0])  # set_epoch reshuffles
     (b0, rows0, _), (b1, rows1, _) = stream(0, 2), stream(1, 2)
     assert len(b0) == len(b1) == 2 and not rows0 & rows1

@@ -9,7 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.module import GrowAttentionLM
 
-from callback_helpers import PreservationProbe, params, recall_data, tiny_module, trainer
+from callback_helpers import (HeldOutProbe, PreservationProbe, assert_never_raises_the_held_out_loss, params, recall_data,
+                              tiny_module, trainer)
 from conftest import required_args
 from test_growth_schedule import assert_same_run, cli_fit
 
@@ -34,15 +35,16 @@ def test_growth_at_step_zero_keeps_the_function(tmp_path, attention, grow):
 
 
 def test_a_searched_value_growth_never_raises_the_loss_and_is_logged(tmp_path, capsys):
-    L.seed_everything(0)
-    data = recall_data()
+    L.seed_everything(1)
+    data = recall_data(batch_size=32, examples=256, val_examples=512)  # 8 steps an epoch, 4 × 32 kept sequences
     module = tiny_module(data)
-    grow = GrowAttentionCallback(AtEpochs([1, 2]), growth=GrowthSettings(grow="value", value_columns=[2, 1]),
-                                 statistics=StatisticsSettings(batches=4))
+    grow = HeldOutProbe(AtEpochs([1, 2]), growth=GrowthSettings(grow="value", value_columns=[2, 1]),
+                        statistics=StatisticsSettings(batches=4), step_search=StepSearch(batches=4))
     trainer(tmp_path, [grow], max_epochs=3).fit(module, data)
     assert module.value_sizes() == [12, 10]
-    for event in grow.history:
+    for event in grow.history:  # on the kept batches the steps were rated on: α = 0 is a candidate
         assert event["loss_after"] <= event["loss_before"]
+    assert_never_raises_the_held_out_loss(grow)  # and on held-out ones, with a step α > 0 taken
     out = capsys.readouterr().out
     assert "growth at step 8 (epoch 1): d_v [8, 8]→[10, 9]" in out
     assert "growth summary" in out and "d_v" in out.split("growth summary")[1]

@@ -1,0 +1,70 @@
+"""What a user reads when a checkpoint file is refused (training/checkpoint.py) or a run diverged
+(training/divergence.py): the whole message, since the message is all the user gets. Fast unit tests, also in the
+mutation selection (docs/testing.md)."""
+
+import pickle
+
+import pytest
+import torch
+
+from lit_growattn.training.checkpoint import damaged, read_checkpoint, refusal
+from lit_growattn.training.divergence import ADVICE, TrainingDiverged, check_finite_weights, first_names, non_finite
+
+
+def test_a_file_of_python_objects_is_refused_naming_the_first_object_and_what_to_do():
+    error = pickle.UnpicklingError("Weights only load failed. ... Unsupported global: GLOBAL collections.OrderedDict "
+                                   "was not an allowed global by default. Please use weights_only=False ...")
+    assert str(refusal("run.ckpt", error)) == (
+        "run.ckpt holds Python objects such as collections.OrderedDict beyond tensors and plain containers; loading "
+        "them could run code from the file, so it is refused. If you trust the file, save only its tensors and plain "
+        "values (a checkpoint's 'state_dict' and 'hyper_parameters') to a new file.")
+
+
+def test_a_pickle_that_names_no_object_is_called_damaged_or_not_torch_save():
+    assert str(refusal("run.ckpt", pickle.UnpicklingError("invalid load key, 'x'."))) == (
+        "run.ckpt cannot be read as a file of tensors and plain containers: it is damaged (truncated or overwritten?) "
+        "or not written by torch.save (a plain pickle could run code when loaded, so it is refused); use another "
+        "file, e.g. an earlier checkpoint of the same run")
+
+
+def test_an_archive_that_is_not_a_pickle_is_refused_as_code():
+    assert str(refusal("model.pt", RuntimeError("weights_only ... TorchScript archive"))) == (
+        "model.pt is not a file of tensors and plain containers (a TorchScript archive?); it is refused, since "
+        "loading it could run code from the file")
+
+
+def test_a_damaged_checkpoint_is_named_with_what_to_use_instead(tmp_path):
+    assert str(damaged(tmp_path / "last.ckpt")) == (
+        f"checkpoint {str(tmp_path / 'last.ckpt')!r} is damaged (truncated or overwritten?) and cannot be read; use "
+        "another checkpoint, e.g. an earlier one of the same run")
+    path = tmp_path / "cut.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(64)}}, path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError) as refused:
+        read_checkpoint(path)
+    assert str(refused.value) == str(damaged(path))
+
+
+def test_first_names_lists_three_and_marks_the_rest():
+    assert first_names([]) == ""
+    assert first_names(["a"]) == "a"
+    assert first_names(["a", "b", "c"]) == "a, b, c"
+    assert first_names(["a", "b", "c", "d"]) == "a, b, c, …"
+
+
+def test_non_finite_weights_are_named_in_the_order_of_the_module():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    with torch.no_grad():
+        module[0].bias[1] = float("nan")
+        module[2].weight[0, 0] = float("-inf")
+    named = list(module.named_parameters()) + [("steps", torch.tensor([1, 2]))]  # an integer tensor is never checked
+    assert non_finite(named) == ["0.bias", "2.weight"]
+    assert non_finite([]) == []
+    with pytest.raises(TrainingDiverged) as diverged:
+        check_finite_weights(module, step=7)
+    assert str(diverged.value) == (
+        "training diverged: 2 parameter tensors are non-finite at step 7 (0.bias, 2.weight), so no checkpoint is "
+        f"written (those already written keep their finite weights). {ADVICE}")
+    with torch.no_grad():
+        module[0].bias[1], module[2].weight[0, 0] = 0.0, 0.0
+    check_finite_weights(module, step=8)  # finite: nothing raised
