@@ -73,6 +73,7 @@ class GrowAttentionCallback(Callback):
         self._capturing = self._closes_window = False
         self._strategy, self._rank, self._world = None, 0, 1
         self._fitting = True  # set by `setup`; validate and test ignore the checkpoint's growth state
+        self._caps_given: set[str] = set()
 
     # -- checks before any work is done --------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -153,6 +154,7 @@ class GrowAttentionCallback(Callback):
         report.say(trainer, check_statistics_memory(growing, layers, self.statistics.layers_per_event,
                                                     self.settings.method, self.statistics.max_memory_gb,
                                                     self.window.halves))
+        self._caps_given = {key for key in limits if getattr(self.settings, key) is not None}  # for the console
         self.settings = dataclasses.replace(self.settings, **limits)
         self.schedule.bind(self.settings, self.statistics, layers, self._sizes(pl_module),
                            growth.column_costs((f.layer, f.form) for f in growing))
@@ -177,11 +179,13 @@ class GrowAttentionCallback(Callback):
 
     # -- statistics window and growth, decided from the trainer's counters ---------------------------
     def _window_settings(self, trainer: L.Trainer) -> dict:
-        """What decides the contents of a statistics window: which micro-batches it spans, which layers each
-        captures, their weights in the sums, and which batches are kept to rate the step sizes."""
+        """What decides the contents of a statistics window: which micro-batches it spans, which units (the caps
+        leave capped ones out) and layers each captures, their weights in the sums, and which batches are kept to
+        rate the step sizes."""
         return {"accumulate_grad_batches": trainer.accumulate_grad_batches, "statistics.batches": self.statistics.batches,
                 "statistics.layers_per_step": self.statistics.layers_per_step,
-                "step_search.batches": self.line_search_batches}
+                "step_search.batches": self.line_search_batches, "growth.max_d_head": self.settings.max_d_head,
+                "growth.max_d_v": self.settings.max_d_v}
 
     def _units(self, pl_module: L.LightningModule) -> NamedForms:
         """The query/key forms and value maps of the next event's layers (layer, qualified parameter-name prefix,
@@ -206,8 +210,13 @@ class GrowAttentionCallback(Callback):
         for named in filter(self._capped, self._units(pl_module)):
             capped.setdefault(growth.head_size_of(named.form), set()).add(named.layer)
         setting = {"d_head": "max_d_head", "d_v": "max_d_v"}
-        return ", ".join(f"{side} at growth.{setting[side]}={self.settings.max_width(side == 'd_v')} in layers "
-                         f"{sorted(layers)}" for side, layers in capped.items())
+
+        def cap(side: str) -> str:
+            size = self.settings.max_width(side == "d_v")
+            return (f"growth.{setting[side]}={size}" if setting[side] in self._caps_given
+                    else f"its largest possible size {size}")
+
+        return ", ".join(f"{side} at {cap(side)} in layers {sorted(layers)}" for side, layers in capped.items())
 
     def _sizes(self, pl_module: L.LightningModule) -> dict[str, list[int]]:
         """The head sizes an event record keeps: d_head, and d_v when the value side grows."""
@@ -272,7 +281,7 @@ class GrowAttentionCallback(Callback):
         # Under a 16-mixed GradScaler overflowed steps are dropped: a short window (or a layer's few round-robin
         # turns) can end with nothing. Layers without statistics keep their size; the others still grow.
         halves = window.half or [None] * len(forms)
-        kept = [(f, st, h) for f, st, h in zip(forms, window.stats, halves) if st.instances > 0]
+        kept = [(f, st, h) for f, st, h in zip(forms, window.stats, halves, strict=True) if st.instances > 0]
         if not kept:
             return self._skip(trainer, pl_module, where, "no finite statistics were captured in its window")
         if empty := sorted({f[0] for f in forms} - {f[0] for f, _, _ in kept}):

@@ -169,7 +169,7 @@ def fine_tune_shrunk(config: str, common: list[str], first: dict, trained: Path,
     fine-tuned for the rest of `steps`; FLOPs, curve and seconds of both phases together."""
     at = first["final"]["step"]
     shrunk = work / "shrunk.ckpt"
-    convert_checkpoint(trained, shrunk, to="mha", d_head=d_head)
+    convert_checkpoint(trained, shrunk, to="mha", d_head=d_head, overwrite=True)  # one scratch file per cell
     second = run(config, [*common, sizes(d_head), f"--model.init_args.init_from={shrunk}",
                           f"--trainer.max_steps={steps - at}",
                           f"--model.init_args.warmup_steps={FINE_TUNE_WARMUP}"], logs, grow=False)

@@ -107,13 +107,23 @@ def test_a_folder_replaced_in_place_is_refused_and_the_fixes_it_names_give_the_t
     same_logits(module, load(tmp_path / "out"))
     shutil.move(folder, tmp_path / "away")
     same_logits(HFCausalLM.load_from_checkpoint(ckpt), module.model)
+    # export rebuilds the model too, and asks for the tokenizer, which was the lost folder's: a copy given is taken.
+    assert "--tokenizer DIR" in refusal(cli("export", "--ckpt", ckpt, "--out", tmp_path / "again"))
+    done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "again", "--tokenizer", tmp_path / "kept")
+    assert done.returncode == 0, done.stderr
+    same_logits(module, load(tmp_path / "again"))
+    assert special_tokens(tmp_path / "again") == special_tokens(tmp_path / "kept")
 
 
-def test_a_folder_differing_only_in_how_it_was_written_exports_the_trained_model(run, tmp_path, cli):
+@pytest.mark.parametrize("written", [
+    dict(transformers_version="4.40.0", architectures=["SomethingElse"], dtype="bfloat16", _name_or_path="elsewhere",
+         _attn_implementation="eager"),
+    dict(use_cache=False, pad_token_id=0, eos_token_id=5, bos_token_id=4, output_hidden_states=True),
+], ids=["how it was written", "tokens and switches"])
+def test_a_folder_differing_only_in_how_it_was_written_exports_the_trained_model(run, tmp_path, cli, written):
     folder, ckpt, module = run
     config = json.loads((folder / "config.json").read_text())
-    config.update(transformers_version="4.40.0", architectures=["SomethingElse"], dtype="bfloat16",
-                  _name_or_path="elsewhere", _attn_implementation="eager")
+    config.update(written)
     (folder / "config.json").write_text(json.dumps(config))
     done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "out")
     assert done.returncode == 0, done.stderr

@@ -146,6 +146,8 @@ def in_window_run(tmp_path_factory):
 @pytest.mark.parametrize("changed, named", [
     ("--trainer.accumulate_grad_batches=1", "accumulate_grad_batches=2 in the checkpoint but 1 now"),
     ("--trainer.callbacks.init_args.statistics.batches=2", "statistics.batches=3 in the checkpoint but 2 now"),
+    # A cap decides which units the window holds sums of (a capped one gathers none).
+    ("--trainer.callbacks.init_args.growth.max_d_head=4", "growth.max_d_head=64 in the checkpoint but 4 now"),
 ])
 def test_resuming_inside_a_statistics_window_with_other_window_settings_is_refused(tmp_path, in_window_run, cli,
                                                                                   changed, named):

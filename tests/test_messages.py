@@ -45,6 +45,18 @@ def test_a_value_event_capped_by_max_d_v_is_skipped_without_gathering_statistics
     assert set(gathered) == {"epoch 1"}
 
 
+def test_a_cap_the_user_did_not_set_is_named_by_its_size(tmp_path, cli, gathered):
+    # Without growth.max_d_v the value side stops at its rank bound (n_embd 32): the line must not name a setting.
+    with pytest.warns(UserWarning, match=r"growth at epoch 2 skipped: nothing has room left to grow"):
+        done = cli("fit", *TWO_EVENTS, "--trainer.callbacks.init_args.growth.grow=value",
+                   "--trainer.callbacks.init_args.growth.columns=null", "--trainer.callbacks.init_args.growth.max_d_v=null",
+                   "--trainer.callbacks.init_args.growth.value_columns=24", f"--trainer.logger.init_args.save_dir={tmp_path}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "growth at step 4 (epoch 1): d_v 8→32 per layer" in done.stdout
+    assert "skipped, nothing has room left to grow (d_v at its largest possible size 32 in layers [0])" in done.stdout
+    assert set(gathered) == {"epoch 1"}
+
+
 def test_a_capped_side_of_a_growth_of_both_is_skipped_and_the_other_grows(tmp_path, cli, gathered):
     done = cli("fit", *TWO_EVENTS, "--trainer.callbacks.init_args.growth.grow=both",
                f"--trainer.logger.init_args.save_dir={tmp_path}")

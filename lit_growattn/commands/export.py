@@ -21,9 +21,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
-def training_tokenizer(hparams: dict, pretrained: str | None) -> str | None:
+def training_tokenizer(hparams: dict, pretrained: str | None, given: str | None = None) -> str | None:
     """Where the tokenizer the checkpoint's model was trained with is now (a folder or a tokenizer.json file), or
-    None for raw bytes. `pretrained`: where the model folder is now (`--pretrained`, else the recorded one)."""
+    None for raw bytes. `pretrained`: where the model folder is now (`--pretrained`, else the recorded one); `given`:
+    `--tokenizer`, a copy of that tokenizer kept elsewhere, which then wins."""
+    if given is not None:
+        if not os.path.exists(given):
+            raise FileNotFoundError(f"--tokenizer {given} does not exist: give the folder (or tokenizer.json) of the "
+                                    "tokenizer the model was trained with")
+        return given
     recorded_folder = hparams.get("pretrained")
     tokenizer = hparams.get("tokenizer") or recorded_folder  # recorded since fit names it; before, the folder's own
     if tokenizer in (None, "bytes"):
@@ -35,8 +41,9 @@ def training_tokenizer(hparams: dict, pretrained: str | None) -> str | None:
     if not os.path.exists(tokenizer):
         raise FileNotFoundError(
             f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or file here (moved?): "
-            + ("give --pretrained DIR, the folder's new place" if of_folder else "put it there (export copies the "
-               "tokenizer the model was trained with, never another)"))
+            + ("give --pretrained DIR, the folder's new place, or --tokenizer DIR, a copy of its tokenizer kept "
+               "elsewhere" if of_folder else "put it there, or give --tokenizer, where a copy of it is now (export "
+               "copies the tokenizer the model was trained with, never another)"))
     return tokenizer
 
 
@@ -61,7 +68,7 @@ def copy_tokenizer(source: str | None, folder: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    """`python -m lit_growattn export --ckpt CKPT --out DIR [--pretrained DIR] [--overwrite]`: an HFCausalLM
+    """`python -m lit_growattn export --ckpt CKPT --out DIR [--pretrained DIR] [--tokenizer DIR] [--overwrite]`: an HFCausalLM
     checkpoint (as `fit` writes it) as a save_pretrained folder, with the tokenizer the model was trained with."""
     parser = argparse.ArgumentParser(prog="python -m lit_growattn export", description=main.__doc__)
     parser.add_argument("--ckpt", required=True, help="a checkpoint of lit_growattn.hf.HFCausalLM written by fit")
@@ -69,6 +76,8 @@ def main(argv: list[str]) -> None:
                         "renamed into place")
     parser.add_argument("--pretrained", help="where the model's pretrained folder is now, if it moved since training "
                         "(its tokenizer, and the model's architecture)")
+    parser.add_argument("--tokenizer", help="where the tokenizer the model was trained with is now (a folder or its "
+                        "tokenizer.json), if neither the recorded place nor --pretrained holds it any more")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
     ckpt = read_checkpoint(args.ckpt)
@@ -84,7 +93,7 @@ def main(argv: list[str]) -> None:
             raise FileNotFoundError(f"--pretrained {args.pretrained} {problem}: give the model folder the checkpoint "
                                     f"was trained from ({hparams['pretrained']} then), where it is now")
         hparams["pretrained"] = args.pretrained
-    tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"])
+    tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"], args.tokenizer)
     recorded = ckpt["hyper_parameters"]["pretrained"]
     out = check_output(args.out, "folder", {"the checkpoint": args.ckpt, "the model's pretrained folder": hparams[
         "pretrained"], "the pretrained folder the checkpoint names": recorded, "the model's tokenizer": tokenizer},

@@ -40,7 +40,7 @@ def fold_captured(forms: NamedForms, stats: list[growth.Sums], weight: float, gr
     optimizer step; `grad_scale`: a 16-mixed GradScaler's factor still in the gradients (None: none); `half`:
     sums that also take every other captured micro-batch of each form (those while they hold at most half the
     weight), so that the window splits into two halves (`half` and the rest) whatever the round-robin."""
-    for i, (st, (_, _, form)) in enumerate(zip(stats, forms)):
+    for i, (st, (_, _, form)) in enumerate(zip(stats, forms, strict=True)):
         targets = [st] + ([half[i]] if half is not None and 2 * half[i].weight <= st.weight else [])
         for xa, gx in form.take_captured():
             try:

@@ -70,12 +70,16 @@ def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_impl
     return model.train()
 
 
-# Fields of config.json that say how a folder was written or is loaded, not what its model computes: the transformers
-# release that wrote it, the folder's own path, the class names, the dtype it was saved in (weights are read in
-# float32 here), the attention kernel (HFCausalLM's own attn_implementation setting picks it) and `auto_map` (which
-# code loads it). Any other field differing is another model, e.g. tie_word_embeddings or rope_parameters.
+# Fields of config.json that say how a folder was written or is loaded, or what generation and the Auto classes do
+# around the model, not what its forward computes: the transformers release that wrote it, the folder's own path, the
+# class names, the dtype it was saved in (weights are read in float32 here), the attention kernel (HFCausalLM's own
+# attn_implementation setting picks it), `auto_map` (which code loads it), the special token ids (the tokenizer's
+# business; a folder often gains a pad_token_id), the cache and output switches, and the task heads' labels. Any
+# other field differing is another model, e.g. tie_word_embeddings or rope_parameters.
 LOADING_FIELDS = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype",
-                  "attn_implementation", "_attn_implementation", "auto_map"}
+                  "attn_implementation", "_attn_implementation", "auto_map", "bos_token_id", "eos_token_id",
+                  "pad_token_id", "tokenizer_class", "use_cache", "output_attentions", "output_hidden_states",
+                  "return_dict", "torchscript", "id2label", "label2id", "problem_type", "task_specific_params"}
 
 
 def refuse_another_model(folder: str, hf_config, recorded: dict[str, Any]) -> None:
@@ -94,8 +98,9 @@ def refuse_another_model(folder: str, hf_config, recorded: dict[str, Any]) -> No
         raise ValueError(f"{folder} is not the model this checkpoint was trained from: its config.json differs from "
                          f"the config the checkpoint recorded ({listed}). Point at the folder the model was trained "
                          "from (export: --pretrained DIR; Python: HFCausalLM.load_from_checkpoint(CKPT, "
-                         f"pretrained=DIR)); where that folder is lost, move {folder} away, and the model is rebuilt "
-                         "from the config the checkpoint recorded")
+                         f"pretrained=DIR)); where that folder is lost, move {folder} away: the model is then rebuilt "
+                         "from the config the checkpoint recorded (export also needs the tokenizer the model was "
+                         "trained with: --tokenizer DIR, a copy of it)")
 
 
 def from_pretrained(folder: str, **kwargs):

@@ -51,7 +51,7 @@ def _mismatch(module: nn.Module, checkpoint: dict) -> str:
     counts = [f"{len(keys)} {what}" for keys, what in [(missing, "weights missing"), (unexpected, "weights unknown here"),
                                                         (shaped, "of another shape")] if keys]
     example = (f", such as {shaped[0]} {tuple(theirs[shaped[0]].shape)} there, {tuple(ours[shaped[0]].shape)} here"
-               if shaped else f", such as {min(missing or unexpected)}")
+               if shaped else f", such as {min(missing or unexpected)}" if missing or unexpected else "")
     return ", ".join(counts) + example
 
 
