@@ -227,6 +227,52 @@ def test_convert_ckpt_writes_its_files_whole_and_never_onto_its_source(mha_ckpt,
     assert "lowrank_dint" in out.with_suffix(".yaml").read_text()
 
 
+def test_convert_puts_the_checkpoint_in_place_before_its_config(mha_ckpt, tmp_path, cli, monkeypatch):
+    """The config names the checkpoint (init_from): a failure to put the checkpoint in place leaves the old pair, not
+    a new config beside the old checkpoint; a failure after it, on the config, is reported as such."""
+    out = tmp_path / "dint.ckpt"
+    assert cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out).returncode == 0
+    written = out.read_bytes(), out.with_suffix(".yaml").read_bytes()
+    real_replace = os.replace
+
+    def refusing(suffix):
+        def replace(src, dst):
+            if str(dst).endswith(suffix):
+                raise OSError("read-only file system")
+            return real_replace(src, dst)
+        return replace
+
+    convert = ("convert", "--ckpt", mha_ckpt, "--to", "lowrank_dint", "--rank", "2", "--out", out, "--overwrite")
+    monkeypatch.setattr(os, "replace", refusing(".ckpt"))
+    refused(cli(*convert), "read-only file system")
+    assert (out.read_bytes(), out.with_suffix(".yaml").read_bytes()) == written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dint.ckpt", "dint.yaml"]
+    monkeypatch.setattr(os, "replace", refusing(".yaml"))
+    refused(cli(*convert), f"{out} is the new checkpoint, but its model config could not be put in place, so "
+            f"{out.with_suffix('.yaml')} is not its config", "run the conversion again with --overwrite")
+    assert torch.load(out, weights_only=True)["hyper_parameters"]["attention"] == "lowrank_dint"
+    assert out.with_suffix(".yaml").read_bytes() == written[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dint.ckpt", "dint.yaml"]
+
+
+def test_convert_keeps_a_checkpoint_that_appeared_while_it_converted(mha_ckpt, tmp_path, cli, monkeypatch):
+    """check_output found no --out, then another process wrote one: without --overwrite it is kept, with no config
+    of this conversion beside it."""
+    import yaml
+
+    out = tmp_path / "dint.ckpt"
+    real_dump = yaml.safe_dump
+
+    def another_process_writes_out(*args, **kwargs):
+        out.write_bytes(b"theirs")
+        return real_dump(*args, **kwargs)
+
+    monkeypatch.setattr(yaml, "safe_dump", another_process_writes_out)
+    refused(cli("convert", "--ckpt", mha_ckpt, "--to", "dint", "--out", out),
+            f"FileExistsError: --out {out} appeared while this one was written", "nothing was replaced", "--overwrite")
+    assert out.read_bytes() == b"theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["dint.ckpt"]
+
+
 def test_convert_checkpoint_from_python_never_writes_onto_its_source_and_writes_whole(mha_ckpt, tmp_path, monkeypatch):
     from lit_growattn.commands.convert import convert_checkpoint
 

@@ -16,6 +16,8 @@ The result of `--ckpt` is a weights-only checkpoint (state_dict + hyper_paramete
 `GrowAttentionLM.load_from_checkpoint`. It is not meant for `fit --ckpt_path`, which resumes a run: optimizer
 state, step counters and the LR schedule's position. Fine-tuning starts a new run from these weights instead:
 `main` writes the model's CLI config next to the checkpoint, whose `init_from` names the weights to start from.
+The checkpoint is put in place first, then its config; should the second step fail (the config appeared meanwhile,
+or its rename failed), the new checkpoint stays beside the old config (or none), and the error says so.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def convert_checkpoint(
     """
     dst_path = check_output(dst_path, "file", {"the checkpoint src_path": src_path}, overwrite, option="dst_path")
     module = converted(src_path, to, seed, d_head, d_v, **variant_args)
-    with new_file(dst_path) as partial:
+    with new_file(dst_path, overwrite, option="dst_path") as partial:
         save_weights(module, partial)
     return module
 
@@ -171,14 +173,25 @@ def main(argv: list[str] | None = None) -> None:
     check_output(config_path, "file", {"the checkpoint --ckpt": args.ckpt}, args.overwrite, option="--out's model config")
     one_or_list = lambda sizes: None if sizes is None else sizes[0] if len(sizes) == 1 else sizes  # noqa: E731
     module = converted(args.ckpt, args.to, args.seed, one_or_list(args.d_head), one_or_list(args.d_v), **variant_args)
-    # Both partial files are complete before either is renamed into place.
-    with new_file(out) as partial_ckpt, new_file(config_path) as partial_config:
-        save_weights(module, partial_ckpt)
-        # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
-        init_args = {k: v for k, v in module.hparams.items() if k not in ("vocab_size", "block_size")}
-        init_args["init_from"] = str(out.resolve())
-        config = {"class_path": "lit_growattn.module.GrowAttentionLM", "init_args": init_args}
-        partial_config.write_text(yaml.safe_dump(config, sort_keys=False))
+    # Both partial files are complete before either is put in place, the checkpoint first: the config names it
+    # (init_from), and a new config beside the old checkpoint would describe weights that are not there. A failure
+    # to put the config in place after the checkpoint is not undone (the old checkpoint is gone): it is reported.
+    checkpoint_placed = False
+    try:
+        with new_file(config_path, args.overwrite, option="--out's model config") as partial_config:
+            with new_file(out, args.overwrite) as partial_ckpt:
+                save_weights(module, partial_ckpt)
+                # vocab_size and block_size are linked from the data by the CLI, so they stay out of the model config.
+                init_args = {k: v for k, v in module.hparams.items() if k not in ("vocab_size", "block_size")}
+                init_args["init_from"] = str(out.resolve())
+                config = {"class_path": "lit_growattn.module.GrowAttentionLM", "init_args": init_args}
+                partial_config.write_text(yaml.safe_dump(config, sort_keys=False))
+            checkpoint_placed = True
+    except OSError as error:
+        if not checkpoint_placed:
+            raise
+        raise OSError(f"{out} is the new checkpoint, but its model config could not be put in place, so {config_path} "
+                      f"is not its config ({error}): run the conversion again with --overwrite") from error
     print(
         f"wrote {out} and {config_path}; fine-tune with\n"
         f"  python -m lit_growattn fit --config <your run config> --model {config_path}"

@@ -105,7 +105,7 @@ def main(argv: list[str]) -> None:
     # The model's own settings; others recorded beside them (e.g. the data's tokenizer) do not build it.
     module = HFCausalLM(**{k: v for k, v in hparams.items() if k in inspect.signature(HFCausalLM).parameters})
     module.load_state_dict(ckpt["state_dict"])
-    with new_folder(out) as folder:
+    with new_folder(out, args.overwrite) as folder:
         written = save_export(module.model, folder)
         copied = copy_tokenizer(tokenizer, folder)
         if registered_here(written):

@@ -113,7 +113,7 @@ def convert_pretrained(src: str, out: str | os.PathLike, settings: dint_layer.Di
             raise refusal(f"a weights file of {src}", error) from None
         raise
     converted = convert_to_dint(model, settings, seed)
-    with new_folder(out) as folder:
+    with new_folder(out, overwrite, option="out") as folder:
         converted.save_pretrained(folder)
         if any(os.path.isfile(os.path.join(src, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             AutoTokenizer.from_pretrained(src).save_pretrained(folder)

@@ -84,7 +84,7 @@ def export(model: nn.Module, out: str | os.PathLike, overwrite: bool = False) ->
     loaded_from = model.config.name_or_path
     out = check_output(out, "folder", {"the folder the model was loaded from": loaded_from if os.path.isdir(
         loaded_from) else None}, overwrite, option="out")
-    with new_folder(out) as folder:
+    with new_folder(out, overwrite, option="out") as folder:
         return save_export(model, folder)
 
 
