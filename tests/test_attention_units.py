@@ -55,3 +55,11 @@ def test_padded_widths_are_multiples_of_8_and_common_up_to_flashs_limit():
 def test_low_rank_forms_name_their_down_projections_as_bias_rows_only_with_a_bias(bias):
     form = LowRankQK(16, 2, 4, rank=2, bias=bias, d2_ratio=0.5)
     assert form.bias_row_parameters() == ([form.down_q, form.down_k] if bias else [])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dint_attention_gives_both_of_its_forms_the_bias_setting(bias):
+    from lit_growattn.attention.dint import DintAttention
+
+    attn = DintAttention(GPTConfig(n_embd=16, n_head=2, n_layer=1, d_head=3, attention="dint", bias=bias), 0)
+    assert [f.bias for f in attn.qk_forms()] == [bias, bias] and [f.d_head for f in attn.qk_forms()] == [3, 3]

@@ -68,3 +68,12 @@ def test_non_finite_weights_are_named_in_the_order_of_the_module():
     with torch.no_grad():
         module[0].bias[1], module[2].weight[0, 0] = 0.0, 0.0
     check_finite_weights(module, step=8)  # finite: nothing raised
+
+
+def test_init_from_a_missing_file_says_so(tmp_path):
+    from lit_growattn.training.checkpoint import load_weights
+
+    with pytest.raises(FileNotFoundError) as missing:
+        load_weights(torch.nn.Linear(2, 2), str(tmp_path / "nope.ckpt"))
+    assert str(missing.value) == (f"init_from={str(tmp_path / 'nope.ckpt')!r} does not exist; give the path of a "
+                                  "checkpoint file")
