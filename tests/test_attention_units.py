@@ -55,3 +55,36 @@ def test_padded_widths_are_multiples_of_8_and_common_up_to_flashs_limit():
 def test_low_rank_forms_name_their_down_projections_as_bias_rows_only_with_a_bias(bias):
     form = LowRankQK(16, 2, 4, rank=2, bias=bias, d2_ratio=0.5)
     assert form.bias_row_parameters() == ([form.down_q, form.down_k] if bias else [])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_dint_attention_gives_both_of_its_forms_the_bias_setting(bias):
+    from lit_growattn.attention.dint import DintAttention
+
+    attn = DintAttention(GPTConfig(n_embd=16, n_head=2, n_layer=1, d_head=3, attention="dint", bias=bias), 0)
+    assert [f.bias for f in attn.qk_forms()] == [bias, bias] and [f.d_head for f in attn.qk_forms()] == [3, 3]
+
+
+def test_dint_attention_takes_each_layers_value_size():
+    from lit_growattn.attention.dint import DintAttention
+
+    cfg = GPTConfig(n_embd=16, n_head=2, n_layer=2, d_head=3, d_v=[4, 6], attention="dint")
+    assert [DintAttention(cfg, layer).value.d_v for layer in (0, 1)] == [4, 6]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_low_rank_dint_takes_a_rank_up_to_its_input_size_and_names_the_bound(bias):
+    from lit_growattn.attention.lowrank_dint import LowRankDintAttention
+
+    cfg = GPTConfig(n_embd=8, n_head=2, n_layer=1, d_head=3, attention="lowrank_dint", bias=bias)
+    e_in = 8 + bias
+    assert LowRankDintAttention(cfg, 0, rank=e_in).qk_forms()[0].d_head == 3  # the largest rank that adds rank
+    with pytest.raises(ValueError) as refused:
+        LowRankDintAttention(cfg, 0, rank=e_in + 1)
+    assert str(refused.value) == (
+        f"lowrank_dint rank={e_in + 1} exceeds n_embd{' + 1 (bias)' if bias else ''} = {e_in}: the second map's form "
+        "has rank ≤ min(rank, n_embd, d_head) and d_head never exceeds n_embd, so a larger rank adds parameters, never "
+        f"rank; use rank ≤ {e_in}")
+    for rank, d2_ratio in [(0, 0.5), (2, 0.0), (2, -1.0)]:
+        with pytest.raises(ValueError, match=f"needs rank ≥ 1 and d2_ratio > 0, got rank={rank}, d2_ratio={d2_ratio}$"):
+            LowRankDintAttention(cfg, 0, rank=rank, d2_ratio=d2_ratio)

@@ -68,3 +68,37 @@ def test_non_finite_weights_are_named_in_the_order_of_the_module():
     with torch.no_grad():
         module[0].bias[1], module[2].weight[0, 0] = 0.0, 0.0
     check_finite_weights(module, step=8)  # finite: nothing raised
+
+
+def test_init_from_a_missing_file_says_so(tmp_path):
+    from lit_growattn.training.checkpoint import load_weights
+
+    with pytest.raises(FileNotFoundError) as missing:
+        load_weights(torch.nn.Linear(2, 2), str(tmp_path / "nope.ckpt"))
+    assert str(missing.value) == (f"init_from={str(tmp_path / 'nope.ckpt')!r} does not exist; give the path of a "
+                                  "checkpoint file")
+
+
+def test_a_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError) as missing:
+        read_checkpoint(tmp_path / "gone.ckpt")
+    assert str(missing.value) == f"no checkpoint file at {str(tmp_path / 'gone.ckpt')!r}; give the path of a .ckpt file"
+
+
+def test_resuming_the_former_value_layout_is_refused_with_both_ways_on():
+    from types import SimpleNamespace
+
+    from lit_growattn.training.checkpoint import refuse_resuming_former_value_layout
+
+    fitting = SimpleNamespace(_trainer=object(), trainer=SimpleNamespace(state=SimpleNamespace(fn="fit")))
+    former = {"state_dict": {"blocks.0.attn.v.weight": torch.zeros(1)}}
+    with pytest.raises(ValueError) as refused:
+        refuse_resuming_former_value_layout(fitting, former, ".attn.v.weight", "v and o")
+    assert str(refused.value) == (
+        "this checkpoint stores the attention's value and output projections as the modules v and o, which this "
+        "version keeps per head (W_V, W_O) so that the value side can grow: its weights load, but its optimizer state "
+        "cannot resume. Continue from its weights with `--model.init_args.init_from=<ckpt>` (a new optimizer), or "
+        "resume it with the version that wrote it")
+    refuse_resuming_former_value_layout(fitting, {}, ".attn.v.weight", "v and o")  # no state_dict: nothing to refuse
+    validating = SimpleNamespace(_trainer=object(), trainer=SimpleNamespace(state=SimpleNamespace(fn="validate")))
+    refuse_resuming_former_value_layout(validating, former, ".attn.v.weight", "v and o")  # loads, no optimizer
