@@ -47,7 +47,9 @@ def test_a_link_to_the_source_is_the_source(source, tmp_path):
 
 @pytest.mark.parametrize("option, fix", [("--out", "give --overwrite"), ("out", "give overwrite=True")])
 def test_an_existing_target_needs_overwrite(source, tmp_path, option, fix):
-    with pytest.raises(ValueError, match=re.escape(f"{option} {source} already exists (a.bin, b.bin): {fix} to replace")):
+    with pytest.raises(ValueError, match=re.escape(f"{option} {source} already exists (a.bin, b.bin): {fix} to replace "
+                                                   "it (the old one is kept until the new one is complete), or "
+                                                   "another path") + "$"):
         check_output(source, "folder", {}, overwrite=False, option=option)
     assert check_output(source, "folder", {}, overwrite=True, option=option) == source
     with pytest.raises(ValueError, match=re.escape(f"{option} {source / 'a.bin'} already exists: {fix} to replace")):
@@ -57,7 +59,8 @@ def test_an_existing_target_needs_overwrite(source, tmp_path, option, fix):
 
 
 def test_a_file_where_a_folder_goes_or_the_reverse_is_refused(source):
-    with pytest.raises(ValueError, match="is a file; it must name a folder"):
+    with pytest.raises(ValueError, match=re.escape("is a file; it must name a folder (one that does not exist yet, "
+                                                   "or an empty one): give another path") + "$"):
         check_output(source / "a.bin", "folder", {}, overwrite=True)
     with pytest.raises(ValueError, match="is a folder; it must name a file"):
         check_output(source, "file", {}, overwrite=True)
@@ -162,7 +165,8 @@ def test_a_target_appearing_while_it_is_written_is_kept_without_overwrite(tmp_pa
     keeps it, and the other's result is discarded, not put in its place."""
     def appeared(name):
         return re.escape(f"{option} {tmp_path / name} appeared while this one was written (another process wrote "
-                         f"it): nothing was replaced, and what was written here is discarded; give {fix} to replace")
+                         f"it): nothing was replaced, and what was written here is discarded; give {fix} to replace "
+                         "it, or another path") + "$"
 
     with pytest.raises(FileExistsError, match=appeared("out")):
         with new_folder(tmp_path / "out", overwrite=False, option=option) as folder:
@@ -213,7 +217,8 @@ def test_several_old_folders_and_no_target_are_left_to_the_user(tmp_path):
         (tmp_path / name).mkdir()
     with pytest.raises(FileExistsError, match=re.escape(f"{tmp_path / 'out'} is missing, and 2 earlier versions of it "
                                                         "are hidden beside it (.out.0123abcd.old, .out.4567cdef.old): "
-                                                        "rename the one to keep to out")):
+                                                        "rename the one to keep to out and delete the others, "
+                                                        "then write again") + "$"):
         check_output(tmp_path / "out", "folder", {}, overwrite=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".out.0123abcd.old", ".out.4567cdef.old"]
 
@@ -247,3 +252,26 @@ def test_a_file_system_without_hard_links_names_overwrite_as_the_way(tmp_path, m
     with new_file(tmp_path / "f", overwrite=True) as partial:
         partial.write_bytes(b"mine")
     assert (tmp_path / "f").read_bytes() == b"mine"
+
+
+def test_a_long_listing_of_an_existing_target_names_three_and_ellipsis(tmp_path):
+    (tmp_path / "out").mkdir()
+    for names, listed in (("abc", "a.bin, b.bin, c.bin"), ("abcd", "a.bin, b.bin, c.bin, …")):
+        for name in names:
+            (tmp_path / "out" / f"{name}.bin").write_bytes(b"x")
+        with pytest.raises(ValueError, match=re.escape(f"--out {tmp_path / 'out'} already exists ({listed}): ")):
+            check_output(tmp_path / "out", "folder", {}, overwrite=False)
+
+
+def test_a_source_after_one_not_given_is_still_refused(source):
+    # Sources the command did not get (None) are passed over, not the end of the list.
+    with pytest.raises(ValueError, match=f"--out {source} is the model folder"):
+        check_output(source, "folder", {"the tokenizer": None, "the model folder": source}, overwrite=True)
+
+
+@pytest.mark.parametrize("writer", [new_folder, new_file])
+def test_a_target_in_folders_that_do_not_exist_yet_is_written(tmp_path, writer):
+    out = tmp_path / "runs" / "first" / "out"
+    with writer(out, overwrite=False) as partial:
+        (partial / "a.bin" if writer is new_folder else partial).write_bytes(b"a")
+    assert (out / "a.bin" if writer is new_folder else out).read_bytes() == b"a"
