@@ -209,12 +209,10 @@ class GrowAttentionCallback(Callback):
         capped: dict[str, set[int]] = {}
         for named in filter(self._capped, self._units(pl_module)):
             capped.setdefault(growth.head_size_of(named.form), set()).add(named.layer)
-        setting = {"d_head": "max_d_head", "d_v": "max_d_v"}
 
         def cap(side: str) -> str:
             size = self.settings.max_width(side == "d_v")
-            return (f"growth.{setting[side]}={size}" if setting[side] in self._caps_given
-                    else f"its largest possible size {size}")
+            return f"growth.max_{side}={size}" if f"max_{side}" in self._caps_given else f"its largest possible size {size}"
 
         return ", ".join(f"{side} at {cap(side)} in layers {sorted(layers)}" for side, layers in capped.items())
 

@@ -199,11 +199,12 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
                                  "(`config`), not a pretrained folder")
             for named in self.growable_forms():
                 named.form.keep_rotary(rotary_dim)
-        given = " and ".join(n for n, v in [("head_sizes", head_sizes), ("v_head_sizes", v_head_sizes)] if v is not None)
+        given = [n for n, v in [("head_sizes", head_sizes), ("v_head_sizes", v_head_sizes)] if v is not None]
         if given and not self.growable_forms():
-            nulls = " ".join(f"--model.init_args.{name}=null" for name in given.split(" and "))
-            raise ValueError(f"{given} size growable attention, but growable=false keeps the model's own attention: set "
-                             f"growable=true (a checkpoint of a growth run needs it), or set {given} to null ({nulls})")
+            nulls = " ".join(f"--model.init_args.{name}=null" for name in given)
+            raise ValueError(f"{' and '.join(given)} size growable attention, but growable=false keeps the model's own "
+                             f"attention: set growable=true (a checkpoint of a growth run needs it), or set "
+                             f"{' and '.join(given)} to null ({nulls})")
         if head_sizes is not None:
             if len(head_sizes) != len(self.growable_forms()):
                 raise ValueError(f"head_sizes has {len(head_sizes)} entries for {len(self.growable_forms())} layers")
