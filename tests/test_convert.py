@@ -153,3 +153,191 @@ def test_the_convert_command_shrinks_the_value_side(mha_ckpt, tmp_path):
     main(["--ckpt", str(src), "--to", "mha", "--d_v", "4", "--out", str(out)])
     assert GrowAttentionLM.load_from_checkpoint(out).value_sizes() == [4, 4]
     assert yaml.safe_load(out.with_suffix(".yaml").read_text())["init_args"]["d_v"] == [4, 4]
+
+
+# -- the command line as a user meets it -------------------------------------------------------------------------
+
+PROG = "python -m lit_growattn convert"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ckpt", "a.ckpt", "--to", "lowrank_dint", "--out", "b.ckpt"], "--rank is required for lowrank_dint"),
+    (["--ckpt", "a.ckpt", "--to", "dint", "--rank", "2", "--out", "b.ckpt"], "--rank and --d2_ratio belong to lowrank_dint"),
+    (["--ckpt", "a.ckpt", "--to", "dint", "--d_head", "2", "--out", "b.ckpt"],
+     "--d_head or --d_v is required for --to mha (shrinking) and belongs to it alone"),
+    (["--ckpt", "a.ckpt", "--to", "mha", "--out", "b.ckpt"],
+     "--d_head or --d_v is required for --to mha (shrinking) and belongs to it alone"),
+    (["--pretrained", "folder", "--to", "mha", "--d_head", "2", "--out", "b"],
+     "--pretrained converts to dint or lowrank_dint (shrinking is for --ckpt)"),
+    (["--to", "dint", "--out", "b.ckpt"], "one of the arguments --ckpt --pretrained is required"),
+    (["--ckpt", "a.ckpt", "--to", "dint"], "the following arguments are required: --out"),
+])
+def test_the_command_line_refuses_options_that_do_not_go_together(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"{PROG}: error: {message}"
+
+
+def test_the_command_line_refuses_an_unknown_target(capsys):
+    with pytest.raises(SystemExit):
+        main(["--ckpt", "a.ckpt", "--to", "diff", "--out", "b.ckpt"])
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"{PROG}: error: argument --to: invalid choice: 'diff'")
+
+
+def test_the_command_converts_as_the_function_does_to_lowrank_dint_with_seed_0_by_default(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    main(["--ckpt", str(src), "--rank", "2", "--out", str(tmp_path / "cli.ckpt")])
+    from_cli = GrowAttentionLM.load_from_checkpoint(tmp_path / "cli.ckpt")
+    from_python = convert_checkpoint(src, tmp_path / "py.ckpt", rank=2)
+    assert from_cli.hparams.attention == from_python.hparams.attention == "lowrank_dint"
+    torch.testing.assert_close(from_cli.state_dict(), from_python.state_dict(), atol=0, rtol=0)
+    # --seed reaches the second map: seed 3 is the function's seed 3, and not seed 0's draw.
+    main(["--ckpt", str(src), "--rank", "2", "--seed", "3", "--out", str(tmp_path / "cli3.ckpt")])
+    seed_3 = GrowAttentionLM.load_from_checkpoint(tmp_path / "cli3.ckpt").state_dict()
+    torch.testing.assert_close(seed_3, convert_checkpoint(src, tmp_path / "py3.ckpt", rank=2, seed=3).state_dict(),
+                               atol=0, rtol=0)
+    qk2 = "model.blocks.0.attn.qk2.up_q"
+    assert not torch.equal(seed_3[qk2], from_cli.state_dict()[qk2])
+
+
+def test_the_command_shrinks_each_layer_to_its_own_size_and_says_how_to_fine_tune(mha_ckpt, tmp_path, capsys):
+    src, _ = mha_ckpt
+    out = tmp_path / "small.ckpt"
+    main(["--ckpt", str(src), "--to", "mha", "--d_head", "3", "2", "--out", str(out)])
+    assert GrowAttentionLM.load_from_checkpoint(out).head_sizes() == [3, 2]
+    config = out.with_suffix(".yaml")
+    assert capsys.readouterr().out == (f"wrote {out} and {config}; fine-tune with\n"
+                                       f"  python -m lit_growattn fit --config <your run config> --model {config}\n")
+
+
+def test_the_command_names_the_model_config_it_would_overwrite(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    out, config = tmp_path / "new.ckpt", tmp_path / "new.yaml"
+    config.write_text("mine")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "dint", "--out", str(out)])
+    assert str(error.value) == (f"--out's model config {config} already exists: give --overwrite to replace it (the "
+                                "old one is kept until the new one is complete), or another path")
+    assert config.read_text() == "mine" and not out.exists()
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "dint", "--out", str(tmp_path / "other.yaml")])
+    assert str(error.value) == (f"--out {tmp_path / 'other.yaml'} ends in .yaml, the name of the model config written beside the "
+                                "checkpoint: give the checkpoint's name, e.g. converted.ckpt")
+
+
+def test_a_failure_before_the_checkpoint_is_placed_is_reported_as_it_is(mha_ckpt, tmp_path, monkeypatch):
+    src, _ = mha_ckpt
+
+    def full_disk(module, path):
+        raise OSError("No space left on device")
+    monkeypatch.setattr("lit_growattn.commands.convert.save_weights", full_disk)
+    with pytest.raises(OSError) as error:
+        main(["--ckpt", str(src), "--to", "dint", "--out", str(tmp_path / "new.ckpt")])
+    assert str(error.value) == "No space left on device"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_config_that_appears_during_the_conversion_is_kept_and_named(mha_ckpt, tmp_path, monkeypatch):
+    """The checkpoint is in place when its config cannot be: the error says which file is which, and how to redo it."""
+    from lit_growattn.commands import convert
+
+    src, _ = mha_ckpt
+    out, config = tmp_path / "new.ckpt", tmp_path / "new.yaml"
+    save = convert.save_weights
+
+    def save_while_another_process_writes_the_config(module, path):
+        config.write_text("another process's")
+        save(module, path)
+    monkeypatch.setattr(convert, "save_weights", save_while_another_process_writes_the_config)
+    with pytest.raises(OSError) as error:
+        main(["--ckpt", str(src), "--to", "dint", "--out", str(out)])
+    appeared = (f"--out's model config {config} appeared while this one was written (another process wrote it): "
+                "nothing was replaced, and what was written here is discarded; give --overwrite to replace it, or "
+                "another path")
+    assert str(error.value) == (f"{out} is the new checkpoint, but its model config could not be put in place, so "
+                                f"{config} is not its config ({appeared}): run the conversion again with --overwrite")
+    assert config.read_text() == "another process's"
+    assert GrowAttentionLM.load_from_checkpoint(out).hparams.attention == "dint"
+
+
+def test_the_function_names_its_dst_path_argument(mha_ckpt, tmp_path, monkeypatch):
+    from lit_growattn.commands import convert
+
+    src, _ = mha_ckpt
+    dst = tmp_path / "new.ckpt"
+    dst.write_text("mine")
+    with pytest.raises(ValueError) as error:
+        convert_checkpoint(src, dst, to="dint")
+    assert str(error.value) == (f"dst_path {dst} already exists: give overwrite=True to replace it (the old one is "
+                                "kept until the new one is complete), or another path")
+    dst.unlink()
+    save = convert.save_weights
+
+    def save_while_another_process_writes(module, path):
+        dst.write_text("another process's")
+        save(module, path)
+    monkeypatch.setattr(convert, "save_weights", save_while_another_process_writes)
+    with pytest.raises(FileExistsError) as error:
+        convert_checkpoint(src, dst, to="dint")
+    assert str(error.value).startswith(f"dst_path {dst} appeared while this one was written")
+    assert str(error.value).endswith("give overwrite=True to replace it, or another path")
+    assert dst.read_text() == "another process's"
+
+
+# -- what convert refuses to read --------------------------------------------------------------------------------
+
+def test_a_file_that_is_not_a_growattentionlm_checkpoint_is_refused_naming_it(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    ckpt = torch.load(src, weights_only=True)
+    for missing in ("hyper_parameters", "state_dict"):
+        path = tmp_path / f"no_{missing}.ckpt"
+        torch.save({k: v for k, v in ckpt.items() if k != missing}, path)
+        with pytest.raises(ValueError) as error:
+            convert_checkpoint(path, tmp_path / "x.ckpt", to="dint")
+        assert str(error.value) == (f"{path} is not a checkpoint of lit_growattn's GrowAttentionLM (it has no "
+                                    "hyper_parameters and state_dict): give a checkpoint written by "
+                                    "`python -m lit_growattn fit`")
+
+
+def test_a_checkpoint_missing_weights_is_refused_naming_the_file_and_the_weights(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    ckpt = torch.load(src, weights_only=True)
+    del ckpt["state_dict"]["model.blocks.1.attn.qk.log_tau"]
+    path = tmp_path / "damaged.ckpt"
+    torch.save(ckpt, path)
+    with pytest.raises(ValueError) as error:
+        convert_checkpoint(path, tmp_path / "x.ckpt", to="dint")
+    assert str(error.value) == (f"{path} does not fit dint: missing ['model.blocks.1.attn.qk.log_tau'], "
+                                "unexpected []")
+
+
+def test_shrinking_names_the_checkpoint_whose_layers_it_counts(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    with pytest.raises(ValueError) as error:
+        convert_checkpoint(src, tmp_path / "x.ckpt", to="mha", d_v=[1, 1, 1])
+    assert str(error.value) == f"d_v has 3 entries but {src} has 2 layers"
+    with pytest.raises(ValueError) as error:
+        convert_checkpoint(src, tmp_path / "x.ckpt", to="mha", d_head=[3, 6])
+    assert str(error.value) == "layer 1 has head size 5; shrinking cannot widen it to 6 (grow it instead)"
+    with pytest.raises(ValueError) as error:
+        convert_checkpoint(src, tmp_path / "x.ckpt", to="lowrank_dint", rank=2, d_v=2)
+    assert str(error.value) == ("give d_head or d_v exactly when shrinking (to='mha'): the other targets keep the "
+                                "head sizes")
+
+
+def test_dint_takes_each_layers_head_size_from_the_weights_when_the_hparams_lag(mha_ckpt, tmp_path):
+    """A checkpoint whose recorded d_head is not its weights' (a run that grew without recording it), and which
+    leaves the default attention (mha) out: the second map of each layer gets the layer's head size from the
+    weights."""
+    src, mha = mha_ckpt
+    ckpt = torch.load(src, weights_only=True)
+    ckpt["hyper_parameters"]["d_head"] = 8  # not [3, 5]
+    del ckpt["hyper_parameters"]["attention"]
+    path = tmp_path / "lagging.ckpt"
+    torch.save(ckpt, path)
+    dint = convert_checkpoint(path, tmp_path / "dint.ckpt", to="dint")
+    assert [block.attn.qk2.w_q.shape[-1] for block in dint.model.blocks] == [3, 5]
+    inputs, _ = batch(1)
+    with torch.no_grad():
+        torch.testing.assert_close(dint.eval()(inputs), mha(inputs), atol=1e-6, rtol=0)

@@ -186,3 +186,31 @@ def test_entropy_reference_is_the_original_models(tmp_path):
     assert torch.allclose(maps[0].sum(-1), torch.ones(2, 4, 9), atol=1e-5)
     model.set_attn_implementation("sdpa")
     assert (layer_entropies(model, batches) - before).abs().max() > 1e-3
+
+
+def test_the_convert_command_passes_its_settings_and_seed_and_says_how_to_fine_tune(tmp_path, cli):
+    """`convert --pretrained`: --rank, --d2_ratio and --seed reach the conversion, --overwrite replaces an earlier
+    result, and the printed command fine-tunes the folder (with its tokenizer when the source has one)."""
+    from hf_helpers import saved_tokenizer
+
+    folder = saved_tiny_model("llama", tmp_path / "llama")
+    out = tmp_path / "dint"
+    args = ["convert", "--pretrained", folder, "--to", "lowrank_dint", "--rank", "2", "--d2_ratio", "0.25",
+            "--seed", "3", "--out", out]
+    done = cli(*args)
+    assert done.returncode == 0, done.stderr
+    expected = convert_to_dint(load(folder), DintSettings("lowrank", rank=2, d2_ratio=0.25), seed=3).state_dict()
+    torch.testing.assert_close(load(out).state_dict(), expected, atol=0, rtol=0)
+    fit = ("python -m lit_growattn fit --config <run config> --model=lit_growattn.hf.HFCausalLM "
+           f"--model.init_args.config=null --model.init_args.pretrained={out} --model.init_args.growable=false")
+    intro = (f"wrote {out} (lowrank_dint of {folder}; load it after `import lit_growattn.hf`, see {out / 'README.md'});"
+             "\nfine-tune with a run config that has no growth callback (a DINT model does not grow), e.g. "
+             "configs/hf_llama_dint_sft.yaml:\n  ")
+    assert done.stdout == (intro + fit + f"\n  {folder} has no tokenizer: add --data.init_args.tokenizer=<the "
+                           "model's tokenizer>\n")
+
+    saved_tokenizer(folder, ["some text to learn merges from"] * 4, vocab_size=300)
+    done = cli(*args, "--overwrite")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == intro + fit + f" --data.init_args.tokenizer={out}\n"
+    assert (out / "tokenizer_config.json").is_file()

@@ -1,6 +1,7 @@
 """`python -m lit_growattn validate` and `test` as docs/configuration.md runs them, on the checkpoint that a fit
-wrote: each logs the loss of that checkpoint's model on the held-out set, as a fresh evaluation measures it.
-(`fit`, `convert` and `export` through `python -m lit_growattn`: tests/test_hf_dint_cli.py.)"""
+wrote: each logs the loss of that checkpoint's model on the held-out set, as a fresh evaluation measures it; the
+help of `convert` and `export` as docs/commands.md shows it. (`fit`, `convert` and `export` through
+`python -m lit_growattn`: tests/test_hf_dint_cli.py.)"""
 
 import math
 import re
@@ -94,3 +95,16 @@ def test_validate_and_test_evaluate_a_checkpoint_that_grew_both_sides(tmp_path, 
         done = cli(subcommand, *args, f"--ckpt_path={ckpt}", f"--trainer.logger.init_args.save_dir={tmp_path / tag}")
         assert done.returncode == 0, done.stderr[-3000:]
         assert last_logged(tmp_path / tag, tag) == pytest.approx(loss_at_fit, rel=1e-5)
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_docs_show_the_help_each_command_prints(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # the width the page's blocks were printed at
+    with pytest.raises(SystemExit) as exit_:
+        command_line([command, "--help"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    page = (REPO / "docs/commands.md").read_text()
+    shown = re.search(rf"```text\n\$ python -m lit_growattn {command} --help\n(.*?)```", page, re.S)
+    assert shown is not None, f"docs/commands.md has no block for `{command} --help`"
+    assert shown.group(1) == printed, f"docs/commands.md shows another help of {command}; it prints:\n{printed}"

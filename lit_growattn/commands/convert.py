@@ -104,7 +104,6 @@ def save_weights(module: GrowAttentionLM, path: Path) -> None:
         {
             "state_dict": module.state_dict(),
             "hyper_parameters": dict(module.hparams),
-            "hparams_name": "kwargs",
             "pytorch-lightning_version": L.__version__,
         },
         path,
@@ -145,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", help="trained mha checkpoint of this project's GPT")
     source.add_argument("--pretrained", help="Hugging Face model folder (llama, mistral, qwen2, qwen3) to convert to DINT")
-    parser.add_argument("--to", choices=TARGETS, default="lowrank_dint")
+    parser.add_argument("--to", choices=TARGETS, default="lowrank_dint",
+                        help="dint or lowrank_dint (outputs unchanged), or mha to shrink the head sizes")
     parser.add_argument("--rank", type=int, help="rank of the second map (lowrank_dint)")
     parser.add_argument("--d2_ratio", type=float, help="d₂ / d_head of the second map (lowrank_dint; default 1/9)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the second map's initialisation")
