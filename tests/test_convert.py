@@ -300,16 +300,28 @@ def test_a_file_that_is_not_a_growattentionlm_checkpoint_is_refused_naming_it(mh
                                     "`python -m lit_growattn fit`")
 
 
-def test_a_checkpoint_missing_weights_is_refused_naming_the_file_and_the_weights(mha_ckpt, tmp_path):
+def test_a_checkpoint_missing_weights_or_with_others_is_refused_naming_the_file_and_the_weights(mha_ckpt, tmp_path):
     src, _ = mha_ckpt
     ckpt = torch.load(src, weights_only=True)
-    del ckpt["state_dict"]["model.blocks.1.attn.qk.log_tau"]
-    path = tmp_path / "damaged.ckpt"
+    state = ckpt["state_dict"]
+    state["val_metric.total"] = torch.zeros(())  # not the model's: ignored, as an evaluation metric's state is
+    path = tmp_path / "with_metric.ckpt"
     torch.save(ckpt, path)
-    with pytest.raises(ValueError) as error:
-        convert_checkpoint(path, tmp_path / "x.ckpt", to="dint")
-    assert str(error.value) == (f"{path} does not fit dint: missing ['model.blocks.1.attn.qk.log_tau'], "
-                                "unexpected []")
+    assert convert_checkpoint(path, tmp_path / "fine.ckpt", to="dint").head_sizes() == [3, 5]
+    for changed, expected in ((("model.blocks.1.attn.qk.log_tau", None), "missing ['model.blocks.1.attn.qk.log_tau'], "
+                                                                         "unexpected []"),
+                              (("model.blocks.0.attn.extra", torch.zeros(2)), "missing [], unexpected "
+                                                                               "['model.blocks.0.attn.extra']")):
+        damaged = dict(state)
+        key, value = changed
+        if value is None:
+            del damaged[key]
+        else:
+            damaged[key] = value
+        torch.save({**ckpt, "state_dict": damaged}, path)
+        with pytest.raises(ValueError) as error:
+            convert_checkpoint(path, tmp_path / "x.ckpt", to="dint")
+        assert str(error.value) == f"{path} does not fit dint: {expected}"
 
 
 def test_shrinking_names_the_checkpoint_whose_layers_it_counts(mha_ckpt, tmp_path):

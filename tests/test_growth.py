@@ -621,3 +621,20 @@ def test_installed_holds_a_candidate_inside_the_block_and_restores_the_same_para
         assert (form.w_q, form.w_k, form.log_tau) == before[name] and form.d_head == 3  # the same objects
     with installed(forms, None):
         assert all(form.w_q is before[name][0] for name, form in forms.items())
+
+
+def test_a_registry_refuses_a_second_object_under_a_taken_name_and_keeps_the_first():
+    from lit_growattn.growth.registry import registrar
+
+    table: dict = {}
+    register = registrar(table, "growth direction")
+
+    def mine():
+        pass
+
+    assert register("mine")(mine) is mine and table == {"mine": mine}
+    assert register("mine")(mine) is mine  # the same object again (a module imported twice) is no conflict
+    with pytest.raises(ValueError) as error:
+        register("mine")(lambda: None)
+    assert str(error.value) == f"growth direction 'mine' is already registered (by {__name__})"
+    assert table == {"mine": mine}
