@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -36,18 +37,29 @@ def refused(done: Done, *phrases) -> str:
     return report
 
 
+def refusal(done: Done) -> str:
+    """The report's first line, `error: TYPE: MESSAGE`: the whole of a one-line refusal."""
+    return refused(done).splitlines()[0]
+
+
+def printed(done: Done) -> list[str]:
+    """What a command that succeeded printed, by line."""
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
 def snapshot(folder) -> dict[str, bytes]:
     """Every file under folder, by relative path, with its bytes."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def hf_checkpoint(path, pretrained, head_sizes=None, **recorded):
+def hf_checkpoint(path, pretrained, head_sizes=None, growable=True, **recorded):
     """A checkpoint of lit_growattn.hf.HFCausalLM as fit writes it (state_dict and hyper_parameters), with `recorded`
     added to its hyperparameters (e.g. the tokenizer fit recorded)."""
     from lit_growattn.hf import HFCausalLM
 
     torch.manual_seed(0)
-    module = HFCausalLM(pretrained=str(pretrained), head_sizes=head_sizes)
+    module = HFCausalLM(pretrained=str(pretrained), head_sizes=head_sizes, growable=growable)
     torch.save({"state_dict": module.state_dict(), "hyper_parameters": {**module.hparams, **recorded}}, path)
     return path
 
@@ -60,6 +72,36 @@ def model(tmp_path_factory):
     saved_tokenizer(folder, [TEXT] * 20, vocab_size=300)
     saved_tiny_model("llama", folder, vocab=320)
     return folder, hf_checkpoint(root / "grown.ckpt", folder, head_sizes=[10, 10])
+
+
+@pytest.fixture(scope="module")
+def bare_model(tmp_path_factory):
+    """A tiny Llama folder without tokenizer files."""
+    folder = tmp_path_factory.mktemp("bare") / "llama"
+    saved_tiny_model("llama", folder, vocab=320)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def from_config(tmp_path_factory):
+    """A checkpoint of HFCausalLM trained from a config (no pretrained folder) on data that named no tokenizer."""
+    from hf_helpers import tiny_config
+    from lit_growattn.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    module = HFCausalLM(config=tiny_config("llama", vocab=320).to_dict())
+    path = tmp_path_factory.mktemp("from_config") / "scratch.ckpt"
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, path)
+    return path
+
+
+def lone_tokenizer_json(folder) -> str:
+    """A BPE with an <eos> special token saved as a tokenizer.json alone in `folder` (no tokenizer_config.json
+    beside it), as `tokenizers` writes one; returns the file's path."""
+    saved_tokenizer(folder, [TEXT] * 20, vocab_size=300)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    return str(folder / "tokenizer.json")
 
 
 # -- item 4: never destroy a folder ------------------------------------------------------------------------------
@@ -80,6 +122,26 @@ def test_export_refuses_a_folder_holding_its_checkpoint(model, tmp_path, cli):
     shutil.copy(ckpt, run / "last.ckpt")
     refused(cli("export", "--ckpt", run / "last.ckpt", "--out", run, "--overwrite"), "holds the checkpoint")
     assert (run / "last.ckpt").read_bytes() == ckpt.read_bytes()
+
+
+def test_export_names_the_source_it_refuses_to_overwrite(model, tmp_path, cli):
+    """Each of what export reads, named, even with --overwrite: the pretrained folder the model is built from, the
+    one the checkpoint names (it still exists when --pretrained names a copy), the tokenizer, the checkpoint."""
+    folder, ckpt = model
+    copy = tmp_path / "copy"
+    shutil.copytree(folder, copy)
+    other = saved_tokenizer(tmp_path / "other", [TEXT[::-1]] * 20, vocab_size=280)
+    on_other = hf_checkpoint(tmp_path / "other.ckpt", folder, tokenizer=other)
+    before = snapshot(folder.parent), snapshot(tmp_path)
+    for checkpoint, out, pretrained, relation, source, what in (
+            (ckpt, folder, [], "is", folder, "the model's pretrained folder"),
+            (ckpt, folder, ["--pretrained", copy], "is", folder, "the pretrained folder the checkpoint names"),
+            (on_other, other, [], "is", other, "the model's tokenizer"),
+            (on_other, tmp_path, [], "holds", on_other, "the checkpoint")):
+        assert refusal(cli("export", "--ckpt", checkpoint, "--out", out, *pretrained, "--overwrite")) == (
+            f"error: ValueError: --out {out} {relation} {what} ({source}), which is read to write it: it is never "
+            "overwritten, not even with --overwrite; give --out a path outside it")
+    assert (snapshot(folder.parent), snapshot(tmp_path)) == before
 
 
 def test_export_into_an_existing_folder_needs_overwrite_and_then_replaces_it(model, tmp_path, cli):
@@ -428,6 +490,34 @@ def test_the_fine_tune_command_that_convert_prints_runs(model, tmp_path, cli):
     assert torch.load(ckpt, weights_only=True)["hyper_parameters"]["pretrained"] == str(tmp_path / "dint")
 
 
+def test_a_grown_export_prints_what_it_wrote_and_its_readme_names_the_folder_and_checkpoint(model, tmp_path, cli):
+    _, ckpt = model
+    out = tmp_path / "grown"
+    assert printed(cli("export", "--ckpt", ckpt, "--out", out)) == [
+        f"wrote {out}: model type growattn_llama, query/key head sizes [10, 10], value head sizes [8, 8], tokenizer "
+        f"files tokenizer.json, tokenizer_config.json; load it after `import lit_growattn.hf` ({out / 'README.md'})"]
+    readme = (out / "README.md").read_text().splitlines()
+    assert readme[0] == f"# {out}"
+    assert readme[2].startswith(f"A `growattn_llama` model written by lit_growattn (`python -m lit_growattn export` "
+                                f"of {ckpt}). ")
+    assert f'model = AutoModelForCausalLM.from_pretrained("{out}")' in readme
+
+
+def test_export_of_a_folder_without_tokenizer_files_or_growable_heads_says_so(bare_model, tmp_path, cli):
+    ckpt = hf_checkpoint(tmp_path / "run.ckpt", bare_model, growable=False)
+    out = tmp_path / "out"
+    assert printed(cli("export", "--ckpt", ckpt, "--out", out)) == [
+        f"wrote {out}: model type llama, no tokenizer files ({bare_model} has none)"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_export_of_a_model_trained_from_a_config_on_no_named_tokenizer_says_so(from_config, tmp_path, cli):
+    out = tmp_path / "out"
+    assert printed(cli("export", "--ckpt", from_config, "--out", out)) == [
+        f"wrote {out}: model type llama, query/key head sizes [8, 8], value head sizes [8, 8], no tokenizer (the "
+        "checkpoint names none)"]
+
+
 LOADS_WITHOUT_IMPORT = """
 import builtins
 import sys
@@ -486,7 +576,10 @@ def test_export_of_a_moved_folder_takes_pretrained(model, tmp_path, cli):
     shutil.copytree(folder, moved)
     ckpt = hf_checkpoint(tmp_path / "run.ckpt", moved, tokenizer=str(moved))
     shutil.move(moved, tmp_path / "now_here")
-    refused(cli("export", "--ckpt", ckpt, "--out", tmp_path / "out"), str(moved), "--pretrained DIR")
+    assert refusal(cli("export", "--ckpt", ckpt, "--out", tmp_path / "out")) == (
+        f"error: FileNotFoundError: the model was trained with the tokenizer of {moved}, which is not a folder or file "
+        "here (moved?): give --pretrained DIR, the folder's new place, or --tokenizer DIR, a copy of its tokenizer "
+        "kept elsewhere")
     done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "out", "--pretrained", tmp_path / "now_here")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
@@ -504,9 +597,9 @@ def test_export_names_a_pretrained_folder_that_is_not_there(model, tmp_path, cli
 def test_export_copies_the_tokenizer_the_model_was_trained_with(model, tmp_path, cli):
     folder, _ = model
     on_bytes = hf_checkpoint(tmp_path / "bytes.ckpt", folder, tokenizer="bytes")
-    done = cli("export", "--ckpt", on_bytes, "--out", tmp_path / "bytes")
-    assert done.returncode == 0, done.stderr
-    assert "no tokenizer files: the model was trained on raw bytes" in done.stdout
+    assert printed(cli("export", "--ckpt", on_bytes, "--out", tmp_path / "bytes")) == [
+        f"wrote {tmp_path / 'bytes'}: model type llama, query/key head sizes [8, 8], value head sizes [8, 8], no "
+        "tokenizer files: the model was trained on raw bytes (token ids 0–255, the bytes of UTF-8 text)"]
     assert not [p.name for p in (tmp_path / "bytes").iterdir() if p.name.startswith("tokenizer")]
 
     other = saved_tokenizer(tmp_path / "other", [TEXT[::-1]] * 20, vocab_size=280)
@@ -515,8 +608,74 @@ def test_export_copies_the_tokenizer_the_model_was_trained_with(model, tmp_path,
     assert (tmp_path / "other_export" / "tokenizer.json").read_bytes() == (tmp_path / "other" / "tokenizer.json").read_bytes()
 
     shutil.rmtree(tmp_path / "other")
-    refused(cli("export", "--ckpt", on_other, "--out", tmp_path / "gone"), f"tokenizer of {other}",
-            "not a folder or file here", "put it there")
+    assert refusal(cli("export", "--ckpt", on_other, "--out", tmp_path / "gone")) == (
+        f"error: FileNotFoundError: the model was trained with the tokenizer of {other}, which is not a folder or file "
+        "here (moved?): put it there, or give --tokenizer, where a copy of it is now (export copies the tokenizer the "
+        "model was trained with, never another)")
+
+
+def test_export_refuses_a_tokenizer_option_that_does_not_exist(model, tmp_path, cli):
+    _, ckpt = model
+    missing = tmp_path / "tokenizer.json"
+    assert refusal(cli("export", "--ckpt", ckpt, "--out", tmp_path / "out", "--tokenizer", missing)) == (
+        f"error: FileNotFoundError: --tokenizer {missing} does not exist: give the folder (or tokenizer.json) of the "
+        "tokenizer the model was trained with")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_of_a_lone_tokenizer_json_writes_the_config_that_autotokenizer_loads_it_by(bare_model, tmp_path, cli):
+    """A tokenizer.json with no tokenizer_config.json beside it (as `tokenizers` saves one): export copies it and
+    writes a tokenizer_config.json naming its class; AutoTokenizer loads the training tokenizer, special tokens too."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    source = lone_tokenizer_json(tmp_path / "tok")
+    ckpt = hf_checkpoint(tmp_path / "run.ckpt", bare_model, tokenizer=source)
+    out = tmp_path / "out"
+    assert printed(cli("export", "--ckpt", ckpt, "--out", out)) == [
+        f"wrote {out}: model type llama, query/key head sizes [8, 8], value head sizes [8, 8], tokenizer files "
+        "tokenizer.json, tokenizer_config.json"]
+    assert (out / "tokenizer.json").read_bytes() == Path(source).read_bytes()
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+    trained, loaded = Tokenizer.from_file(source), AutoTokenizer.from_pretrained(out)
+    special = lambda added: {i: token.content for i, token in added.items() if token.special}  # noqa: E731
+    assert special(loaded.added_tokens_decoder) == special(trained.get_added_tokens_decoder()) == {0: "<eos>"}
+    assert loaded.get_vocab() == trained.get_vocab(with_added_tokens=True)
+    assert loaded(TEXT[:40] + "<eos>").input_ids == trained.encode(TEXT[:40] + "<eos>").ids
+
+
+def test_export_finds_a_recorded_tokenizer_json_in_the_moved_folder_by_its_name(bare_model, tmp_path, cli):
+    """Trained with the model folder's tokenizer.json (the file, not the folder): the folder's new place
+    (--pretrained) holds it under the same name, and it is exported as that lone file is, with a config."""
+    moved = tmp_path / "was_here"
+    shutil.copytree(bare_model, moved)
+    ckpt = hf_checkpoint(tmp_path / "run.ckpt", moved, tokenizer=lone_tokenizer_json(moved))
+    shutil.move(moved, tmp_path / "now_here")
+    out = tmp_path / "out"
+    assert printed(cli("export", "--ckpt", ckpt, "--out", out, "--pretrained", tmp_path / "now_here")) == [
+        f"wrote {out}: model type llama, query/key head sizes [8, 8], value head sizes [8, 8], tokenizer files "
+        "tokenizer.json, tokenizer_config.json"]
+    assert (out / "tokenizer.json").read_bytes() == (tmp_path / "now_here" / "tokenizer.json").read_bytes()
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def test_export_refuses_a_checkpoint_not_of_hf_causal_lm(mha_ckpt, tmp_path, cli):
+    weights = tmp_path / "weights.ckpt"  # a state dict saved alone: no hyperparameters at all
+    torch.save(torch.load(mha_ckpt, weights_only=True)["state_dict"], weights)
+    config_only = tmp_path / "config_only.ckpt"  # another module's: a config, but no pretrained folder
+    torch.save({"state_dict": {}, "hyper_parameters": {"config": {"model_type": "llama"}}}, config_only)
+    for path in (mha_ckpt, weights, config_only):
+        assert refusal(cli("export", "--ckpt", path, "--out", tmp_path / "out")) == (
+            f"error: ValueError: {path} is not a checkpoint of lit_growattn.hf.HFCausalLM (its hyperparameters have "
+            "no pretrained/config); for GrowAttentionLM checkpoints use `python -m lit_growattn convert`")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_pretrained_for_a_checkpoint_trained_from_a_config(from_config, model, tmp_path, cli):
+    folder, _ = model
+    assert refusal(cli("export", "--ckpt", from_config, "--out", tmp_path / "out", "--pretrained", folder)) == (
+        f"error: ValueError: {from_config} was trained from a config, not a pretrained folder: leave out --pretrained")
+    assert not (tmp_path / "out").exists()
 
 
 def test_export_refuses_non_finite_weights(model, tmp_path, cli):
