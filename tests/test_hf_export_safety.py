@@ -27,6 +27,7 @@ needs_transformers()
 import torch  # noqa: E402
 
 from hf_helpers import TEXT, VOCAB, load, saved_tiny_model, saved_tokenizer  # noqa: E402
+from lit_growattn.commands.export import TOKENIZER_FILES  # noqa: E402
 
 
 def refused(done: Done, *phrases) -> str:
@@ -575,6 +576,7 @@ def test_export_of_a_moved_folder_takes_pretrained(model, tmp_path, cli):
     moved = tmp_path / "was_here"
     shutil.copytree(folder, moved)
     ckpt = hf_checkpoint(tmp_path / "run.ckpt", moved, tokenizer=str(moved))
+    ckpt_of_file = hf_checkpoint(tmp_path / "file.ckpt", moved, tokenizer=str(moved / "tokenizer.json"))
     shutil.move(moved, tmp_path / "now_here")
     assert refusal(cli("export", "--ckpt", ckpt, "--out", tmp_path / "out")) == (
         f"error: FileNotFoundError: the model was trained with the tokenizer of {moved}, which is not a folder or file "
@@ -583,6 +585,34 @@ def test_export_of_a_moved_folder_takes_pretrained(model, tmp_path, cli):
     done = cli("export", "--ckpt", ckpt, "--out", tmp_path / "out", "--pretrained", tmp_path / "now_here")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    # A new place without the tokenizer: --pretrained was given, so the fix left is --tokenizer.
+    for name in TOKENIZER_FILES:
+        (tmp_path / "now_here" / name).unlink(missing_ok=True)
+    assert refusal(cli("export", "--ckpt", ckpt_of_file, "--out", tmp_path / "out2", "--pretrained",
+                       tmp_path / "now_here")) == (
+        f"error: FileNotFoundError: the model was trained with the tokenizer of {tmp_path / 'now_here' / 'tokenizer.json'}"
+        f", which is not a folder or file here (moved?): --pretrained {tmp_path / 'now_here'} does not hold it: give "
+        "--tokenizer DIR, a copy of the tokenizer the model was trained with")
+
+
+def test_a_tokenizer_folder_holding_only_tokenizer_json_is_exported_with_a_config(bare_model, tmp_path, cli):
+    """A folder with a tokenizer.json alone (no tokenizer_config.json): the export gets the same config as a lone
+    tokenizer.json file, so AutoTokenizer does not pick a class by the model type."""
+    source = Path(lone_tokenizer_json(tmp_path / "tok")).parent
+    ckpt = hf_checkpoint(tmp_path / "run.ckpt", bare_model, tokenizer=str(source))
+    out = tmp_path / "out"
+    assert printed(cli("export", "--ckpt", ckpt, "--out", out)) == [
+        f"wrote {out}: model type llama, query/key head sizes [8, 8], value head sizes [8, 8], tokenizer files "
+        "tokenizer.json, tokenizer_config.json"]
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {"tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def test_export_names_a_file_that_is_not_a_checkpoint(tmp_path, cli):
+    tensor = tmp_path / "tensor.ckpt"
+    torch.save(torch.zeros(2), tensor)
+    assert refusal(cli("export", "--ckpt", tensor, "--out", tmp_path / "out")) == (
+        f"error: ValueError: {str(tensor)!r} holds a Tensor, not a checkpoint (the dictionary of state_dict, "
+        "hyper_parameters, … that Lightning writes): give a checkpoint written by `python -m lit_growattn fit`")
 
 
 def test_export_names_a_pretrained_folder_that_is_not_there(model, tmp_path, cli):

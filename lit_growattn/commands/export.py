@@ -39,11 +39,17 @@ def training_tokenizer(hparams: dict, pretrained: str | None, given: str | None 
     if of_folder:  # the model folder's own tokenizer (or its tokenizer.json), wherever the folder is now
         tokenizer = pretrained if path == Path(recorded_folder).resolve() else os.path.join(pretrained, path.name)
     if not os.path.exists(tokenizer):
-        raise FileNotFoundError(
-            f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or file here (moved?): "
-            + ("give --pretrained DIR, the folder's new place, or --tokenizer DIR, a copy of its tokenizer kept "
-               "elsewhere" if of_folder else "put it there, or give --tokenizer, where a copy of it is now (export "
-               "copies the tokenizer the model was trained with, never another)"))
+        if of_folder and Path(pretrained).resolve() != Path(recorded_folder).resolve():  # --pretrained was given
+            fix = (f"--pretrained {pretrained} does not hold it: give --tokenizer DIR, a copy of the tokenizer the "
+                   "model was trained with")
+        elif of_folder:
+            fix = ("give --pretrained DIR, the folder's new place, or --tokenizer DIR, a copy of its tokenizer kept "
+                   "elsewhere")
+        else:
+            fix = ("put it there, or give --tokenizer, where a copy of it is now (export copies the tokenizer the "
+                   "model was trained with, never another)")
+        raise FileNotFoundError(f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or "
+                                f"file here (moved?): {fix}")
     return tokenizer
 
 
@@ -57,13 +63,18 @@ def copy_tokenizer(source: str | None, folder: Path) -> list[str]:
     if os.path.basename(source) == "tokenizer.json" and os.path.isfile(
             os.path.join(os.path.dirname(source), "tokenizer_config.json")):
         source = os.path.dirname(source)
-    if os.path.isfile(source):  # a bare tokenizers file: a tokenizer_config.json lets AutoTokenizer load it
+    if os.path.isfile(source):
         shutil.copy(source, folder / "tokenizer.json")
+        copied = ["tokenizer.json"]
+    else:
+        copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+        for name in copied:
+            shutil.copy(os.path.join(source, name), folder / name)
+    if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
+        # A bare tokenizers file: without a config, AutoTokenizer picks the tokenizer class by the model type,
+        # which a growattn_<type> folder loaded without this package does not name.
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-        return ["tokenizer.json", "tokenizer_config.json"]
-    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
-    for name in copied:
-        shutil.copy(os.path.join(source, name), folder / name)
+        copied.append("tokenizer_config.json")
     return copied
 
 

@@ -23,11 +23,16 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {str(path)!r}; give the path of a .ckpt file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        content = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
         if unsafe_load_refused(error):
             raise refusal(str(path), error) from None
         raise damaged(path) from error
+    if not isinstance(content, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(content).__name__}, not a checkpoint (the dictionary of "
+                         "state_dict, hyper_parameters, … that Lightning writes): give a checkpoint written by "
+                         "`python -m lit_growattn fit`")
+    return content
 
 
 def load_weights(module: nn.Module, path: str) -> None:
