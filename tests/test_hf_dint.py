@@ -214,3 +214,81 @@ def test_the_convert_command_passes_its_settings_and_seed_and_says_how_to_fine_t
     assert done.returncode == 0, done.stderr
     assert done.stdout == intro + fit + f" --data.init_args.tokenizer={out}\n"
     assert (out / "tokenizer_config.json").is_file()
+
+
+class TwoHeldOutSets:
+    """A data module whose validation is two sets, the first of which the entropy callback measures on."""
+
+    def __init__(self, train, first, second):
+        import lightning as L
+        from torch.utils.data import DataLoader, TensorDataset
+
+        class Data(L.LightningDataModule):
+            val_names = ["", "second"]  # the module logs `val/loss` and `val/second/loss`
+
+            def train_dataloader(self):
+                return DataLoader(TensorDataset(*train), batch_size=4)
+
+            def val_dataloader(self):
+                return [DataLoader(TensorDataset(*first), batch_size=2), DataLoader(TensorDataset(*second), batch_size=2)]
+        self.module = Data()
+
+
+def entropy_run(tmp_path, max_steps, ckpt_path=None, num_batches=1):
+    """HFCausalLM (a tiny Llama) fitted with AttentionEntropyCallback: the trainer, the callback, the batches."""
+    import lightning as L
+
+    from lit_growattn.dint.entropy import AttentionEntropyCallback
+    from lit_growattn.hf import HFCausalLM
+
+    g = torch.Generator().manual_seed(5)
+    tokens = lambda n: torch.randint(0, VOCAB, (n, 10), generator=g)  # noqa: E731
+    train, first, second = tokens(8), tokens(4), tokens(4)
+    data = TwoHeldOutSets((train, train), (first, first), (second, second)).module
+    folder = tmp_path / "llama"
+    if not folder.exists():
+        saved_tiny_model("llama", folder)
+    torch.manual_seed(0)
+    module = HFCausalLM(pretrained=str(folder), growable=False, lr_schedule="constant", warmup_steps=0,
+                        optimizer=lambda params: torch.optim.AdamW(params, lr=0.05))
+    callback = AttentionEntropyCallback(num_batches=num_batches)
+    trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=1,
+                        default_root_dir=tmp_path / f"run_{max_steps}", callbacks=[callback])
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, callback, module, first[:2 * num_batches]
+
+
+def test_the_entropy_callback_logs_each_layer_beside_the_reference_kept_across_a_resume(tmp_path):
+    from lit_growattn.dint.entropy import layer_entropies
+
+    native = load(saved_tiny_model("llama", tmp_path / "llama"))
+    trainer, callback, module, first = entropy_run(tmp_path, max_steps=2)
+    batch = [(first, first)]
+    # The reference is the model as fit received it, on the first held-out set's first num_batches batches.
+    torch.testing.assert_close(callback.reference, layer_entropies(native, batch))
+    logged = trainer.callback_metrics
+    for i in range(2):
+        assert logged[f"attention/entropy_original/layer_{i}"].item() == pytest.approx(callback.reference[i].item())
+        assert logged[f"attention/entropy/layer_{i}"].item() == pytest.approx(
+            layer_entropies(module.model.eval(), batch)[i].item(), rel=1e-5)
+    assert (callback.reference - layer_entropies(module.model, batch)).abs().max() > 1e-3  # it trained
+    # Resumed, the callback keeps the reference of the run's start, not the entropy of the model it resumes.
+    resumed_trainer, resumed, _, _ = entropy_run(tmp_path, max_steps=3, ckpt_path=trainer.checkpoint_callback.best_model_path)
+    torch.testing.assert_close(resumed.reference, callback.reference)
+    assert resumed_trainer.callback_metrics["attention/entropy_original/layer_1"].item() == pytest.approx(
+        callback.reference[1].item())
+
+
+def test_the_entropy_callback_refuses_what_it_cannot_measure():
+    from lit_growattn.dint.entropy import AttentionEntropyCallback
+    from lit_growattn.module import GrowAttentionLM
+
+    with pytest.raises(ValueError) as error:
+        AttentionEntropyCallback(num_batches=0)
+    assert str(error.value) == "num_batches must be ≥ 1, got 0"
+    assert AttentionEntropyCallback().num_batches == 2
+    with pytest.raises(TypeError) as error:
+        AttentionEntropyCallback().setup(None, GrowAttentionLM(), "fit")
+    assert str(error.value) == ("AttentionEntropyCallback needs a module whose `model` is a transformers model "
+                                "(e.g. lit_growattn.hf.HFCausalLM), not GrowAttentionLM")
