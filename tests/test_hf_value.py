@@ -1,7 +1,7 @@
 """Value growth on Hugging Face models (docs/value.md): the growable attention's value map (W_V per KV head, W_O per
 query head) keeps the function at α = 0, captures A·X′ as an explicit softmax map gives it, loads state dicts and
 growattn folders of the former v_proj/o_proj layout exactly, exports natively or as growattn_<type> with
-v_head_sizes, and grows through `python -m lit_growattn fit` with growth.grow: both."""
+v_head_sizes (growth through `python -m lit_growattn fit` with growth.grow: both: tests/test_hf_fit.py)."""
 
 from __future__ import annotations
 
@@ -201,32 +201,6 @@ def test_a_growattn_folder_of_the_former_layout_loads_exactly(tmp_path, model_ty
     _same_model(model.eval(), load(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("schedule", [{"class_path": "lit_growattn.AtSteps", "init_args": {"steps": [4]}},
-                                      {"class_path": "lit_growattn.AtEpochs", "init_args": {"epochs": [1]}}])
-def test_fit_grows_both_sides_of_a_tiny_llama_and_exports_it(tmp_path, schedule):
-    from test_hf_fit import _fit
-
-    from lit_growattn.commands.export import main as export_command
-
-    path = tmp_path / "callbacks.yaml"
-    grow = {"class_path": "lit_growattn.GrowAttentionCallback",
-            "init_args": {"schedule": schedule, "statistics": {"batches": 2},
-                          "growth": {"grow": "both", "columns": 1, "value_columns": 2}}}
-    path.write_text(yaml.safe_dump({"trainer": {"callbacks": [grow]}}))
-    done = _fit(tmp_path, f"--config={path}", "--trainer.max_steps=10")
-    assert "d_head 8→9 per layer, d_v 8→10 per layer" in done.stdout + done.stderr
-    (ckpt,) = tmp_path.rglob("last.ckpt")
-    checkpoint = torch.load(ckpt, weights_only=False)
-    assert checkpoint["hyper_parameters"]["head_sizes"] == [9, 9]
-    assert checkpoint["hyper_parameters"]["v_head_sizes"] == [10, 10]
-    assert checkpoint["state_dict"]["model.model.layers.0.self_attn.value.w_v"].shape == (2, 64, 10)
-    trained = HFCausalLM.load_from_checkpoint(ckpt).model.eval()
-    export_command(["--ckpt", str(ckpt), "--out", str(tmp_path / "grown")])
-    loaded = load(tmp_path / "grown")
-    assert loaded.config.v_head_sizes == [10, 10] and loaded.config.qk_head_sizes == [9, 9]
-    _same_model(trained, loaded)
-
-
 def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_the_fix():
     from types import SimpleNamespace
 
@@ -239,48 +213,6 @@ def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_th
     native = HFCausalLM(config=tiny_config("llama").to_dict(), growable=False)  # its own v_proj: resumes
     native._trainer = module._trainer
     native.on_load_checkpoint({"state_dict": native.state_dict()})
-
-
-def test_a_resume_inside_the_statistics_window_of_a_growth_of_both_sides_ends_bit_equal(tmp_path):
-    from test_hf_fit import _fit
-
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    full.mkdir(), resumed.mkdir()
-
-    def callbacks(out, extra):
-        grow = {"class_path": "lit_growattn.GrowAttentionCallback",
-                "init_args": {"schedule": {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": [5]}},
-                              "statistics": {"batches": 4}, "growth": {"grow": "both", "columns": 2, "value_columns": 3}}}
-        dump = {"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(out)}}
-        (out / "callbacks.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [*extra, grow, dump]}}))
-        return f"--config={out / 'callbacks.yaml'}"
-
-    every_step = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                  "init_args": {"dirpath": str(full / "ckpts"), "every_n_train_steps": 1, "save_top_k": -1,
-                                "filename": "{step}", "save_last": True}}
-    # Growth at step 5 from the 4 micro-batches of steps 1–4: step 3's checkpoint falls inside the window.
-    _fit(full, callbacks(full, [every_step]), "--trainer.max_steps=7")
-    _fit(resumed, callbacks(resumed, []), "--trainer.max_steps=7", f"--ckpt_path={full / 'ckpts' / 'step=3.ckpt'}")
-    a, b = torch.load(full / "params_0.pt"), torch.load(resumed / "params_0.pt")
-    assert a["model.model.layers.1.self_attn.value.w_v"].shape[-1] == 11
-    assert a["model.model.layers.1.self_attn.w_k"].shape[-1] == 10
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_both_sides_grow_under_ddp_with_identical_replicas(tmp_path):
-    from test_hf_fit import _fit
-
-    grow = {"class_path": "lit_growattn.GrowAttentionCallback",
-            "init_args": {"schedule": {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": [4]}},
-                          "statistics": {"batches": 2}, "growth": {"grow": "both", "columns": 1, "value_columns": 2}}}
-    dump = {"class_path": "hf_helpers.ParamsDump", "init_args": {"out": str(tmp_path)}}
-    (tmp_path / "callbacks.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": [grow, dump]}}))
-    _fit(tmp_path, f"--config={tmp_path / 'callbacks.yaml'}", "--trainer.devices=2", "--trainer.strategy=ddp",
-         "--trainer.max_steps=6")
-    p0, p1 = (torch.load(tmp_path / f"params_{rank}.pt") for rank in (0, 1))
-    assert p0["model.model.layers.0.self_attn.value.w_v"].shape == (2, 64, 10)
-    assert p0["model.model.layers.0.self_attn.value.w_o"].shape == (4, 10, 64)
-    assert all(torch.equal(p0[k], p1[k]) for k in p0)
 
 
 @pytest.mark.parametrize("sizes, named", [(dict(head_sizes=[8, 8]), "head_sizes"),
