@@ -108,3 +108,14 @@ def test_docs_show_the_help_each_command_prints(command, capsys, monkeypatch):
     shown = re.search(rf"```text\n\$ python -m lit_growattn {command} --help\n(.*?)```", page, re.S)
     assert shown is not None, f"docs/commands.md has no block for `{command} --help`"
     assert shown.group(1) == printed, f"docs/commands.md shows another help of {command}; it prints:\n{printed}"
+
+
+def test_evaluating_with_other_model_settings_says_the_checkpoints_are_used(fitted, tmp_path):
+    ckpt, _ = fitted
+    with pytest.warns(UserWarning) as caught:
+        assert command_line(["validate", *MQAR, f"--ckpt_path={ckpt}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                             "--model.init_args.warmup_steps=7"]) == 0
+    (message,) = [str(w.message) for w in caught if "model settings" in str(w.message)]
+    assert message == (f"validate evaluates {ckpt} as it was trained, with its own model settings, not the command's: "
+                       "warmup_steps: 7 given, the checkpoint's 100 used. Leave them out; a model with other settings "
+                       "is another checkpoint's")

@@ -124,7 +124,8 @@ class GrowAttentionCLI(LightningCLI):
         if ckpt_path and Path(ckpt_path).is_file():
             stored = read_checkpoint(ckpt_path).get("hyper_parameters", {})
             given = (self.config[subcommand].get("model") or {}).get("init_args") or {}
-            warn_changed_settings(ckpt_path, stored, given.as_dict() if hasattr(given, "as_dict") else dict(given))
+            warn_changed_settings(ckpt_path, stored, given.as_dict() if hasattr(given, "as_dict") else dict(given),
+                                  subcommand)
         super()._parse_ckpt_path()
 
     def _instantiate_trainer(self, config: dict, callbacks: list[Callback]):
@@ -192,15 +193,21 @@ def fill_data_tokenizer(config) -> None:
 DERIVED_SETTINGS = {"vocab_size", "block_size"}
 
 
-def warn_changed_settings(ckpt_path: str, stored: dict, given: dict) -> None:
+def warn_changed_settings(ckpt_path: str, stored: dict, given: dict, subcommand: str = "fit") -> None:
     """One warning naming every model setting whose value on the command line differs from the checkpoint's (plain
-    values only: nested settings such as the optimizer are recorded in another form than the command gives them)."""
+    values only: nested settings such as the optimizer are recorded in another form than the command gives them);
+    `subcommand`: fit resumes the checkpoint, validate and test evaluate it."""
     changed = {k: (given[k], v) for k, v in stored.items()
                if not k.startswith("_") and k not in DERIVED_SETTINGS and k in given and given[k] is not None
                and isinstance(v, (int, float, str, bool, list))
                and given[k] != v and not (k in ("d_head", "d_v") and isinstance(v, list))}  # grown sizes
     if changed:
         listed = "; ".join(f"{k}: {new!r} given, the checkpoint's {old!r} used" for k, (new, old) in changed.items())
+        if subcommand != "fit":
+            warnings.warn(f"{subcommand} evaluates {ckpt_path} as it was trained, with its own model settings, not "
+                          f"the command's: {listed}. Leave them out; a model with other settings is another "
+                          "checkpoint's", stacklevel=2)
+            return
         weights = " (or use init_from for the weights)" if "init_from" in given else ""
         warnings.warn(f"resuming from {ckpt_path}, whose model settings win over the command's: {listed}. Start a "
                       f"new run{weights} to change them", stacklevel=2)
