@@ -288,7 +288,10 @@ def test_the_entropy_callback_refuses_what_it_cannot_measure():
         AttentionEntropyCallback(num_batches=0)
     assert str(error.value) == "num_batches must be ≥ 1, got 0"
     assert AttentionEntropyCallback().num_batches == 2
-    with pytest.raises(TypeError) as error:
-        AttentionEntropyCallback().setup(None, GrowAttentionLM(), "fit")
-    assert str(error.value) == ("AttentionEntropyCallback needs a module whose `model` is a transformers model "
-                                "(e.g. lit_growattn.hf.HFCausalLM), not GrowAttentionLM")
+    import lightning as L
+
+    for module in (GrowAttentionLM(), L.LightningModule()):  # a `model` of another kind, and none at all
+        with pytest.raises(TypeError) as error:
+            AttentionEntropyCallback().setup(None, module, "fit")
+        assert str(error.value) == ("AttentionEntropyCallback needs a module whose `model` is a transformers model "
+                                    f"(e.g. lit_growattn.hf.HFCausalLM), not {type(module).__name__}")

@@ -84,8 +84,8 @@ class AttentionEntropyCallback(L.Callback):
             return
         current = self._measure(trainer, pl_module)
         for i, (now, before) in enumerate(zip(current, self.reference)):
-            pl_module.log(f"attention/entropy/layer_{i}", now.item(), add_dataloader_idx=False)
-            pl_module.log(f"attention/entropy_original/layer_{i}", before.item(), add_dataloader_idx=False)
+            pl_module.log(f"attention/entropy/layer_{i}", now.item())
+            pl_module.log(f"attention/entropy_original/layer_{i}", before.item())
 
     def state_dict(self) -> dict:
         return {"reference": self.reference}
