@@ -78,7 +78,7 @@ def test_keeps_dtype_and_refuses_bad_sizes():
             shrink_form(w_q, w_k, log_tau, bad)
 
 
-@pytest.mark.parametrize("scale", [1e-3, 10.0])  # the largest σ below and above 1
+@pytest.mark.parametrize("scale", [1e-3, 10.0, 1e4])  # the largest σ below and above 1, and far above
 def test_vanishing_pairs_get_the_floor_of_the_largest_singular_value(scale):
     """Zero fan-in Q columns u_j (floor · σ_max / τ)^½; a zero form uses σ_max = 1, so its Q columns are not zero."""
     w_q, w_k, log_tau = form(d=4)
@@ -161,3 +161,58 @@ def test_shrinking_values_keeps_the_truncated_svd_and_zero_fan_in_for_vanishing_
         shrink_values(w_v, torch.cat([w_o, w_o]), 2)
     with pytest.raises(ValueError, match="between 1 and 4, not 5"):
         shrink_values(w_v, w_o, 5)
+
+
+def test_allocation_buys_by_energy_per_cache_value_when_layers_cost_differently():
+    """Against a greedy reference that prices each next column by the energy shrink_form keeps with it."""
+    layers = [layer(4, seed=1, h=4, kv=1), layer(4, seed=2, h=4, kv=4), layer(3, seed=3, h=4, kv=2)]
+    costs, widths = [1, 4, 2], [4, 4, 3]
+
+    def reference(budget):
+        ranks, spent = [1, 1, 1], sum(costs)
+        while fits := [i for i in range(3) if ranks[i] < widths[i] and spent + costs[i] <= budget]:
+            def per_value(i):
+                more = [r + (j == i) for j, r in enumerate(ranks)]
+                return (kept(layers, more) - kept(layers, ranks)) / costs[i]
+            best = max(fits, key=per_value)
+            ranks[best] += 1
+            spent += costs[best]
+        return ranks
+
+    chosen = {budget: allocate_ranks(layers, budget) for budget in range(7, 27)}
+    assert chosen == {budget: reference(budget) for budget in chosen}
+    assert len({tuple(r) for r in chosen.values()}) > 8  # the budgets lead to many different allocations
+
+
+def test_shrinking_values_to_one_column_and_the_refusals_in_full():
+    g = torch.Generator().manual_seed(0)
+    w_v = torch.randn(3, 7, 4, generator=g, dtype=torch.float32)
+    w_o = torch.randn(3, 4, 6, generator=g, dtype=torch.float32)
+    new_v, new_o, _ = shrink_values(w_v, w_o, 1)
+    assert new_v.shape == (3, 7, 1) and new_o.shape == (3, 1, 6)
+    assert new_v.dtype == new_o.dtype == torch.float32  # the input's, from float64 arithmetic
+    with pytest.raises(ValueError) as error:
+        shrink_values(w_v, torch.cat([w_o, w_o]), 2)
+    assert str(error.value) == ("6 query heads share 3 value heads: shrinking one shared value head for several "
+                                "heads' maps is not a truncated SVD; it is refused")
+    with pytest.raises(ValueError) as error:
+        shrink_values(w_v, w_o, 0)
+    assert str(error.value) == "can shrink a value head size of 4 to a size between 1 and 4, not 0"
+
+
+@pytest.mark.parametrize("scale", [1e-3, 10.0, 1e4])  # the largest σ below and above 1, and far above
+def test_vanishing_value_pairs_get_the_floor_of_the_largest_singular_value(scale):
+    """A vanishing pair keeps a V column u_j (floor · σ_max)^½ and a zero O row; a zero map uses σ_max = 1."""
+    g = torch.Generator().manual_seed(2)
+    w_v = torch.randn(3, 7, 4, generator=g, dtype=torch.float64) * scale
+    w_o = torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    w_o[:, 1:] = 0  # rank 1: pairs 2 and 3 of a shrink to 3 vanish
+    new_v, new_o, _ = shrink_values(w_v, w_o, 3)
+    u, s, _ = torch.linalg.svd(w_v @ w_o, full_matrices=False)
+    assert (new_o[:, 1:] == 0).all()
+    torch.testing.assert_close(new_v[..., 1:].abs(), (u[:, :, 1:3] * (FAN_IN_FLOOR * s[:, None, :1]).sqrt()).abs(),
+                               rtol=1e-8, atol=1e-14)
+    zero_v, zero_o, _ = shrink_values(torch.zeros_like(w_v), w_o, 2)
+    assert (zero_o == 0).all()
+    torch.testing.assert_close(zero_v.norm(dim=1), torch.full((3, 2), FAN_IN_FLOOR ** 0.5, dtype=torch.float64),
+                               rtol=1e-10, atol=0)
