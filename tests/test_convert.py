@@ -171,6 +171,7 @@ PROG = "python -m lit_growattn convert"
      "--pretrained converts to dint or lowrank_dint (shrinking is for --ckpt)"),
     (["--to", "dint", "--out", "b.ckpt"], "one of the arguments --ckpt --pretrained is required"),
     (["--ckpt", "a.ckpt", "--to", "dint"], "the following arguments are required: --out"),
+    (["--ckpt", "a.ckpt", "--to", "dint", "--seed", "one", "--out", "b.ckpt"], "argument --seed: invalid int value: 'one'"),
 ])
 def test_the_command_line_refuses_options_that_do_not_go_together(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -224,6 +225,18 @@ def test_the_command_names_the_model_config_it_would_overwrite(mha_ckpt, tmp_pat
         main(["--ckpt", str(src), "--to", "dint", "--out", str(tmp_path / "other.yaml")])
     assert str(error.value) == (f"--out {tmp_path / 'other.yaml'} ends in .yaml, the name of the model config written beside the "
                                 "checkpoint: give the checkpoint's name, e.g. converted.ckpt")
+
+
+def test_the_model_config_is_never_written_onto_the_checkpoint_read(mha_ckpt, tmp_path):
+    src, _ = mha_ckpt
+    named_yaml = tmp_path / "weights.yaml"  # a checkpoint whose name is the config's that --out weights.ckpt has
+    named_yaml.write_bytes(src.read_bytes())
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(named_yaml), "--to", "dint", "--out", str(tmp_path / "weights.ckpt")])
+    assert str(error.value) == (f"--out's model config {named_yaml} is the checkpoint --ckpt ({named_yaml}), which is "
+                                "read to write it: it is never overwritten, not even with --overwrite; give --out's "
+                                "model config a path outside it")
+    assert named_yaml.read_bytes() == src.read_bytes()
 
 
 def test_a_failure_before_the_checkpoint_is_placed_is_reported_as_it_is(mha_ckpt, tmp_path, monkeypatch):

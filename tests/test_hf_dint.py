@@ -200,7 +200,9 @@ def test_the_convert_command_passes_its_settings_and_seed_and_says_how_to_fine_t
     done = cli(*args)
     assert done.returncode == 0, done.stderr
     expected = convert_to_dint(load(folder), DintSettings("lowrank", rank=2, d2_ratio=0.25), seed=3).state_dict()
-    torch.testing.assert_close(load(out).state_dict(), expected, atol=0, rtol=0)
+    converted = load(out)
+    torch.testing.assert_close(converted.state_dict(), expected, atol=0, rtol=0)
+    assert converted.config.dint == {"kind": "lowrank", "rank": 2, "d2_ratio": 0.25}  # d₂ sets no weight's shape
     fit = ("python -m lit_growattn fit --config <run config> --model=lit_growattn.hf.HFCausalLM "
            f"--model.init_args.config=null --model.init_args.pretrained={out} --model.init_args.growable=false")
     intro = (f"wrote {out} (lowrank_dint of {folder}; load it after `import lit_growattn.hf`, see {out / 'README.md'});"
@@ -208,6 +210,12 @@ def test_the_convert_command_passes_its_settings_and_seed_and_says_how_to_fine_t
              "configs/hf_llama_dint_sft.yaml:\n  ")
     assert done.stdout == (intro + fit + f"\n  {folder} has no tokenizer: add --data.init_args.tokenizer=<the "
                            "model's tokenizer>\n")
+
+    inside = tmp_path / "llama" / "dint"
+    done = cli("convert", "--pretrained", folder, "--to", "dint", "--out", inside)
+    assert done.stderr.splitlines()[0] == (f"error: ValueError: --out {inside} is inside the model folder --pretrained "
+                                           f"({folder}), which is read to write it: it is never overwritten, not even "
+                                           "with --overwrite; give --out a path outside it")
 
     saved_tokenizer(folder, ["some text to learn merges from"] * 4, vocab_size=300)
     done = cli(*args, "--overwrite")
