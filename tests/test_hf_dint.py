@@ -61,6 +61,57 @@ def test_second_map_shapes_and_scale(tmp_path):
     assert custom.q2_gain == pytest.approx(2.0)
 
 
+def test_the_converted_model_keeps_dtype_mode_and_attention_implementation_and_names_its_class(tmp_path):
+    """The DINT copy has the native model's dtype, train/eval mode and attention implementation, its config names its
+    own type and class, the seed defaults to 0 (as `convert --seed`), and a second conversion gives the same class."""
+    from transformers import AutoModelForCausalLM
+
+    from lit_growattn.dint import models
+
+    native = AutoModelForCausalLM.from_pretrained(saved_tiny_model("llama", tmp_path), dtype=torch.bfloat16,
+                                                  attn_implementation="eager")  # loaded in eval mode
+    settings = DintSettings("lowrank", rank=2)
+    converted = convert_to_dint(native, settings)
+    assert {p.dtype for p in converted.parameters()} == {torch.bfloat16}
+    assert not any(m.training for m in converted.modules())
+    assert converted.config._attn_implementation == "eager"
+    assert (converted.config.model_type, converted.config.architectures) == ("dint_llama", ["DintLlamaForCausalLM"])
+    assert type(converted) is models.DintLlamaForCausalLM and type(convert_to_dint(native, settings)) is type(converted)
+    torch.testing.assert_close(converted.state_dict(), convert_to_dint(native, settings, seed=0).state_dict(),
+                               atol=0, rtol=0)
+    assert all(m.training for m in convert_to_dint(native.train(), settings).modules())
+
+
+def test_weights_that_do_not_fit_the_dint_model_are_refused_by_name(tmp_path):
+    """A native model with a weight its DINT model has no place for, or without one the DINT model needs."""
+    settings = DintSettings("full")
+    extra = load(saved_tiny_model("llama", tmp_path))
+    extra.model.layers[1].self_attn.register_parameter("gate", torch.nn.Parameter(torch.zeros(4)))
+    with pytest.raises(ValueError) as error:
+        convert_to_dint(extra, settings)
+    assert str(error.value) == ("the llama weights do not fit its DINT model: missing [], unexpected "
+                                "['model.layers.1.self_attn.gate']")
+    lacking = load(tmp_path)
+    lacking.lm_head = torch.nn.Identity()
+    with pytest.raises(ValueError) as error:
+        convert_to_dint(lacking, settings)
+    assert str(error.value) == "the llama weights do not fit its DINT model: missing ['lm_head.weight'], unexpected []"
+
+
+def test_every_family_is_registered_with_the_auto_classes_once():
+    """Importing lit_growattn.hf registers dint_<family> for each family; registering again changes nothing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_growattn.dint import models
+
+    before = {t: models.dint_classes(t) for t in models.FAMILIES}
+    models.register_all()
+    for model_type, (config_cls, model_cls) in before.items():
+        assert models.dint_classes(model_type) == (config_cls, model_cls)
+        assert type(AutoConfig.for_model(f"dint_{model_type}")) is config_cls
+        assert AutoModelForCausalLM._model_mapping[config_cls] is model_cls
+
+
 def test_lowrank_score_variance_matches_a_fresh_full_map():
     """The derivation behind d₂ = d/9, measured: scores of a fresh low-rank map scaled by 1/√d₂ have the variance
     of a fresh full map's scaled by 1/√d, over many draws of the init (float64)."""

@@ -451,6 +451,94 @@ def test_export_onto_a_link_replaces_the_folder_it_points_to_and_keeps_the_link(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "v1"]  # nothing hidden left beside them
 
 
+def test_convert_pretrained_names_what_it_cannot_convert_and_writes_nothing(tmp_path):
+    """From Python: a folder without config.json, a model type DINT does not cover, a weights file holding an object."""
+    import lit_growattn.dint.models as models
+    from lit_growattn.dint.attention import DintSettings
+
+    out, settings = tmp_path / "dint", DintSettings("full")
+    with pytest.raises(FileNotFoundError) as error:
+        models.convert_pretrained(str(tmp_path), out, settings)
+    assert str(error.value) == (f"--pretrained {str(tmp_path)!r} is not a model folder (no config.json): give a local "
+                                "folder written by save_pretrained (models are never downloaded here)")
+    gpt2 = saved_tiny_model("gpt2", tmp_path / "gpt2")
+    with pytest.raises(ValueError) as error:
+        models.convert_pretrained(gpt2, out, settings)
+    assert str(error.value) == "DINT conversion supports model types llama, mistral, qwen2, qwen3, not 'gpt2'"
+    pickled = tmp_path / "pickled"
+    saved_tiny_model("llama", pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": RunsCode()}, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError) as error:
+        models.convert_pretrained(str(pickled), out, settings)
+    assert str(error.value) == (
+        f"a weights file of {pickled} holds Python objects such as {os.getcwd.__module__}.getcwd beyond tensors and "
+        "plain containers; loading them could run code from the file, so it is refused. If you trust the file, save "
+        "only its tensors and plain values (a checkpoint's 'state_dict' and 'hyper_parameters') to a new file.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt2", "pickled"]
+
+
+def slow_tokenizer_files(folder) -> None:
+    """The tokenizer of `folder` as vocab.json, merges.txt and a tokenizer_config.json naming GPT2Tokenizer: no
+    tokenizer.json."""
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(folder).backend_tokenizer.model.save(str(folder))
+    (folder / "tokenizer.json").unlink()
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<eos>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("tokenizer", ["tokenizer.json alone", "tokenizer_config.json without tokenizer.json"])
+def test_convert_pretrained_writes_the_model_its_tokenizer_and_how_to_load_them(bare_model, tmp_path, tokenizer):
+    """convert_pretrained with its defaults (seed 0): the converted weights, src's tokenizer (in either form a
+    folder may hold it), and a README.md naming the folder, its model type and where it came from."""
+    from transformers import AutoTokenizer
+
+    import lit_growattn.dint.models as models
+    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.dint.models import convert_to_dint
+    from lit_growattn.hf.loading import MODEL_CARD
+
+    src = tmp_path / "llama"
+    shutil.copytree(bare_model, src)
+    lone_tokenizer_json(src)
+    if tokenizer != "tokenizer.json alone":
+        slow_tokenizer_files(src)
+    out, settings = tmp_path / "dint", DintSettings("lowrank", rank=2)
+    converted = models.convert_pretrained(str(src), out, settings)
+    expected = convert_to_dint(load(src), settings, seed=0).state_dict()
+    torch.testing.assert_close(load(out).state_dict(), expected, atol=0, rtol=0)
+    torch.testing.assert_close(converted.state_dict(), expected, atol=0, rtol=0)
+    assert (out / "README.md").read_text() == MODEL_CARD.format(name=str(out), model_type="dint_llama",
+                                                                origin=f"the DINT conversion of {src}")
+    assert AutoTokenizer.from_pretrained(out)(TEXT).input_ids == AutoTokenizer.from_pretrained(src)(TEXT).input_ids
+
+
+def test_convert_pretrained_keeps_an_out_that_appeared_while_it_converted(model, tmp_path, monkeypatch):
+    """Without overwrite, an `out` another process wrote meanwhile is kept, and the refusal names the option as the
+    Python caller gives it."""
+    import lit_growattn.dint.models as models
+    from lit_growattn.dint.attention import DintSettings
+
+    folder, _ = model
+    out = tmp_path / "dint"
+    write_loading_files = models.write_loading_files
+
+    def another_process_writes_out(*args):
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+        write_loading_files(*args)
+
+    monkeypatch.setattr(models, "write_loading_files", another_process_writes_out)
+    with pytest.raises(FileExistsError) as error:
+        models.convert_pretrained(str(folder), out, DintSettings("full"))
+    assert str(error.value) == (f"out {out} appeared while this one was written (another process wrote it): nothing "
+                                "was replaced, and what was written here is discarded; give overwrite=True to replace "
+                                "it, or another path")
+    assert snapshot(out) == {"theirs.txt": b"theirs"} and sorted(p.name for p in tmp_path.iterdir()) == ["dint"]
+
+
 def test_convert_names_a_damaged_weights_file(model, tmp_path, cli):
     folder, _ = model
     damaged = tmp_path / "damaged"
