@@ -52,10 +52,10 @@ def dint_classes(model_type: str) -> tuple[type, type]:
             settings = dint_layer.DintSettings(**config.dint)
             replace_attention(self, lambda m: dint_layer.DintAttention.from_native(m, settings))
 
+        # type() sets __module__ to this module's name, under which the classes are also reachable (globals below).
         config_cls = type(f"Dint{prefix}Config", (native_config,), {
-            "model_type": f"dint_{model_type}", "base_model_type": model_type, "__module__": __name__})
-        model_cls = type(f"Dint{prefix}ForCausalLM", (native_model,), {
-            "config_class": config_cls, "__init__": __init__, "__module__": __name__})
+            "model_type": f"dint_{model_type}", "base_model_type": model_type})
+        model_cls = type(f"Dint{prefix}ForCausalLM", (native_model,), {"config_class": config_cls, "__init__": __init__})
         AutoConfig.register(config_cls.model_type, config_cls)
         AutoModelForCausalLM.register(config_cls, model_cls)
         globals()[config_cls.__name__], globals()[model_cls.__name__] = config_cls, model_cls
