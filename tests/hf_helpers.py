@@ -54,6 +54,15 @@ def load(folder, **kwargs):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs).eval()
 
 
+def same_model(a, b) -> None:
+    """Two causal LMs compute the same function: logits within float32 round-off, and equal greedy generations."""
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(a(ids).logits, b(ids).logits, atol=1e-5, rtol=0)
+    greedy = lambda m: m.generate(ids[:1, :4], max_new_tokens=20, do_sample=False, pad_token_id=0, use_cache=True)  # noqa: E731
+    assert torch.equal(greedy(a), greedy(b))
+
+
 def saved_tokenizer(folder, texts: list[str], vocab_size: int) -> str:
     """A byte-level BPE tokenizer trained in memory and saved as a tokenizer folder (tokenizer.json) beside a model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

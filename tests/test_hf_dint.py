@@ -9,7 +9,10 @@ from conftest import needs_transformers
 
 needs_transformers()
 
+import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lit_growattn.dint.attention import DintAttention, DintSettings, d2_ratio_for_init, document_running_mean  # noqa: E402
 from lit_growattn.dint.models import convert_to_dint  # noqa: E402
@@ -275,35 +278,32 @@ def test_the_convert_command_passes_its_settings_and_seed_and_says_how_to_fine_t
     assert (out / "tokenizer_config.json").is_file()
 
 
-class TwoHeldOutSets:
-    """A data module whose validation is two sets, the first of which the entropy callback measures on."""
+class TwoHeldOutSets(L.LightningDataModule):
+    """Training data and two held-out sets (the module logs `val/loss` and `val/second/loss`); the entropy callback
+    measures on the first."""
 
-    def __init__(self, train, first, second):
-        import lightning as L
-        from torch.utils.data import DataLoader, TensorDataset
+    val_names = ["", "second"]
 
-        class Data(L.LightningDataModule):
-            val_names = ["", "second"]  # the module logs `val/loss` and `val/second/loss`
+    def __init__(self, train: Tensor, first: Tensor, second: Tensor):
+        super().__init__()
+        self.train, self.first, self.second = train, first, second
 
-            def train_dataloader(self):
-                return DataLoader(TensorDataset(*train), batch_size=4)
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.train, self.train), batch_size=4)
 
-            def val_dataloader(self):
-                return [DataLoader(TensorDataset(*first), batch_size=2), DataLoader(TensorDataset(*second), batch_size=2)]
-        self.module = Data()
+    def val_dataloader(self):
+        return [DataLoader(TensorDataset(held, held), batch_size=2) for held in (self.first, self.second)]
 
 
 def entropy_run(tmp_path, max_steps, ckpt_path=None, num_batches=1):
     """HFCausalLM (a tiny Llama) fitted with AttentionEntropyCallback: the trainer, the callback, the batches."""
-    import lightning as L
-
     from lit_growattn.dint.entropy import AttentionEntropyCallback
     from lit_growattn.hf import HFCausalLM
 
     g = torch.Generator().manual_seed(5)
     tokens = lambda n: torch.randint(0, VOCAB, (n, 10), generator=g)  # noqa: E731
     train, first, second = tokens(8), tokens(4), tokens(4)
-    data = TwoHeldOutSets((train, train), (first, first), (second, second)).module
+    data = TwoHeldOutSets(train, first, second)
     folder = tmp_path / "llama"
     if not folder.exists():
         saved_tiny_model("llama", folder)
@@ -347,8 +347,6 @@ def test_the_entropy_callback_refuses_what_it_cannot_measure():
         AttentionEntropyCallback(num_batches=0)
     assert str(error.value) == "num_batches must be ≥ 1, got 0"
     assert AttentionEntropyCallback().num_batches == 2
-    import lightning as L
-
     for module in (GrowAttentionLM(), L.LightningModule()):  # a `model` of another kind, and none at all
         with pytest.raises(TypeError) as error:
             AttentionEntropyCallback().setup(None, module, "fit")

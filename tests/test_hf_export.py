@@ -16,7 +16,7 @@ needs_transformers()
 import torch  # noqa: E402
 
 import lit_growattn.hf  # noqa: E402, F401  (registers the grown model types)
-from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
+from hf_helpers import load, same_model, saved_tiny_model  # noqa: E402
 from lit_growattn.hf import make_growable  # noqa: E402
 from lit_growattn.hf.export import export  # noqa: E402
 
@@ -39,14 +39,6 @@ def _perturb(model, grow_by: int, same_tau: bool = False) -> None:
                           m.log_tau + shift.expand(m.n_head))
 
 
-def _same_model(a, b) -> None:
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        assert (a(ids).logits - b(ids).logits).abs().max() <= 1e-5
-    greedy = lambda m: m.generate(ids[:1, :4], max_new_tokens=20, do_sample=False, pad_token_id=0)  # noqa: E731
-    assert torch.equal(greedy(a), greedy(b))
-
-
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gpt2"])
 def test_grown_model_round_trips(tmp_path, model_type):
     model = _growable(tmp_path, model_type)
@@ -54,7 +46,7 @@ def test_grown_model_round_trips(tmp_path, model_type):
     assert export(model, tmp_path / "out") == f"growattn_{model_type}"
     loaded = load(tmp_path / "out")
     assert type(loaded).__name__.startswith("GrowAttn")
-    _same_model(model.eval(), loaded)
+    same_model(model.eval(), loaded)
 
 
 @pytest.mark.parametrize("model_type, same_tau", [("llama", False), ("qwen2", False), ("qwen3", True), ("gpt2", False)])
@@ -64,7 +56,7 @@ def test_ungrown_model_exports_as_its_original_architecture(tmp_path, model_type
     assert export(model, tmp_path / "out") == model_type
     loaded = load(tmp_path / "out")
     assert not type(loaded).__name__.startswith("GrowAttn")
-    _same_model(model.eval(), loaded)
+    same_model(model.eval(), loaded)
 
 
 def test_qwen3_with_per_head_temperatures_keeps_the_growable_form(tmp_path):
@@ -72,7 +64,7 @@ def test_qwen3_with_per_head_temperatures_keeps_the_growable_form(tmp_path):
     model = _growable(tmp_path, "qwen3")
     _perturb(model, grow_by=0)
     assert export(model, tmp_path / "out") == "growattn_qwen3"
-    _same_model(model.eval(), load(tmp_path / "out"))
+    same_model(model.eval(), load(tmp_path / "out"))
 
 
 LOADS_AFTER_IMPORT = """
@@ -118,7 +110,7 @@ def test_exported_grown_folder_continues_training_from_its_sizes(tmp_path):
     export(model, tmp_path / "out")
     module = HFCausalLM(pretrained=str(tmp_path / "out"))
     assert module.head_sizes() == [10, 10]
-    _same_model(model.eval(), module.model.eval())
+    same_model(model.eval(), module.model.eval())
 
 
 def test_fewer_rotary_columns_are_the_rope_of_a_smaller_head_dim_and_round_trip(tmp_path):
@@ -146,7 +138,7 @@ def test_fewer_rotary_columns_are_the_rope_of_a_smaller_head_dim_and_round_trip(
     assert export(module.model, tmp_path / "out") == "growattn_llama"
     loaded = load(tmp_path / "out")
     assert [layer.self_attn.rotary for layer in loaded.model.layers] == [4, 4]
-    _same_model(module.model.eval(), loaded)
+    same_model(module.model.eval(), loaded)
 
 
 def test_fewer_rotary_columns_are_refused_where_they_cannot_apply(tmp_path):

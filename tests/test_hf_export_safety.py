@@ -676,11 +676,13 @@ def test_export_of_a_moved_folder_takes_pretrained(model, tmp_path, cli):
     # A new place without the tokenizer: --pretrained was given, so the fix left is --tokenizer.
     for name in TOKENIZER_FILES:
         (tmp_path / "now_here" / name).unlink(missing_ok=True)
-    assert refusal(cli("export", "--ckpt", ckpt_of_file, "--out", tmp_path / "out2", "--pretrained",
-                       tmp_path / "now_here")) == (
-        f"error: FileNotFoundError: the model was trained with the tokenizer of {tmp_path / 'now_here' / 'tokenizer.json'}"
-        f", which is not a folder or file here (moved?): --pretrained {tmp_path / 'now_here'} does not hold it: give "
-        "--tokenizer DIR, a copy of the tokenizer the model was trained with")
+    for trained_with, lost in ((ckpt_of_file, "tokenizer.json"), (ckpt, "tokenizer files")):
+        recorded = torch.load(trained_with, weights_only=True)["hyper_parameters"]["tokenizer"]
+        assert refusal(cli("export", "--ckpt", trained_with, "--out", tmp_path / "out2", "--pretrained",
+                           tmp_path / "now_here")) == (
+            f"error: FileNotFoundError: --pretrained {tmp_path / 'now_here'} holds no {lost}, and the model was "
+            f"trained with the tokenizer of {recorded}: give --tokenizer PATH, where a copy of that tokenizer is now")
+    assert not (tmp_path / "out2").exists()
 
 
 def test_a_tokenizer_folder_holding_only_tokenizer_json_is_exported_with_a_config(bare_model, tmp_path, cli):
@@ -700,7 +702,8 @@ def test_export_names_a_file_that_is_not_a_checkpoint(tmp_path, cli):
     torch.save(torch.zeros(2), tensor)
     assert refusal(cli("export", "--ckpt", tensor, "--out", tmp_path / "out")) == (
         f"error: ValueError: {str(tensor)!r} holds a Tensor, not a checkpoint (the dictionary of state_dict, "
-        "hyper_parameters, … that Lightning writes): give a checkpoint written by `python -m lit_growattn fit`")
+        "hyper_parameters, … that Lightning writes): give a checkpoint written by `python -m lit_growattn fit` or "
+        "`convert`")
 
 
 def test_export_names_a_pretrained_folder_that_is_not_there(model, tmp_path, cli):
@@ -723,7 +726,8 @@ def test_export_copies_the_tokenizer_the_model_was_trained_with(model, tmp_path,
     other = saved_tokenizer(tmp_path / "other", [TEXT[::-1]] * 20, vocab_size=280)
     on_other = hf_checkpoint(tmp_path / "other.ckpt", folder, tokenizer=other)
     assert cli("export", "--ckpt", on_other, "--out", tmp_path / "other_export").returncode == 0
-    assert (tmp_path / "other_export" / "tokenizer.json").read_bytes() == (tmp_path / "other" / "tokenizer.json").read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the tokenizer's own config, never one written here
+        assert (tmp_path / "other_export" / name).read_bytes() == (tmp_path / "other" / name).read_bytes()
 
     shutil.rmtree(tmp_path / "other")
     assert refusal(cli("export", "--ckpt", on_other, "--out", tmp_path / "gone")) == (

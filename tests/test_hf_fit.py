@@ -17,7 +17,7 @@ needs_transformers()
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from hf_helpers import load, saved_tiny_model, saved_tokenizer  # noqa: E402
+from hf_helpers import load, same_model, saved_tiny_model, saved_tokenizer  # noqa: E402
 
 CONFIG = REPO / "configs" / "hf_llama_grow.yaml"
 TEXT = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.\n"
@@ -163,7 +163,6 @@ def test_auto_schedule_grows_a_rotary_gqa_model_within_its_budget(tmp_path, grow
 def test_fit_grows_both_sides_of_a_tiny_llama_and_exports_it(tmp_path, schedule):
     from lit_growattn.commands.export import main as export_command
     from lit_growattn.hf import HFCausalLM
-    from test_hf_value import _same_model
 
     path = tmp_path / "callbacks.yaml"
     grow = {"class_path": "lit_growattn.GrowAttentionCallback",
@@ -181,7 +180,7 @@ def test_fit_grows_both_sides_of_a_tiny_llama_and_exports_it(tmp_path, schedule)
     export_command(["--ckpt", str(ckpt), "--out", str(tmp_path / "grown")])
     loaded = load(tmp_path / "grown")
     assert loaded.config.v_head_sizes == [10, 10] and loaded.config.qk_head_sizes == [9, 9]
-    _same_model(trained, loaded)
+    same_model(trained, loaded)
 
 
 def test_a_resume_inside_the_statistics_window_of_a_growth_of_both_sides_ends_bit_equal(tmp_path):

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 import lit_growattn.hf  # noqa: E402, F401  (registers the grown model types)
-from hf_helpers import VOCAB, load, saved_tiny_model, tiny_config  # noqa: E402
+from hf_helpers import VOCAB, load, same_model, saved_tiny_model, tiny_config  # noqa: E402
 from lit_growattn.attention.value import to_linear  # noqa: E402
 from lit_growattn.growth.value import ValueGrowth, ValueStats  # noqa: E402
 from lit_growattn.hf import HFCausalLM, make_growable  # noqa: E402
@@ -141,14 +141,6 @@ def test_a_state_dict_of_the_former_layout_loads_exactly(model_type, settings):
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
 
 
-def _same_model(a, b) -> None:
-    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        torch.testing.assert_close(a(ids).logits, b(ids).logits, atol=1e-5, rtol=0)
-    greedy = lambda m: m.generate(ids[:1, :4], max_new_tokens=20, do_sample=False, pad_token_id=0, use_cache=True)  # noqa: E731
-    assert torch.equal(greedy(a), greedy(b))
-
-
 @torch.no_grad()
 def _widen_values(model, by: int) -> None:
     """`by` random value columns per KV head and O rows per query head (by = 0: new values in the same width)."""
@@ -169,7 +161,7 @@ def test_grown_value_width_exports_and_loads_back(tmp_path, model_type):
     assert config["v_head_sizes"] == [11, 11] and config["qk_head_sizes"] == [8, 8]
     loaded = load(tmp_path / "out")
     assert [a.value.d_v for a in _attention(loaded)] == [11, 11]
-    _same_model(model.eval(), loaded)
+    same_model(model.eval(), loaded)
 
 
 @pytest.mark.parametrize("model_type, settings", [("llama", {"attention_bias": True}), ("qwen2", {}), ("gpt2", {})])
@@ -180,7 +172,7 @@ def test_value_maps_of_the_original_width_export_natively(tmp_path, model_type, 
     assert export(model, tmp_path / "out") == model_type
     loaded = load(tmp_path / "out")
     assert not type(loaded).__name__.startswith("GrowAttn")
-    _same_model(model, loaded)
+    same_model(model, loaded)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
@@ -198,7 +190,7 @@ def test_a_growattn_folder_of_the_former_layout_loads_exactly(tmp_path, model_ty
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     del config["v_head_sizes"]
     (tmp_path / "out" / "config.json").write_text(json.dumps(config))
-    _same_model(model.eval(), load(tmp_path / "out"))
+    same_model(model.eval(), load(tmp_path / "out"))
 
 
 def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_the_fix():

@@ -100,6 +100,7 @@ def test_validate_and_test_evaluate_a_checkpoint_that_grew_both_sides(tmp_path, 
 @pytest.mark.parametrize("command", ["convert", "export"])
 def test_docs_show_the_help_each_command_prints(command, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")  # the width the page's blocks were printed at
+    monkeypatch.setenv("PYTHON_COLORS", "0")  # Python 3.14 colours help where FORCE_COLOR is set
     with pytest.raises(SystemExit) as exit_:
         command_line([command, "--help"])
     assert exit_.value.code == 0
@@ -107,15 +108,17 @@ def test_docs_show_the_help_each_command_prints(command, capsys, monkeypatch):
     page = (REPO / "docs/commands.md").read_text()
     shown = re.search(rf"```text\n\$ python -m lit_growattn {command} --help\n(.*?)```", page, re.S)
     assert shown is not None, f"docs/commands.md has no block for `{command} --help`"
-    assert shown.group(1) == printed, f"docs/commands.md shows another help of {command}; it prints:\n{printed}"
+    # Words compared, not line breaks: Python versions wrap the usage line differently.
+    assert shown.group(1).split() == printed.split(), f"docs/commands.md shows another help; {command} prints:\n{printed}"
 
 
 def test_evaluating_with_other_model_settings_says_the_checkpoints_are_used(fitted, tmp_path):
     ckpt, _ = fitted
     with pytest.warns(UserWarning) as caught:
         assert command_line(["validate", *MQAR, f"--ckpt_path={ckpt}", f"--trainer.logger.init_args.save_dir={tmp_path}",
-                             "--model.init_args.warmup_steps=7"]) == 0
+                             "--model.init_args.n_embd=48", "--model.init_args.warmup_steps=7"]) == 0
     (message,) = [str(w.message) for w in caught if "model settings" in str(w.message)]
-    assert message == (f"validate evaluates {ckpt} as it was trained, with its own model settings, not the command's: "
-                       "warmup_steps: 7 given, the checkpoint's 100 used. Leave them out; a model with other settings "
-                       "is another checkpoint's")
+    # warmup_steps only trains: it is not named.
+    assert message == (f"validate evaluates {ckpt} with the model settings it was trained with, not the command's: "
+                       "n_embd: 48 given, the checkpoint's 64 used. To evaluate other settings, give a checkpoint "
+                       "trained with them")

@@ -193,24 +193,30 @@ def fill_data_tokenizer(config) -> None:
 DERIVED_SETTINGS = {"vocab_size", "block_size"}
 
 
-def warn_changed_settings(ckpt_path: str, stored: dict, given: dict, subcommand: str = "fit") -> None:
-    """One warning naming every model setting whose value on the command line differs from the checkpoint's (plain
-    values only: nested settings such as the optimizer are recorded in another form than the command gives them);
-    `subcommand`: fit resumes the checkpoint, validate and test evaluate it."""
+# How the model trains, not what it computes: nothing for validate or test to warn about.
+TRAINING_ONLY_SETTINGS = {"warmup_steps", "min_lr_ratio", "lr_schedule", "max_nonfinite_steps", "init_from", "compile"}
+
+
+def warn_changed_settings(ckpt_path: str, stored: dict, given: dict, subcommand: str) -> None:
+    """One warning naming every model setting whose value in the command's config differs from the checkpoint's
+    (plain values only: nested settings such as the optimizer are recorded in another form than the command gives
+    them). fit resumes the checkpoint; validate and test evaluate it, where only what the model computes counts."""
+    ignored = DERIVED_SETTINGS | (TRAINING_ONLY_SETTINGS if subcommand != "fit" else set())
     changed = {k: (given[k], v) for k, v in stored.items()
-               if not k.startswith("_") and k not in DERIVED_SETTINGS and k in given and given[k] is not None
+               if not k.startswith("_") and k not in ignored and k in given and given[k] is not None
                and isinstance(v, (int, float, str, bool, list))
                and given[k] != v and not (k in ("d_head", "d_v") and isinstance(v, list))}  # grown sizes
-    if changed:
-        listed = "; ".join(f"{k}: {new!r} given, the checkpoint's {old!r} used" for k, (new, old) in changed.items())
-        if subcommand != "fit":
-            warnings.warn(f"{subcommand} evaluates {ckpt_path} as it was trained, with its own model settings, not "
-                          f"the command's: {listed}. Leave them out; a model with other settings is another "
-                          "checkpoint's", stacklevel=2)
-            return
-        weights = " (or use init_from for the weights)" if "init_from" in given else ""
-        warnings.warn(f"resuming from {ckpt_path}, whose model settings win over the command's: {listed}. Start a "
-                      f"new run{weights} to change them", stacklevel=2)
+    if not changed:
+        return
+    listed = "; ".join(f"{k}: {new!r} given, the checkpoint's {old!r} used" for k, (new, old) in changed.items())
+    if subcommand != "fit":
+        warnings.warn(f"{subcommand} evaluates {ckpt_path} with the model settings it was trained with, not the "
+                      f"command's: {listed}. To evaluate other settings, give a checkpoint trained with them",
+                      stacklevel=2)
+        return
+    weights = " (or use init_from for the weights)" if "init_from" in given else ""
+    warnings.warn(f"resuming from {ckpt_path}, whose model settings win over the command's: {listed}. Start a "
+                  f"new run{weights} to change them", stacklevel=2)
 
 
 def next_version(folder: Path) -> Path:

@@ -21,36 +21,43 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
-def training_tokenizer(hparams: dict, pretrained: str | None, given: str | None = None) -> str | None:
+def training_tokenizer(hparams: dict, pretrained: str | None = None, given: str | None = None) -> str | None:
     """Where the tokenizer the checkpoint's model was trained with is now (a folder or a tokenizer.json file), or
-    None for raw bytes. `pretrained`: where the model folder is now (`--pretrained`, else the recorded one); `given`:
-    `--tokenizer`, a copy of that tokenizer kept elsewhere, which then wins."""
+    None for raw bytes. `pretrained`: `--pretrained`, where the model folder is now if it moved (None: where it was
+    recorded); `given`: `--tokenizer`, a copy of that tokenizer kept elsewhere, which then wins."""
     if given is not None:
         if not os.path.exists(given):
             raise FileNotFoundError(f"--tokenizer {given} does not exist: give the folder (or tokenizer.json) of the "
                                     "tokenizer the model was trained with")
         return given
     recorded_folder = hparams.get("pretrained")
-    tokenizer = hparams.get("tokenizer") or recorded_folder  # recorded since fit names it; before, the folder's own
-    if tokenizer in (None, "bytes"):
+    recorded = hparams.get("tokenizer") or recorded_folder  # recorded since fit names it; before, the folder's own
+    if recorded in (None, "bytes"):
         return None
-    path = Path(tokenizer).resolve()
-    of_folder = recorded_folder is not None and Path(recorded_folder).resolve() in (path, path.parent)
-    if of_folder:  # the model folder's own tokenizer (or its tokenizer.json), wherever the folder is now
-        tokenizer = pretrained if path == Path(recorded_folder).resolve() else os.path.join(pretrained, path.name)
-    if not os.path.exists(tokenizer):
-        if of_folder and Path(pretrained).resolve() != Path(recorded_folder).resolve():  # --pretrained was given
-            fix = (f"--pretrained {pretrained} does not hold it: give --tokenizer DIR, a copy of the tokenizer the "
-                   "model was trained with")
-        elif of_folder:
-            fix = ("give --pretrained DIR, the folder's new place, or --tokenizer DIR, a copy of its tokenizer kept "
-                   "elsewhere")
-        else:
-            fix = ("put it there, or give --tokenizer, where a copy of it is now (export copies the tokenizer the "
-                   "model was trained with, never another)")
-        raise FileNotFoundError(f"the model was trained with the tokenizer of {tokenizer}, which is not a folder or "
-                                f"file here (moved?): {fix}")
-    return tokenizer
+    path = Path(recorded).resolve()
+    if recorded_folder is None or Path(recorded_folder).resolve() not in (path, path.parent):
+        if os.path.exists(recorded):
+            return recorded
+        raise FileNotFoundError(f"the model was trained with the tokenizer of {recorded}, which is not a folder or "
+                                "file here (moved?): put it there, or give --tokenizer, where a copy of it is now "
+                                "(export copies the tokenizer the model was trained with, never another)")
+    # The model folder's own tokenizer (or its tokenizer.json), wherever the folder is now.
+    folder = pretrained or recorded_folder
+    whole_folder = path == Path(recorded_folder).resolve()
+    tokenizer = folder if whole_folder else os.path.join(folder, path.name)
+    # A folder named by fit held the tokenizer then: one without tokenizer files has lost it.
+    held = os.path.isfile(tokenizer) or os.path.isdir(tokenizer) and (
+        hparams.get("tokenizer") is None or any(os.path.isfile(os.path.join(tokenizer, n)) for n in TOKENIZER_FILES))
+    if held:
+        return tokenizer
+    if pretrained is not None:
+        raise FileNotFoundError(f"--pretrained {pretrained} holds no {'tokenizer files' if whole_folder else path.name}"
+                                f", and the model was trained with the tokenizer of {recorded}: give --tokenizer "
+                                "PATH, where a copy of that tokenizer is now")
+    where = "holds no tokenizer files" if os.path.isdir(tokenizer) else "is not a folder or file here (moved?)"
+    raise FileNotFoundError(f"the model was trained with the tokenizer of {recorded}, which {where}: give "
+                            "--pretrained DIR, the folder's new place, or --tokenizer DIR, a copy of its tokenizer "
+                            "kept elsewhere")
 
 
 def copy_tokenizer(source: str | None, folder: Path) -> list[str]:
@@ -71,8 +78,8 @@ def copy_tokenizer(source: str | None, folder: Path) -> list[str]:
         for name in copied:
             shutil.copy(os.path.join(source, name), folder / name)
     if "tokenizer.json" in copied and "tokenizer_config.json" not in copied:
-        # A bare tokenizers file: without a config, AutoTokenizer picks the tokenizer class by the model type,
-        # which a growattn_<type> folder loaded without this package does not name.
+        # tokenizer.json without a tokenizer_config.json: AutoTokenizer would pick the tokenizer class by the model
+        # type, which a growattn_<type> folder loaded without this package does not name.
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
         copied.append("tokenizer_config.json")
     return copied
@@ -104,7 +111,7 @@ def main(argv: list[str]) -> None:
             raise FileNotFoundError(f"--pretrained {args.pretrained} {problem}: give the model folder the checkpoint "
                                     f"was trained from ({hparams['pretrained']} then), where it is now")
         hparams["pretrained"] = args.pretrained
-    tokenizer = training_tokenizer(ckpt["hyper_parameters"], hparams["pretrained"], args.tokenizer)
+    tokenizer = training_tokenizer(ckpt["hyper_parameters"], args.pretrained, args.tokenizer)
     recorded = ckpt["hyper_parameters"]["pretrained"]
     out = check_output(args.out, "folder", {"the checkpoint": args.ckpt, "the model's pretrained folder": hparams[
         "pretrained"], "the pretrained folder the checkpoint names": recorded, "the model's tokenizer": tokenizer},

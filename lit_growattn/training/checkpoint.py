@@ -31,7 +31,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(content, dict):
         raise ValueError(f"{str(path)!r} holds a {type(content).__name__}, not a checkpoint (the dictionary of "
                          "state_dict, hyper_parameters, … that Lightning writes): give a checkpoint written by "
-                         "`python -m lit_growattn fit`")
+                         "`python -m lit_growattn fit` or `convert`")
     return content
 
 
