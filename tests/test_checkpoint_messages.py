@@ -102,3 +102,56 @@ def test_resuming_the_former_value_layout_is_refused_with_both_ways_on():
     refuse_resuming_former_value_layout(fitting, {}, ".attn.v.weight", "v and o")  # no state_dict: nothing to refuse
     validating = SimpleNamespace(_trainer=object(), trainer=SimpleNamespace(state=SimpleNamespace(fn="validate")))
     refuse_resuming_former_value_layout(validating, former, ".attn.v.weight", "v and o")  # loads, no optimizer
+
+
+def _init_from(module, state_dict, tmp_path, **hyper_parameters) -> str:
+    """The message of load_weights (init_from) for a checkpoint of `state_dict` and `hyper_parameters`."""
+    from lit_growattn.training.checkpoint import load_weights
+
+    path = tmp_path / "other.ckpt"
+    torch.save({"state_dict": state_dict, **({"hyper_parameters": hyper_parameters} if hyper_parameters else {})}, path)
+    with pytest.raises(ValueError) as error:
+        load_weights(module, str(path))
+    prefix = f"init_from={str(path)!r} holds the weights of another model ("
+    assert str(error.value).startswith(prefix)
+    return str(error.value)[len(prefix):]
+
+
+def test_init_from_another_model_names_its_differences_and_the_settings_that_fit_it(tmp_path):
+    from lit_growattn.module import GrowAttentionLM
+
+    small = GrowAttentionLM(vocab_size=32, block_size=8, n_layer=1, n_embd=16, n_head=2, d_head=4)
+    wide = GrowAttentionLM(vocab_size=32, block_size=8, n_layer=2, n_embd=32, n_head=2, d_head=4, warmup_steps=3)
+    state = wide.state_dict()
+    # 2 layers there, 1 here: the second layer's weights are unknown here; the first's are of another shape.
+    unknown = sorted(k for k in state if k.startswith("model.blocks.1."))
+    shaped = sorted(k for k in small.state_dict() if state[k].shape != small.state_dict()[k].shape)
+    # The class path as the CLI records it: the same class as here.
+    assert _init_from(small, state, tmp_path, **wide.hparams, _class_path="lit_growattn.module.GrowAttentionLM") == (
+        f"{len(unknown)} weights unknown here, {len(shaped)} of another shape, such as {shaped[0]} "
+        f"{tuple(state[shaped[0]].shape)} there, {tuple(small.state_dict()[shaped[0]].shape)} here): build this model "
+        "as the checkpoint's was, --model.init_args.n_layer=2, --model.init_args.n_embd=32; or give a checkpoint of a "
+        "model built like it")  # warmup_steps differs too, but shapes no weight
+    # Only missing weights, and no hyperparameters recorded (a checkpoint of weights alone): the example is the
+    # first missing weight.
+    partial = {k: v for k, v in small.state_dict().items() if k != "model.lm_head.weight"}
+    missing = sorted(small.state_dict().keys() - partial.keys())
+    assert _init_from(small, partial, tmp_path) == (
+        f"1 weights missing, such as {missing[0]}): give a checkpoint of a model built like this one (the same model "
+        "class and settings)")
+
+
+def test_init_from_a_checkpoint_of_another_class_names_both(tmp_path):
+    from lit_growattn.module import GrowAttentionLM
+
+    small = GrowAttentionLM(vocab_size=32, block_size=8, n_layer=1, n_embd=16, n_head=2, d_head=4)
+    assert _init_from(small, {"model.other.weight": torch.zeros(2)}, tmp_path,
+                      _class_path="lit_growattn.hf.module.HFCausalLM") == (
+        f"{len(small.state_dict())} weights missing, 1 weights unknown here, such as "
+        f"{min(small.state_dict())}): it is a checkpoint of lit_growattn.hf.module.HFCausalLM, not of GrowAttentionLM: "
+        "give a checkpoint of GrowAttentionLM")
+    # A module without hparams (any torch module): the settings cannot be compared.
+    linear = torch.nn.Linear(2, 3)
+    assert _init_from(linear, {"weight": torch.zeros(2, 2), "bias": torch.zeros(3)}, tmp_path) == (
+        "1 of another shape, such as weight (2, 2) there, (3, 2) here): give a checkpoint of a model built like this "
+        "one (the same model class and settings)")
