@@ -90,3 +90,18 @@ def test_the_needs_shakespeare_mark_is_checked_before_its_tests(plain_install, m
     else:
         with pytest.raises(outcome, match="nope.txt is not beside this clone"):
             conftest.pytest_runtest_setup(MarkedItem(*marks))
+
+
+def test_the_lightning_releases_published_with_credential_stealing_code_are_never_installed():
+    """lightning 2.6.2 and 2.6.3 (advisory GHSA-w37p-236h-pfx3): the dependency excludes them, and the
+    installed version is not one of them."""
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (lightning,) = [Requirement(d) for d in dependencies if Requirement(d).name == "lightning"]
+    assert not any(lightning.specifier.contains(bad) for bad in ("2.6.2", "2.6.3"))
+    assert lightning.specifier.contains("2.6.6")  # the version the project is tested with
+    assert version("lightning") not in ("2.6.2", "2.6.3")
