@@ -864,3 +864,32 @@ def test_no_refusal_of_a_checkpoint_advises_weights_only_false(tmp_path, cli):
         report = refused(done, path)
         assert "weights_only=False" not in done.stderr and "set to `False`" not in done.stderr, report
         assert "refused" in report or "damaged" in report, report
+
+
+def test_a_tokenizer_folder_inside_the_model_folder_is_the_one_exported(model, tmp_path, cli):
+    """Trained with a tokenizer kept in a subfolder of the model folder, which has a tokenizer of its own: the export
+    takes the subfolder's, the one the model was trained with."""
+    folder, _ = model
+    holder = tmp_path / "llama"
+    shutil.copytree(folder, holder)
+    own = saved_tokenizer(holder / "custom_tok", [TEXT[::-1]] * 20, vocab_size=280)
+    ckpt = hf_checkpoint(tmp_path / "run.ckpt", holder, head_sizes=[10, 10], tokenizer=own)
+    assert cli("export", "--ckpt", ckpt, "--out", tmp_path / "out").returncode == 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (holder / "custom_tok" / name).read_bytes()
+
+
+def test_exporting_a_model_loaded_from_an_earlier_export_drops_its_loader_and_nothing_else(model, tmp_path):
+    """An export of before the loader was dropped names an auto_map in config.json: writing the loading files
+    removes it and leaves config.json as save_pretrained wrote it."""
+    from lit_growattn.hf.loading import write_loading_files
+
+    folder, _ = model
+    written = tmp_path / "export"
+    shutil.copytree(folder, written)
+    as_saved = (written / "config.json").read_bytes()
+    config = json.loads(as_saved)
+    config["auto_map"] = {"AutoModelForCausalLM": "loader.GrowAttnLlamaForCausalLM"}
+    (written / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_loading_files(written, "growattn_llama", str(written), "a test")
+    assert (written / "config.json").read_bytes() == as_saved
