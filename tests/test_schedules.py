@@ -3,6 +3,7 @@ window's position, the fixed schedules' checks, resuming with another kind, and 
 allowance spread over the checks, the checks' steps, the cost of a column per key head, the end, the summary, and
 the settings it refuses). Training runs with the schedules: tests/test_growth_schedule.py, test_auto_schedule.py."""
 
+import math
 import warnings
 from types import SimpleNamespace
 
@@ -297,3 +298,21 @@ def test_resuming_with_another_kind_of_schedule_is_refused(state, kind, message)
 ])
 def test_resuming_with_the_same_kind_is_accepted(state, kind):
     check_same_schedule(state, kind)
+
+
+def test_an_automatic_checks_line_names_what_it_bought_and_the_gains_against_the_noise():
+    from lit_growattn.growing.report import event_line
+
+    check = {"step": 40, "epoch": 1, "skipped": False, "allowance": 16.0, "decisions": [
+        {"layer": 0, "side": "d_head", "columns": 1, "above_floor": 2, "cost": 4,
+         "held_out": [0.031, 0.012, 0.004, 0.001], "in_sample": [0.041, 0.023, 0.013, 0.009]},
+        {"layer": 1, "columns": 0, "above_floor": 0, "cost": 2, "held_out": [], "in_sample": []}]}  # no side: d_head
+    decided = ("allowance 16 values per token; layer 0 d_head +1 of 2 above the floor (held-out gains 0.031 0.012 "
+               "0.004 vs fitted noise 0.01 0.011 0.009, 4 values per column); layer 1 d_head +0 of 0 above the floor "
+               "(held-out gains – vs fitted noise –, 2 values per column)")
+    assert event_line({**check, "d_head": [5, 4], "alpha": 0.25, "loss_before": 2.5, "loss_after": 2.25,
+                       "seconds": 0.4, "d_head_before": [4, 4]}).endswith(f"0.4 s; {decided}")
+    nothing = {**check, "allowance": math.inf, "decisions": [{**check["decisions"][0], "columns": 0, "side": "d_v"}]}
+    assert event_line({**nothing, "d_head": [4, 4]}) == (
+        "growth check at step 40 (epoch 1): no layer grows, d_head stays [4, 4]; no budget; layer 0 d_v +0 of 2 above "
+        "the floor (held-out gains 0.031 0.012 vs fitted noise 0.01 0.011, 4 values per column)")
