@@ -251,18 +251,23 @@ def test_a_failure_before_the_checkpoint_is_placed_is_reported_as_it_is(mha_ckpt
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_model_config_that_appears_during_the_conversion_is_kept_and_named(mha_ckpt, tmp_path, monkeypatch):
-    """The checkpoint is in place when its config cannot be: the error says which file is which, and how to redo it."""
+def another_process_writes(path, monkeypatch) -> None:
+    """While convert saves its weights, another process writes `path`."""
     from lit_growattn.commands import convert
 
-    src, _ = mha_ckpt
-    out, config = tmp_path / "new.ckpt", tmp_path / "new.yaml"
     save = convert.save_weights
 
-    def save_while_another_process_writes_the_config(module, path):
-        config.write_text("another process's")
-        save(module, path)
-    monkeypatch.setattr(convert, "save_weights", save_while_another_process_writes_the_config)
+    def save_while_another_process_writes(module, partial):
+        path.write_text("another process's")
+        save(module, partial)
+    monkeypatch.setattr(convert, "save_weights", save_while_another_process_writes)
+
+
+def test_a_model_config_that_appears_during_the_conversion_is_kept_and_named(mha_ckpt, tmp_path, monkeypatch):
+    """The checkpoint is in place when its config cannot be: the error says which file is which, and how to redo it."""
+    src, _ = mha_ckpt
+    out, config = tmp_path / "new.ckpt", tmp_path / "new.yaml"
+    another_process_writes(config, monkeypatch)
     with pytest.raises(OSError) as error:
         main(["--ckpt", str(src), "--to", "dint", "--out", str(out)])
     appeared = (f"--out's model config {config} appeared while this one was written (another process wrote it): "
@@ -275,8 +280,6 @@ def test_a_model_config_that_appears_during_the_conversion_is_kept_and_named(mha
 
 
 def test_the_function_names_its_dst_path_argument(mha_ckpt, tmp_path, monkeypatch):
-    from lit_growattn.commands import convert
-
     src, _ = mha_ckpt
     dst = tmp_path / "new.ckpt"
     dst.write_text("mine")
@@ -285,12 +288,7 @@ def test_the_function_names_its_dst_path_argument(mha_ckpt, tmp_path, monkeypatc
     assert str(error.value) == (f"dst_path {dst} already exists: give overwrite=True to replace it (the old one is "
                                 "kept until the new one is complete), or another path")
     dst.unlink()
-    save = convert.save_weights
-
-    def save_while_another_process_writes(module, path):
-        dst.write_text("another process's")
-        save(module, path)
-    monkeypatch.setattr(convert, "save_weights", save_while_another_process_writes)
+    another_process_writes(dst, monkeypatch)
     with pytest.raises(FileExistsError) as error:
         convert_checkpoint(src, dst, to="dint")
     assert str(error.value).startswith(f"dst_path {dst} appeared while this one was written")
