@@ -1,5 +1,7 @@
 """Export: a grown model round-trips save_pretrained → AutoModelForCausalLM.from_pretrained (after `import
-lit_growattn.hf`), an ungrown one exports as its original architecture; equal logits and greedy generation."""
+lit_growattn.hf`), an ungrown one exports as its original architecture; equal logits and greedy generation. The
+Python export writes into the working directory for a model built from a config, keeps an `out` that appeared
+meanwhile; registering again keeps every grown type loadable; an exported DINT model says how to load it."""
 
 from __future__ import annotations
 
@@ -151,3 +153,74 @@ def test_fewer_rotary_columns_are_refused_where_they_cannot_apply(tmp_path):
         HFCausalLM(pretrained=saved_tiny_model("llama", tmp_path / "src"), rotary_dim=4)
     with pytest.raises(ValueError, match="rotary_dim is refused for qwen3 models"):
         _growable(tmp_path, "qwen3").model.layers[0].self_attn.keep_rotary(4)
+
+
+def test_a_model_built_from_a_config_exports_into_the_working_directory(tmp_path, monkeypatch):
+    from hf_helpers import tiny_config
+    from lit_growattn.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    model = HFCausalLM(config=tiny_config("llama").to_dict(), head_sizes=[10, 10]).model
+    assert model.config.name_or_path == ""  # loaded from no folder: nothing to keep `out` apart from
+    monkeypatch.chdir(tmp_path)
+    assert export(model, "out") == "growattn_llama"
+    same_model(model.eval(), load(tmp_path / "out"))
+
+
+def test_an_out_folder_that_another_process_wrote_meanwhile_is_kept_and_named_as_the_argument(tmp_path, monkeypatch):
+    import lit_growattn.hf.export as hf_export
+
+    model = _growable(tmp_path, "llama")
+    out = tmp_path / "out"
+    save_export = hf_export.save_export
+
+    def another_process_writes_out(*args):
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+        return save_export(*args)
+
+    monkeypatch.setattr(hf_export, "save_export", another_process_writes_out)
+    with pytest.raises(FileExistsError) as error:
+        export(model, out)
+    assert str(error.value) == (f"out {out} appeared while this one was written (another process wrote it): nothing "
+                                "was replaced, and what was written here is discarded; give overwrite=True to replace "
+                                "it, or another path")
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out", "src"]
+
+
+def test_registering_again_keeps_every_grown_model_type_with_its_classes():
+    """`import lit_growattn.hf` registered growattn_<type> for each supported type; registering again (a reload of
+    the package) changes nothing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lit_growattn.hf.export import grown_classes, register
+    from lit_growattn.hf.surgery import NATIVE_ATTENTION
+
+    before = {t: grown_classes(t) for t in NATIVE_ATTENTION}
+    register()
+    for model_type, (config_cls, model_cls) in before.items():
+        assert grown_classes(model_type) == (config_cls, model_cls)
+        assert type(AutoConfig.for_model(f"growattn_{model_type}")) is config_cls
+        assert AutoModelForCausalLM._model_mapping[config_cls] is model_cls
+
+
+def test_an_exported_dint_model_says_how_to_load_it(tmp_path, cli):
+    """A DINT model (converted, then fine-tuned with growable=false) is a model type that only `import
+    lit_growattn.hf` registers: its export gets the README.md that says so, and the printed line points to it."""
+    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.dint.models import convert_pretrained
+    from lit_growattn.hf import HFCausalLM
+
+    dint = tmp_path / "dint"
+    convert_pretrained(saved_tiny_model("llama", tmp_path / "src"), dint, DintSettings("full"))
+    torch.manual_seed(0)
+    module = HFCausalLM(pretrained=str(dint), growable=False)
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "run.ckpt")
+    out = tmp_path / "out"
+    done = cli("export", "--ckpt", tmp_path / "run.ckpt", "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == (f"wrote {out}: model type dint_llama, no tokenizer files ({dint} has "
+                                            f"none); load it after `import lit_growattn.hf` ({out / 'README.md'})")
+    assert "import lit_growattn.hf  # registers dint_llama" in (out / "README.md").read_text()
+    same_model(module.model.eval(), load(out))

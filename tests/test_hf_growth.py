@@ -1,5 +1,6 @@
 """Growth of converted Hugging Face attention (float64): function kept at α = 0, first-order prediction at small α,
-shared K columns per GQA group, rotary columns untouched."""
+shared K columns per GQA group, rotary columns untouched. Statistics capture leaves the forward as it is (dropout,
+bfloat16, autocast); a checkpoint of narrower heads loads; weight decay spares the query/key bias row."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ needs_transformers()
 
 import torch  # noqa: E402
 
-from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
+from hf_helpers import VOCAB, load, saved_tiny_model, tiny_config  # noqa: E402
 from lit_growattn.growth import FormStats  # noqa: E402
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for, refused_mode  # noqa: E402
 from lit_growattn.hf import make_growable  # noqa: E402
@@ -149,3 +150,103 @@ def test_explicit_and_extended_capture_agree(tmp_path, model_type, attn):
         # Llama's and Mistral's eager attention take the softmax in float32 even for float64 inputs.
         scale = 1e-12 if attn == "sdpa" or model_type == "gpt2" else 1e-5
         torch.testing.assert_close(a.moments.n, b.moments.n, rtol=0, atol=scale * float(a.moments.n.abs().max()))
+
+
+def _set_capture(model, mode: str | None) -> None:
+    for f in _forms(model):
+        f.capture = mode
+
+
+@pytest.mark.parametrize("model_type, mode", [("llama", "train"), ("gpt2", "eval")])
+def test_explicit_capture_leaves_the_forward_as_it_is(tmp_path, model_type, mode):
+    """In training (Llama: no attention dropout), and in eval mode where a training run would drop out (GPT-2 with
+    attn_pdrop 0.3): the explicit score map gives the logits the model gives without capture."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    if model_type == "gpt2":
+        config.attn_pdrop = 0.3
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / model_type)
+    model = load(tmp_path / model_type).double().train(mode == "train")
+    make_growable(model)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids).logits
+    _set_capture(model, "explicit")
+    captured = model(ids).logits
+    torch.testing.assert_close(captured, plain, rtol=0, atol=1e-12)
+
+
+def test_explicit_capture_of_a_bfloat16_model_gives_its_logits(tmp_path):
+    """precision bf16-true: the score map's softmax in float32, its weights back in bfloat16 for the values."""
+    model = load(saved_tiny_model("llama", tmp_path), attn_implementation="eager")
+    make_growable(model)
+    model = model.to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids).logits
+    _set_capture(model, "explicit")
+    captured = model(ids).logits
+    assert captured.dtype == torch.bfloat16
+    torch.testing.assert_close(captured, plain)  # bfloat16's tolerances; measured equal
+
+
+def test_explicit_capture_under_bfloat16_autocast_records_in_the_inputs_dtype(tmp_path):
+    """bf16-mixed on the CPU, where capture=auto picks `explicit`: the scores' gradient comes in bfloat16, X′ in
+    float32; G·X′ is recorded in float32, as the extended queries record it."""
+    model = load(saved_tiny_model("llama", tmp_path))
+    make_growable(model)
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
+    recorded = {}
+    for mode in ("extend", "explicit"):
+        _set_capture(model, mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids, use_cache=False).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+        recorded[mode] = [f.take_captured() for f in _forms(model)]
+        model.zero_grad()
+    for extended, explicit in zip(recorded["extend"], recorded["explicit"]):
+        (xa, gx), (xa_explicit, gx_explicit) = extended[0], explicit[0]
+        assert xa.dtype == gx.dtype == xa_explicit.dtype == gx_explicit.dtype == torch.float32
+        # bfloat16 scores on both paths: they agree to its round-off (measured 0.4 % of the largest entry).
+        torch.testing.assert_close(gx_explicit, gx, rtol=0, atol=0.02 * float(gx.abs().max()))
+
+
+def test_a_checkpoint_of_narrower_heads_loads_into_a_module_built_wider():
+    """E.g. init_from a checkpoint taken before a growth, or of a shrunk model, into a module built at the grown
+    size: the module takes the checkpoint's head sizes."""
+    from lit_growattn.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    narrow = HFCausalLM(config=tiny_config("llama").to_dict(), head_sizes=[10, 12])
+    state = narrow.state_dict()
+    wide = HFCausalLM(config=tiny_config("llama").to_dict(), head_sizes=[14, 14])
+    wide.load_state_dict(state)
+    assert wide.head_sizes() == [10, 12] and wide.hparams["head_sizes"] == [10, 12]
+    loaded = wide.state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("model_type, bias", [("llama", False), ("qwen2", True), ("gpt2", True)])
+def test_weight_decay_spares_the_query_key_bias_row(model_type, bias):
+    """W_Q and W_K decay as the other matrices do; where q/k have a bias (its last row), they are in the no-decay
+    group and the decay is applied to their other rows only."""
+    from lit_growattn.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    module = HFCausalLM(config=tiny_config(model_type).to_dict())
+    decay, no_decay = (set(map(id, group["params"])) for group in module.parameter_groups())
+    forms = [named.form for named in module.growable_forms()]
+    assert all((id(f.w_q) in no_decay, id(f.w_k) in no_decay, id(f.w_q) in decay) == (bias, bias, not bias)
+               for f in forms)
+    optimizer = torch.optim.AdamW(module.parameter_groups(), lr=0.5, weight_decay=0.1)
+    w_q = forms[0].w_q
+    w_q.grad = torch.zeros_like(w_q)
+    before = w_q.detach().clone()
+    module.on_before_optimizer_step(optimizer)
+    if bias:  # decoupled decay by 1 − lr·wd on every row but the bias row
+        torch.testing.assert_close(w_q[:, :-1], (1 - 0.5 * 0.1) * before[:, :-1])
+        assert torch.equal(w_q[:, -1], before[:, -1])
+    else:  # AdamW's own step decays it
+        assert torch.equal(w_q, before)

@@ -115,6 +115,38 @@ def test_a_folder_replaced_in_place_is_refused_and_the_fixes_it_names_give_the_t
     assert special_tokens(tmp_path / "again") == special_tokens(tmp_path / "kept")
 
 
+def refusal_of(folder, differs: str) -> str:
+    """The whole refusal of a pretrained folder whose config differs from the recorded one in `differs`."""
+    return (f"{folder} is not the model this checkpoint was trained from: its config.json differs from the config the "
+            f"checkpoint recorded ({differs}). Point at the folder the model was trained from (export: --pretrained "
+            f"DIR; Python: HFCausalLM.load_from_checkpoint(CKPT, pretrained=DIR)); where that folder is lost, move "
+            f"{folder} away: the model is then rebuilt from the config the checkpoint recorded (export also needs the "
+            f"tokenizer the model was trained with: --tokenizer DIR, a copy of it)")
+
+
+@pytest.mark.parametrize("side", ["folder", "checkpoint"])
+def test_a_field_only_one_config_has_is_a_difference_and_every_field_is_named(tmp_path, side):
+    """A field that this transformers release does not know (e.g. one a newer release wrote) is kept as written: on
+    one side only, the two configs are not known to describe the same model."""
+    from transformers import AutoConfig
+
+    folder = tmp_path / "llama"
+    saved_tiny_model("llama", folder, vocab=VOCAB)
+    extra = {"qk_clip": 5.0, "tie_word_embeddings": True}
+    if side == "folder":  # edited after training
+        ckpt, _ = trained(folder, tmp_path / "run.ckpt")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | extra))
+        differs = "qk_clip: recorded None, folder 5.0; tie_word_embeddings: recorded False, folder True"
+    else:  # as a checkpoint of a folder since restored to an earlier config records it
+        ckpt, _ = trained(folder, tmp_path / "run.ckpt",
+                          pretrained_config=AutoConfig.from_pretrained(folder).to_dict() | extra)
+        differs = "qk_clip: recorded 5.0, folder None; tie_word_embeddings: recorded True, folder False"
+    with pytest.raises(ValueError) as error:
+        HFCausalLM.load_from_checkpoint(ckpt)
+    assert str(error.value) == refusal_of(folder, differs)
+
+
 @pytest.mark.parametrize("written", [
     dict(transformers_version="4.40.0", architectures=["SomethingElse"], dtype="bfloat16", _name_or_path="elsewhere",
          _attn_implementation="eager"),

@@ -193,6 +193,24 @@ def test_a_growattn_folder_of_the_former_layout_loads_exactly(tmp_path, model_ty
     same_model(model.eval(), load(tmp_path / "out"))
 
 
+def test_a_growattn_folder_of_the_former_layout_without_safetensors_weights_is_named(tmp_path):
+    """The former layout's weights are rewritten from .safetensors files; a folder saved otherwise (e.g. with
+    safe_serialization=False) is named, with the fix."""
+    model = _growable(tmp_path, "llama").float()
+    for attn in _attention(model):
+        attn.resize(attn.d_head + 2)
+    out = tmp_path / "out"
+    export(model, out)
+    config = json.loads((out / "config.json").read_text())
+    del config["v_head_sizes"]
+    (out / "config.json").write_text(json.dumps(config))
+    for weights in out.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(FileNotFoundError) as error:
+        load(out)
+    assert str(error.value) == f"{out} has no .safetensors weights; save the model again with save_pretrained"
+
+
 def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_the_fix():
     from types import SimpleNamespace
 
@@ -200,8 +218,13 @@ def test_resuming_the_optimizer_of_a_former_layout_checkpoint_is_refused_with_th
     old = {"state_dict": _former_layout(module.state_dict(), "llama")}
     module.on_load_checkpoint(old)  # loading its weights (init_from, load_from_checkpoint) is fine
     module._trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
-    with pytest.raises(ValueError, match="optimizer state cannot resume.*init_from"):
+    with pytest.raises(ValueError) as error:
         module.on_load_checkpoint(old)
+    assert str(error.value) == (
+        "this checkpoint stores the attention's value and output projections as the modules v_proj and o_proj "
+        "(GPT-2: c_proj), which this version keeps per head (W_V, W_O) so that the value side can grow: its weights "
+        "load, but its optimizer state cannot resume. Continue from its weights with "
+        "`--model.init_args.init_from=<ckpt>` (a new optimizer), or resume it with the version that wrote it")
     native = HFCausalLM(config=tiny_config("llama").to_dict(), growable=False)  # its own v_proj: resumes
     native._trainer = module._trainer
     native.on_load_checkpoint({"state_dict": native.state_dict()})

@@ -215,9 +215,11 @@ class GrowableRopeAttention(GrowableAttention):
         return self.value.output(out.transpose(1, 2)), weights
 
 
-class GrowableGPT2Attention(GrowableAttention):
+class GrowableFusedQKVAttention(GrowableAttention):
     """GPT-2: fused c_attn split into w_q, w_k (with the bias row) and the value map's W_V (with the v bias), c_proj
-    into its W_O and output bias; no RoPE. (The former layout kept the value part as a Linear `v_proj`.)"""
+    into its W_O and output bias; no RoPE. (The former layout kept the value part as a Linear `v_proj`.) Not named
+    GrowableGPT2Attention: that is the name of the class generated over GPT2Attention, which pickling looks up in this
+    module by name (`generated_class`)."""
 
     former_value_modules = {"v": "v_proj", "o": "c_proj", "conv1d_o": True}
 
@@ -253,7 +255,7 @@ def make_growable(model: nn.Module) -> list[str]:
 
 def growable_class(native: type[nn.Module]) -> type[GrowableAttention]:
     """The growable subclass of a native attention class (created once, importable from this module by name)."""
-    base = GrowableGPT2Attention if native.__name__ == "GPT2Attention" else GrowableRopeAttention
+    base = GrowableFusedQKVAttention if native.__name__ == "GPT2Attention" else GrowableRopeAttention
     return native_subclass(_CLASSES, "Growable", base, native, __name__)
 
 
