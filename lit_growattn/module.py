@@ -18,10 +18,10 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
-from lit_growattn.model.config import SdpaPad
+from lit_growattn.attention.sdpa import SdpaPad
 from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
 from lit_growattn.model.config import GPTConfig
-from lit_growattn.model.contract import NamedForm
+from lit_growattn.contract import NamedForm
 from lit_growattn.training.divergence import DivergenceGuard
 from lit_growattn.training.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.model.gpt import GPT
@@ -103,7 +103,7 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
-    # -- what GrowAttentionCallback needs (lit_growattn.model.contract.GrowableModule) ------------------
+    # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
     def growable_forms(self) -> list[NamedForm]:
         return [NamedForm(i, f"model.{name}", form) for i, name, form in self.model.named_qk_forms()]
 

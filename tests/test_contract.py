@@ -14,7 +14,7 @@ from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM, Growt
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.lowrank_dint import LowRankQK
 from lit_growattn.training.checkpoint import resize_to_checkpoint
-from lit_growattn.model.contract import GrowableForm, GrowableModule, ScoreMap, missing
+from lit_growattn.contract import GrowableForm, GrowableModule, ScoreMap, missing
 
 
 def grow_once(**settings) -> GrowAttentionCallback:

@@ -6,7 +6,7 @@ import torch
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
 from lit_growattn.growth import FormShape
 from lit_growattn.growth.value import ValueShape
-from lit_growattn.model.contract import NamedForm
+from lit_growattn.contract import NamedForm
 from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
 
 from callback_helpers import recall_data, tiny_module, trainer

@@ -8,17 +8,13 @@ each head's output is RMSNorm(·) × (1 − λ_init). The learnable temperatures
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.attention.registry import register_attention
+from lit_growattn.attention.registry import AttentionConfig, register_attention
 from lit_growattn.attention.value import ValueMap, attach
-
-if TYPE_CHECKING:  # the config names the variants; they only need its type
-    from lit_growattn.model.config import GPTConfig
 
 
 def lambda_init_for(layer_idx: int) -> float:
@@ -31,7 +27,7 @@ class DiffAttention(nn.Module):
     # Its RMSNorm of each head's output before W_O makes the output not linear in W_V·W_O (docs/value.md).
     value_growable = False
 
-    def __init__(self, cfg: GPTConfig, layer_idx: int):
+    def __init__(self, cfg: AttentionConfig, layer_idx: int):
         super().__init__()
         if cfg.n_head % 2:
             raise ValueError(f"diff attention pairs heads: n_head must be even, got {cfg.n_head}")

@@ -8,18 +8,13 @@ the future), so A3·V is the running mean of A1·V over query positions and need
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.diff import lambda_init_for
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.attention.registry import register_attention
+from lit_growattn.attention.registry import AttentionConfig, register_attention
 from lit_growattn.attention.value import ValueMap, attach
-
-if TYPE_CHECKING:  # the config names the variants; they only need its type
-    from lit_growattn.model.config import GPTConfig
 
 
 def causal_mean(t: Tensor) -> Tensor:
@@ -33,7 +28,7 @@ class DenoisedAttention(nn.Module):
 
     value_growable = True  # the combined map is linear in the values
 
-    def __init__(self, cfg: GPTConfig, layer_idx: int, qk2: nn.Module, lambda_init: float | None):
+    def __init__(self, cfg: AttentionConfig, layer_idx: int, qk2: nn.Module, lambda_init: float | None):
         super().__init__()
         h = cfg.n_head
         self.qk = QKForm(cfg.n_embd, h, cfg.head_size(layer_idx), cfg.bias, sdpa_pad=cfg.sdpa_pad)
@@ -65,6 +60,6 @@ class DenoisedAttention(nn.Module):
 class DintAttention(DenoisedAttention):
     """Args: lambda_init: initial λ of every head (None → DIFF's schedule in the layer index)."""
 
-    def __init__(self, cfg: GPTConfig, layer_idx: int, lambda_init: float | None = None):
+    def __init__(self, cfg: AttentionConfig, layer_idx: int, lambda_init: float | None = None):
         qk2 = QKForm(cfg.n_embd, cfg.n_head, cfg.head_size(layer_idx), cfg.bias, sdpa_pad=cfg.sdpa_pad)
         super().__init__(cfg, layer_idx, qk2, lambda_init)

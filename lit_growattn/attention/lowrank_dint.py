@@ -13,19 +13,15 @@ and growing r would need the growth machinery to factor M′ through W_down, whi
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.dint import DenoisedAttention
 from lit_growattn.attention.qk import augment, causal_scores
-from lit_growattn.attention.registry import register_attention
-from lit_growattn.attention.sdpa import causal_attention
-from lit_growattn.model.config import SdpaPad
-
-if TYPE_CHECKING:  # the config names the variants; they only need its type
-    from lit_growattn.model.config import GPTConfig
+from lit_growattn.attention.registry import AttentionConfig, register_attention
+from lit_growattn.attention.sdpa import SdpaPad, causal_attention
 
 
 def uniform_parameter(*shape: int, fan_in: int, device=None, dtype=None) -> nn.Parameter:
@@ -36,7 +32,7 @@ def uniform_parameter(*shape: int, fan_in: int, device=None, dtype=None) -> nn.P
 
 class LowRankQK(nn.Module):
     """Causal scores τ·(X′ D_q U_q)(X′ D_k U_k)ᵀ per head, D: (e′, r), U: (r, d); the interface of a QKForm's
-    `scores` and `attend`, without statistics capture: a `lit_growattn.model.contract.ScoreMap`, not a growable form."""
+    `scores` and `attend`, without statistics capture: a `lit_growattn.contract.ScoreMap`, not a growable form."""
 
     def __init__(
         self, n_embd: int, n_head: int, d_head: int, rank: int, bias: bool, d2_ratio: float, sdpa_pad: SdpaPad = "auto"
@@ -96,7 +92,7 @@ class LowRankDintAttention(DenoisedAttention):
     """
 
     def __init__(
-        self, cfg: GPTConfig, layer_idx: int, rank: int, d2_ratio: float = 1 / 9, lambda_init: float | None = None
+        self, cfg: AttentionConfig, layer_idx: int, rank: int, d2_ratio: float = 1 / 9, lambda_init: float | None = None
     ):
         if rank < 1 or d2_ratio <= 0:
             raise ValueError(f"lowrank_dint needs rank ≥ 1 and d2_ratio > 0, got rank={rank}, d2_ratio={d2_ratio}")

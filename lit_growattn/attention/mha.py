@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.attention.registry import register_attention
+from lit_growattn.attention.registry import AttentionConfig, register_attention
 from lit_growattn.attention.value import ValueMap, attach
-
-if TYPE_CHECKING:  # the config names the variants; they only need its type
-    from lit_growattn.model.config import GPTConfig
 
 
 @register_attention("mha")
 class MultiHeadAttention(nn.Module):
     value_growable = True
 
-    def __init__(self, cfg: GPTConfig, layer_idx: int):
+    def __init__(self, cfg: AttentionConfig, layer_idx: int):
         super().__init__()
         self.qk = QKForm(cfg.n_embd, cfg.n_head, cfg.head_size(layer_idx), cfg.bias, sdpa_pad=cfg.sdpa_pad)
         self.value: ValueMap = attach(self, cfg.n_embd, cfg.n_head, cfg.value_head_size(layer_idx), cfg.bias)

@@ -24,9 +24,8 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.attention.sdpa import causal_attention
-from lit_growattn.model.config import SdpaPad
-from lit_growattn.model.contract import CaptureMode
+from lit_growattn.attention.sdpa import SdpaPad, causal_attention
+from lit_growattn.contract import CaptureMode
 from lit_growattn.growth.form import FormShape
 
 
@@ -51,7 +50,7 @@ def causal_scores(q: Tensor, k: Tensor) -> Tensor:
 
 
 class QKForm(FormShape, nn.Module):
-    """Satisfies `lit_growattn.model.contract.GrowableForm`, without grouping (n_kv_head = n_head)."""
+    """Satisfies `lit_growattn.contract.GrowableForm`, without grouping (n_kv_head = n_head)."""
 
     def __init__(
         self, n_embd: int, n_head: int, d_head: int, bias: bool = False, tau_init: float | None = None,

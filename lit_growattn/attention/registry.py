@@ -12,13 +12,28 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import QKForm
+from lit_growattn.attention.sdpa import SdpaPad
 from lit_growattn.attention.value import ValueMap
 from lit_growattn.growth.registry import registrar
 
 
+class AttentionConfig(Protocol):
+    """What a variant reads of the model's configuration (`model.GPTConfig` is one), so that the variants need nothing
+    of the model that is built from them."""
+
+    n_embd: int
+    n_head: int
+    bias: bool
+    sdpa_pad: SdpaPad
+
+    def head_size(self, layer_idx: int) -> int: ...
+
+    def value_head_size(self, layer_idx: int) -> int: ...
+
+
 @runtime_checkable
 class Attention(Protocol):
-    """What a variant must provide. It is an nn.Module built as `cls(cfg: GPTConfig, layer_idx: int,
+    """What a variant must provide. It is an nn.Module built as `cls(cfg: AttentionConfig, layer_idx: int,
     **cfg.attention_args)`, mapping (b, s, e) → (b, s, e) with a causal mask.
 
     Optional beyond these: `score_maps()`, every softmax map (each with `n_head` and `d_head`) when some map

@@ -12,12 +12,14 @@ Flash rounds head sizes up to 32/64 internally anyway, so the padding costs litt
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lit_growattn.model.config import SdpaPad
-
+SdpaPad = Literal["auto", "on", "off"]  # whether to pad the head sizes (`pads`)
+SDPA_PADS: tuple[str, ...] = get_args(SdpaPad)
 FLASH_MAX_WIDTH = 256  # CUDA flash attention's largest head size
 FUSED_MULTIPLE = 8  # memory-efficient and cuDNN attention: head sizes in multiples of 8
 

@@ -29,7 +29,7 @@ from lit_growattn.growth.value import ValueShape
 
 
 class ValueMap(ValueShape, nn.Module):
-    """Satisfies `lit_growattn.model.contract.GrowableValues`."""
+    """Satisfies `lit_growattn.contract.GrowableValues`."""
 
     def __init__(self, n_embd: int, n_head: int, d_v: int, bias: bool = False, n_kv_head: int | None = None):
         super().__init__()

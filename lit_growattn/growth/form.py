@@ -1,5 +1,5 @@
 """A query/key form's weights, the one type of them: W_Q (n_head, e′, d_head), W_K (n_kv_head, e′, d_head) and
-log τ (n_head,) (shapes: `lit_growattn.model.contract`).
+log τ (n_head,) (shapes: `lit_growattn.contract`).
 
 FormShape reads head counts and sizes off the three tensors, so they follow every growth: the attention modules
 (parameters), the growths' float64 copies and FormWeights (values) all take it. FormWeights is a form's weights as

@@ -1,5 +1,5 @@
 """HFCausalLM: a LightningModule holding a Hugging Face `AutoModelForCausalLM` whose attention is growable, so that
-the same GrowAttentionCallback grows it (it implements `lit_growattn.model.contract.GrowableModule`).
+the same GrowAttentionCallback grows it (it implements `lit_growattn.contract.GrowableModule`).
 
 Built from a local model folder (`pretrained`, as written by save_pretrained or downloaded beforehand: nothing is
 fetched from a hub) or from a config mapping (`config`, with its `model_type`, for training from scratch).
@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
 from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
-from lit_growattn.model.contract import NamedForm
+from lit_growattn.contract import NamedForm
 from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
 from lit_growattn.training.divergence import DivergenceGuard
 from lit_growattn.hf.growable import GrowableAttention, make_growable
@@ -232,7 +232,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         if block_size is not None and positions is not None and block_size > positions:
             raise ValueError(f"blocks of {block_size} tokens exceed the model's {positions} positions: lower block_size")
 
-    # -- what GrowAttentionCallback needs (lit_growattn.model.contract.GrowableModule) ------------------
+    # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
     def growable_forms(self) -> list[NamedForm]:
         return [NamedForm(m.layer_idx, f"model.{name}", m) for name, m in self.model.named_modules()
                 if isinstance(m, GrowableAttention)]

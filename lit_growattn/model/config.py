@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
-SdpaPad = Literal["auto", "on", "off"]  # pad attention head sizes for the fused SDPA kernels (attention/sdpa.py)
-SDPA_PADS: tuple[str, ...] = get_args(SdpaPad)
+from lit_growattn.attention.sdpa import SDPA_PADS, SdpaPad
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lit_growattn.model.contract import Resizable
+from lit_growattn.contract import Resizable
 
 
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

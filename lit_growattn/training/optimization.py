@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lit_growattn.model.contract import Resizable
+from lit_growattn.contract import Resizable
 
 
 def default_optimizer(params) -> torch.optim.Optimizer:
