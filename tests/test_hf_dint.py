@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lit_growattn.dint.attention import DintAttention, DintSettings, d2_ratio_for_init, document_running_mean  # noqa: E402
+from lit_growattn.hf.dint import DintAttention, DintSettings, d2_ratio_for_init, document_running_mean  # noqa: E402
 from lit_growattn.dint.models import convert_to_dint  # noqa: E402
 
 from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
@@ -69,7 +69,7 @@ def test_the_converted_model_keeps_dtype_mode_and_attention_implementation_and_n
     own type and class, the seed defaults to 0 (as `convert --seed`), and a second conversion gives the same class."""
     from transformers import AutoModelForCausalLM
 
-    from lit_growattn.dint import models
+    from lit_growattn.hf import dint
 
     native = AutoModelForCausalLM.from_pretrained(saved_tiny_model("llama", tmp_path), dtype=torch.bfloat16,
                                                   attn_implementation="eager")  # loaded in eval mode
@@ -79,7 +79,7 @@ def test_the_converted_model_keeps_dtype_mode_and_attention_implementation_and_n
     assert not any(m.training for m in converted.modules())
     assert converted.config._attn_implementation == "eager"
     assert (converted.config.model_type, converted.config.architectures) == ("dint_llama", ["DintLlamaForCausalLM"])
-    assert type(converted) is models.DintLlamaForCausalLM and type(convert_to_dint(native, settings)) is type(converted)
+    assert type(converted) is dint.DintLlamaForCausalLM and type(convert_to_dint(native, settings)) is type(converted)
     torch.testing.assert_close(converted.state_dict(), convert_to_dint(native, settings, seed=0).state_dict(),
                                atol=0, rtol=0)
     assert all(m.training for m in convert_to_dint(native.train(), settings).modules())
@@ -105,12 +105,12 @@ def test_every_family_is_registered_with_the_auto_classes_once():
     """Importing lit_growattn.hf registers dint_<family> for each family; registering again changes nothing."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from lit_growattn.dint import models
+    from lit_growattn.hf import dint
 
-    before = {t: models.dint_classes(t) for t in models.FAMILIES}
-    models.register_all()
+    before = {t: dint.dint_classes(t) for t in dint.FAMILIES}
+    dint.register_all()
     for model_type, (config_cls, model_cls) in before.items():
-        assert models.dint_classes(model_type) == (config_cls, model_cls)
+        assert dint.dint_classes(model_type) == (config_cls, model_cls)
         assert type(AutoConfig.for_model(f"dint_{model_type}")) is config_cls
         assert AutoModelForCausalLM._model_mapping[config_cls] is model_cls
 

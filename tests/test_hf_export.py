@@ -208,7 +208,7 @@ def test_registering_again_keeps_every_grown_model_type_with_its_classes():
 def test_an_exported_dint_model_says_how_to_load_it(tmp_path, cli):
     """A DINT model (converted, then fine-tuned with growable=false) is a model type that only `import
     lit_growattn.hf` registers: its export gets the README.md that says so, and the printed line points to it."""
-    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.hf.dint import DintSettings
     from lit_growattn.dint.models import convert_pretrained
     from lit_growattn.hf import HFCausalLM
 

@@ -371,7 +371,7 @@ def test_convert_pretrained_from_python_never_writes_onto_its_source_and_writes_
     from transformers import AutoConfig
 
     import lit_growattn.dint.models as models
-    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.hf.dint import DintSettings
 
     folder, _ = model
     settings = DintSettings("full")
@@ -454,7 +454,7 @@ def test_export_onto_a_link_replaces_the_folder_it_points_to_and_keeps_the_link(
 def test_convert_pretrained_names_what_it_cannot_convert_and_writes_nothing(tmp_path):
     """From Python: a folder without config.json, a model type DINT does not cover, a weights file holding an object."""
     import lit_growattn.dint.models as models
-    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.hf.dint import DintSettings
 
     out, settings = tmp_path / "dint", DintSettings("full")
     with pytest.raises(FileNotFoundError) as error:
@@ -496,7 +496,7 @@ def test_convert_pretrained_writes_the_model_its_tokenizer_and_how_to_load_them(
     from transformers import AutoTokenizer
 
     import lit_growattn.dint.models as models
-    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.hf.dint import DintSettings
     from lit_growattn.dint.models import convert_to_dint
     from lit_growattn.hf.loading import MODEL_CARD
 
@@ -519,7 +519,7 @@ def test_convert_pretrained_keeps_an_out_that_appeared_while_it_converted(model,
     """Without overwrite, an `out` another process wrote meanwhile is kept, and the refusal names the option as the
     Python caller gives it."""
     import lit_growattn.dint.models as models
-    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.hf.dint import DintSettings
 
     folder, _ = model
     out = tmp_path / "dint"

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
 def _convert_pretrained(parser: argparse.ArgumentParser, args: argparse.Namespace, variant_args: dict) -> None:
     if args.to == "mha":
         parser.error("--pretrained converts to dint or lowrank_dint (shrinking is for --ckpt)")
-    from lit_growattn.dint.attention import DintSettings
+    from lit_growattn.hf.dint import DintSettings
     from lit_growattn.dint.models import convert_pretrained  # needs transformers
 
     kind = "lowrank" if args.to == "lowrank_dint" else "full"

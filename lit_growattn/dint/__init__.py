@@ -2,8 +2,8 @@
 
 gpt        the project's GPT: an mha checkpoint converted to the `dint` / `lowrank_dint` variants (the variants
            themselves are attention classes, `lit_growattn.attention.dint` and `.lowrank_dint`).
-attention  the DINT attention layer for Llama-family Hugging Face models (needs transformers).
-models     the registered `dint_<family>` model classes and the conversion of a model folder (needs transformers).
+models     the conversion of a Hugging Face model or model folder (needs transformers); the DINT layer and the
+           registered `dint_<family>` model classes it builds are `lit_growattn.hf.dint`'s (`attention` is its old path).
 entropy    `AttentionEntropyCallback`: attention entropy during fine-tuning, beside the original model's.
 
 A DINT model does not grow: these are fine-tuned as they are converted (docs/seed001.md).

@@ -1,75 +1,31 @@
-"""Registered DINT model classes, so that a converted model round-trips `save_pretrained`/`from_pretrained`
-with no remote code: importing this module (which `import lit_growattn.hf` does) registers them with transformers' Auto classes.
+"""The conversion of a native Hugging Face causal LM (or a model folder) to DINT: `convert_to_dint` builds the DINT
+model from a native one, every native weight copied, the second maps initialised from `seed`, λ = 0, so its outputs
+are the native model's (tests/test_hf_dint.py).
 
-For each family (llama, mistral, qwen2, qwen3) there is a config `Dint<Family>Config` (model_type
-`dint_<family>`, the native config plus a `dint` dict of `DintSettings`) and a model `Dint<Family>ForCausalLM`,
-the native causal LM whose attention layers are replaced by DINT ones when it is built (through the attention
-surgery, `hf.surgery.replace_attention`).
-
-`convert_to_dint` builds the DINT model from a native one: every native weight copied, the second maps
-initialised from `seed`, λ = 0, so its outputs are the native model's (tests/test_hf_dint.py).
+The DINT layer and the registered `dint_<family>` model classes are `lit_growattn.hf.dint`'s; their names are also
+reachable here, where they were defined before issue 53.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 
 import torch
 from torch import nn
 
-# The module, not its names: importing lit_growattn.dint.attention first imports lit_growattn.hf, which imports this
-# module while that one is still half-built.
-from lit_growattn.dint import attention as dint_layer
+from lit_growattn.hf import dint as _dint
+from lit_growattn.hf.dint import DINT_MODEL_TYPES, FAMILIES, register_all  # noqa: F401 - their old path
+from lit_growattn.hf.dint import DintSettings, dint_classes
 from lit_growattn.hf.loading import write_loading_files
-from lit_growattn.hf.surgery import replace_attention
 from lit_growattn.training.writing import check_output, new_folder
 
-FAMILIES = {
-    "llama": ("llama", "Llama"),
-    "mistral": ("mistral", "Mistral"),
-    "qwen2": ("qwen2", "Qwen2"),
-    "qwen3": ("qwen3", "Qwen3"),
-}
-DINT_MODEL_TYPES = tuple(f"dint_{t}" for t in FAMILIES)
-_REGISTERED: dict[str, tuple[type, type]] = {}
+
+def __getattr__(name: str):
+    return getattr(_dint, name)  # the generated Dint<Family>Config and Dint<Family>ForCausalLM
 
 
-def dint_classes(model_type: str) -> tuple[type, type]:
-    """(config class, causal-LM class) of the DINT version of a native `model_type`, registered on first use."""
-    if model_type not in FAMILIES:
-        raise ValueError(f"DINT conversion supports model types {', '.join(FAMILIES)}, not {model_type!r}")
-    if model_type not in _REGISTERED:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        module_name, prefix = FAMILIES[model_type]
-        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
-        native_config, native_model = getattr(module, f"{prefix}Config"), getattr(module, f"{prefix}ForCausalLM")
-
-        def __init__(self, config) -> None:
-            native_model.__init__(self, config)
-            settings = dint_layer.DintSettings(**config.dint)
-            replace_attention(self, lambda m: dint_layer.DintAttention.from_native(m, settings))
-
-        # type() sets __module__ to this module's name, under which the classes are also reachable (globals below).
-        config_cls = type(f"Dint{prefix}Config", (native_config,), {
-            "model_type": f"dint_{model_type}", "base_model_type": model_type})
-        model_cls = type(f"Dint{prefix}ForCausalLM", (native_model,), {"config_class": config_cls, "__init__": __init__})
-        AutoConfig.register(config_cls.model_type, config_cls)
-        AutoModelForCausalLM.register(config_cls, model_cls)
-        globals()[config_cls.__name__], globals()[model_cls.__name__] = config_cls, model_cls
-        _REGISTERED[model_type] = config_cls, model_cls
-    return _REGISTERED[model_type]
-
-
-def register_all() -> None:
-    for model_type in FAMILIES:
-        dint_classes(model_type)
-
-
-
-def convert_to_dint(model: nn.Module, settings: dint_layer.DintSettings, seed: int = 0) -> nn.Module:
+def convert_to_dint(model: nn.Module, settings: DintSettings, seed: int = 0) -> nn.Module:
     """A DINT copy of the native causal LM `model` (same dtype and device), outputs unchanged at λ = 0."""
     native_type = model.config.model_type
     config_cls, model_cls = dint_classes(native_type)
@@ -91,7 +47,7 @@ def convert_to_dint(model: nn.Module, settings: dint_layer.DintSettings, seed: i
     return converted.eval() if not model.training else converted
 
 
-def convert_pretrained(src: str, out: str | os.PathLike, settings: dint_layer.DintSettings, seed: int = 0,
+def convert_pretrained(src: str, out: str | os.PathLike, settings: DintSettings, seed: int = 0,
                        overwrite: bool = False) -> nn.Module:
     """Converts the model folder `src` (save_pretrained layout) to DINT and writes it, with src's tokenizer when it
     has one and a README.md on how to load it, to the folder `out`; the weights keep their stored dtype. `out` is
@@ -120,5 +76,3 @@ def convert_pretrained(src: str, out: str | os.PathLike, settings: dint_layer.Di
         write_loading_files(folder, converted.config.model_type, str(out), f"the DINT conversion of {src}")
     return converted
 
-
-register_all()  # importing this module (or lit_growattn.hf) registers dint_* with the Auto classes

@@ -5,22 +5,22 @@ growable  the growable attention classes: w_q, w_k, log_tau per layer, layout [r
 module    HFCausalLM, the LightningModule that GrowAttentionCallback grows.
 export    a trained model as a save_pretrained folder; loading: the README.md that says how such a folder of a
           model type registered here is loaded.
+dint      the DINT attention layer and the `dint_<family>` model types (the conversions are `lit_growattn.dint`'s).
 
-DINT conversions of these models are `lit_growattn.dint`'s. Importing this package (and only this: `import
-lit_growattn` leaves it alone) registers every model type the project writes with transformers' Auto classes: the
-grown ones (`growattn_llama`, …) and the DINT ones (`dint_llama`, …), so an exported or converted model folder
-loads with `AutoModelForCausalLM.from_pretrained` and no remote code.
+Importing this package (and only this: `import lit_growattn` leaves it alone) registers every model type the
+project writes with transformers' Auto classes: the grown ones (`growattn_llama`, …) and the DINT ones
+(`dint_llama`, …), so an exported or converted model folder loads with `AutoModelForCausalLM.from_pretrained` and no
+remote code.
 """
 
+from lit_growattn.hf import dint
 from lit_growattn.hf.export import register
 from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.module import HFCausalLM
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, attention_modules, replace_attention
 
 register()
-# Last, and as a plain import: lit_growattn.dint builds on this package, and registers its model types when
-# imported. Imported first (its modules import this package), it is then half-built here and registers itself once done.
-import lit_growattn.dint.models  # noqa: E402, F401
+dint.register_all()
 
 __all__ = ["GrowableAttention", "HFCausalLM", "NATIVE_ATTENTION", "attention_modules", "make_growable",
            "replace_attention"]

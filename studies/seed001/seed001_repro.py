@@ -27,7 +27,7 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lit_growattn.data import TextDataModule  # noqa: E402
 from lit_growattn.data.arithmetic import ArithmeticDataModule, exact_answer_accuracy, make_rows  # noqa: E402
 from lit_growattn.data.instruct import prompt_ids  # noqa: E402
-from lit_growattn.dint.attention import DintSettings  # noqa: E402
+from lit_growattn.hf.dint import DintSettings  # noqa: E402
 from lit_growattn.dint.models import convert_to_dint  # noqa: E402
 from lit_growattn.hf import HFCausalLM  # noqa: E402
 from lit_growattn.dint.entropy import AttentionEntropyCallback, layer_entropies  # noqa: E402
