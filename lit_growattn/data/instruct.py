@@ -13,8 +13,8 @@ Never pass them as `labels=` to a Hugging Face model: its loss (`ForCausalLMLoss
 mask is needed: padding only follows the real tokens, and causal attention (DINT's running mean A3 included)
 never looks ahead, so the real positions never see it.
 
-Local files are read here, not by the datasets loaders, and only their prompt and response fields: JSON Lines
-line by line, Parquet by those two columns. Each row is checked as it is read and encoded, in the one pass over
+Local files are read by `instruct_files.py`, not by the datasets loaders, and only their prompt and response
+fields: JSON Lines line by line, Parquet by those two columns. Each row is checked as it is read and encoded, in the one pass over
 the data: a line that is not UTF-8 or not a JSON object, a field that is missing, null, not a string or empty,
 a file without rows, stops `prepare_data` with the file, the line (JSON Lines; the row from 0 for Parquet, a JSON
 array or a hub dataset), the field and what to do.
@@ -29,13 +29,10 @@ builds it, `setup` on every rank only reads it.
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import itertools
 import json
 import os
-import re
-import reprlib
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,6 +43,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_growattn.data.base import BaseDataModule
 from lit_growattn.data.corpus import HubDataset, text_source
+from lit_growattn.data.instruct_files import (
+    BadInstructionData, file_format, json_rows, not_text, parquet_rows, refuse_missing_fields)
 from lit_growattn.data.token_file import fingerprint_files
 
 PLAIN_TEMPLATE = "Problem:\n{prompt}\n\nSolution:\n"
@@ -155,7 +154,7 @@ class InstructDataModule(BaseDataModule):
                                  f"'[{p}/a.jsonl, {p}/b.jsonl]'")
             if not os.path.isfile(p):
                 raise FileNotFoundError(f"instruction file not found: {p!r} (--data.path)")
-            if _file_format(p) is None:
+            if file_format(p) is None:
                 raise ValueError(f"{p!r}: instruction files must be .jsonl, .json or .parquet")
             if os.path.getsize(p) == 0:
                 raise ValueError(f"instruction file {p!r} is empty: it needs one example per row, with text in "
@@ -163,7 +162,7 @@ class InstructDataModule(BaseDataModule):
         if prompt_field == response_field:
             raise ValueError(f"prompt_field and response_field are both {prompt_field!r}: name the two fields that "
                              "hold the prompt and the response")
-        if len({_file_format(p) for p in self.paths}) > 1:
+        if len({file_format(p) for p in self.paths}) > 1:
             raise ValueError(f"instruction files {self.paths} mix JSON and Parquet: give files of one format")
         if "" in (val_texts or {}):
             raise ValueError(f"val_texts has an empty name (for {val_texts['']!r}): each set is logged as "
@@ -206,12 +205,12 @@ class InstructDataModule(BaseDataModule):
         fields = (self.prompt_field, self.response_field)
         if self.hf_dataset is None:
             for p in self.paths:
-                yield from (_parquet_rows if _file_format(p) == "parquet" else _json_rows)(p, fields)
+                yield from (parquet_rows if file_format(p) == "parquet" else json_rows)(p, fields)
             return
         from datasets import load_dataset
 
         rows = load_dataset(self.hf_dataset, self.hf_config, split=self.hf_split)
-        _refuse_missing_fields(f"{self.hf_dataset} (split {self.hf_split!r})", fields, rows.column_names)
+        refuse_missing_fields(f"{self.hf_dataset} (split {self.hf_split!r})", fields, rows.column_names)
         batches = rows.select_columns(list(fields)).iter(batch_size=1000)  # 100× faster than row by row
         pairs = itertools.chain.from_iterable(zip(b[fields[0]], b[fields[1]]) for b in batches)
         for index, (prompt, response) in enumerate(pairs):
@@ -236,7 +235,7 @@ class InstructDataModule(BaseDataModule):
         def examples():
             for where, prompt, response in itertools.islice(self._rows(), self.max_examples):
                 for field, value in ((self.prompt_field, prompt), (self.response_field, response)):
-                    if (problem := _not_text(value)) is not None:
+                    if (problem := not_text(value)) is not None:
                         raise BadInstructionData(f"{where}: {field!r} {problem}: every row needs text in "
                                                  f"{self.prompt_field!r} and {self.response_field!r}; fix or remove "
                                                  "the row")
@@ -310,91 +309,3 @@ class InstructDataModule(BaseDataModule):
 
     def collate(self, examples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
         return pad_batch(examples, self.pad_id)
-
-
-class BadInstructionData(ValueError):
-    """A row or file that cannot be read as prompt/response text; the message says where and what to do."""
-
-
-def _not_text(value) -> str | None:
-    """Why a field's value cannot be a prompt or a response, None if it can (non-empty text)."""
-    if value is None:
-        return "is null"
-    if not isinstance(value, str):
-        return f"is {reprlib.repr(value)} ({type(value).__name__}), not text"
-    return None if value.strip() else "is empty"
-
-
-def _refuse_missing_fields(where: str, fields: tuple[str, str], present: list[str], fix: str = "") -> None:
-    missing = [f for f in fields if f not in present]
-    if missing:
-        raise BadInstructionData(f"{where} has no field {', '.join(map(repr, missing))}; its fields are {present}: "
-                                 f"{fix}set --data.prompt_field / --data.response_field to the fields holding them")
-
-
-def _json_rows(path: str, fields: tuple[str, str]) -> Iterator[tuple[str, object, object]]:
-    """(where, prompt, response) of each row of a JSON Lines file (or a JSON array); any other field is ignored."""
-    rows = 0
-    for place, row in _json_records(path):
-        if not isinstance(row, dict):
-            raise BadInstructionData(f"{path} {place} is {reprlib.repr(row)} ({type(row).__name__}), not an object: "
-                                     f"each row must be one JSON object with fields {fields[0]!r} and {fields[1]!r}")
-        _refuse_missing_fields(f"{path} {place}", fields, list(row), fix="fix or remove the row, or ")
-        rows += 1
-        yield f"{path} {place}", row[fields[0]], row[fields[1]]
-    if not rows:
-        raise BadInstructionData(f"{path} has no rows: it needs one JSON object per line, with fields "
-                                 f"{fields[0]!r} and {fields[1]!r}")
-
-
-def _json_records(path: str) -> Iterator[tuple[str, object]]:
-    """Each row of a JSON Lines file (or of a JSON array) parsed, with where it is: "line 7" ("row 3 (from 0)" in an
-    array). A line that is not UTF-8 or not JSON raises BadInstructionData naming it."""
-    with open(path, "rb") as f:
-        if f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
-            f.seek(0)
-            array = _parse_json(path, f.read(), first_line=1)
-            yield from ((f"row {i} (from 0)", row) for i, row in enumerate(array))
-            return
-        f.seek(0)
-        for number, line in enumerate(f, 1):
-            if line.strip():  # a blank line holds no row
-                yield f"line {number}", _parse_json(path, line.rstrip(b"\r\n"), first_line=number)
-
-
-def _parse_json(path: str, data: bytes, first_line: int):
-    try:
-        return json.loads(data.decode("utf-8-sig"))  # -sig: a byte order mark, as some editors write, is no row
-    except UnicodeDecodeError as err:
-        line = first_line + data.count(b"\n", 0, err.start)
-        keys = re.findall(rb'"((?:[^"\\]|\\.)*)"\s*:', data[data.rfind(b"\n", 0, err.start) + 1:err.start])
-        field = f" in field {keys[-1].decode('utf-8', 'replace')!r}" if keys else ""
-        raise BadInstructionData(f"{path} line {line} is not UTF-8 (byte 0x{data[err.start]:02x}{field}): save the "
-                                 "file as UTF-8") from None
-    except json.JSONDecodeError as err:
-        raise BadInstructionData(f"{path} line {first_line + err.lineno - 1} is not valid JSON ({err.msg} at column "
-                                 f"{err.colno}): fix or remove it (JSON Lines hold one whole object per line)") from None
-
-
-def _parquet_rows(path: str, fields: tuple[str, str]) -> Iterator[tuple[str, object, object]]:
-    """(where, prompt, response) of each row of a Parquet file; only the two columns are read."""
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(path)
-    except Exception as err:
-        raise BadInstructionData(f"{path} is not a Parquet file pyarrow can read ({type(err).__name__}: {err})") \
-            from None
-    _refuse_missing_fields(path, fields, parquet.schema_arrow.names)
-    if parquet.metadata.num_rows == 0:
-        raise BadInstructionData(f"{path} has no rows")
-    batches = parquet.iter_batches(columns=list(fields))
-    pairs = itertools.chain.from_iterable(zip(b.column(fields[0]).to_pylist(), b.column(fields[1]).to_pylist())
-                                          for b in batches)
-    for index, (prompt, response) in enumerate(pairs):
-        yield f"{path} row {index} (from 0)", prompt, response
-
-
-def _file_format(path: str) -> str | None:
-    suffix = Path(path).suffix.lower()
-    return {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
