@@ -7,11 +7,9 @@ growth event resizes parameters and has to build them again (docs/design.md, "Li
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
-import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor, nn
@@ -19,16 +17,16 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 from lit_growattn.attention.sdpa import SdpaPad
-from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
-from lit_growattn.model.config import GPTConfig
 from lit_growattn.contract import NamedForm
-from lit_growattn.training.divergence import DivergenceGuard
-from lit_growattn.training.lightning_private import accumulation_open_after_this_batch, should_update_logs
+from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
-from lit_growattn.training.optimization import GrowthOptimization, default_optimizer
+from lit_growattn.training.divergence import MAX_NONFINITE_STEPS
+from lit_growattn.training.lightning_private import accumulation_open_after_this_batch, should_update_logs
+from lit_growattn.training.lm import NOT_HPARAMS, GrowableLM
+from lit_growattn.training.optimization import LR_SCHEDULE, MIN_LR_RATIO, WARMUP_STEPS, LrSchedule, default_optimizer
 
 
-class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
+class GrowAttentionLM(GrowableLM):
     """Args:
         vocab_size, block_size: normally linked from the data module by the CLI.
         n_layer, n_head, n_embd: transformer size.
@@ -51,29 +49,29 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
 
     def __init__(
         self,
-        vocab_size: int = 256,
-        block_size: int = 128,
-        n_layer: int = 2,
-        n_head: int = 4,
-        n_embd: int = 64,
-        d_head: int | list[int] = 16,
-        d_v: int | list[int] | None = None,
-        bias: bool = False,
-        dropout: float = 0.0,
-        attention: str = "mha",
+        vocab_size: int = GPTConfig.vocab_size,
+        block_size: int = GPTConfig.block_size,
+        n_layer: int = GPTConfig.n_layer,
+        n_head: int = GPTConfig.n_head,
+        n_embd: int = GPTConfig.n_embd,
+        d_head: int | list[int] = GPTConfig.d_head,
+        d_v: int | list[int] | None = GPTConfig.d_v,
+        bias: bool = GPTConfig.bias,
+        dropout: float = GPTConfig.dropout,
+        attention: str = GPTConfig.attention,
         attention_args: dict[str, Any] | None = None,
         optimizer: OptimizerCallable = default_optimizer,
         scheduler: LRSchedulerCallable | None = None,
-        lr_schedule: Literal["cosine", "constant"] = "cosine",
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
+        lr_schedule: LrSchedule = LR_SCHEDULE,
+        warmup_steps: int = WARMUP_STEPS,
+        min_lr_ratio: float = MIN_LR_RATIO,
         init_from: str | None = None,
-        sdpa_pad: SdpaPad = "auto",
+        sdpa_pad: SdpaPad = GPTConfig.sdpa_pad,
         compile: bool = False,
-        max_nonfinite_steps: int = 10,
+        max_nonfinite_steps: int = MAX_NONFINITE_STEPS,
     ):
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "scheduler", "init_from"])
+        self.save_hyperparameters(ignore=NOT_HPARAMS)
         self.cfg = GPTConfig(
             vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
             d_head=d_head, d_v=d_v, bias=bias, dropout=dropout, attention=attention,
@@ -81,27 +79,20 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         )
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"need warmup_steps ≥ 0 and 0 ≤ min_lr_ratio ≤ 1, got {warmup_steps}, {min_lr_ratio}")
-        self.guard_divergence(max_nonfinite_steps)
+        self._init_training(optimizer, scheduler, max_nonfinite_steps)
         self.model = GPT(self.cfg)
         if compile:
             self.model.compile_blocks()
-        self._total_steps = 1  # set at train start; the schedule is only evaluated at step 0 before that
-        self.optimizer_factory = optimizer
-        self.scheduler_factory = scheduler
         self.train_acc = MulticlassAccuracy(vocab_size, average="micro", ignore_index=-100)
         self.eval_metrics = nn.ModuleDict()  # filled in `setup`, one set per evaluation loader
         # Compute seen so far, so that grown and static runs can be compared on tokens and FLOPs.
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("flops_seen", torch.zeros((), dtype=torch.float64))
-        if init_from is not None:
-            load_weights(self, init_from)
+        self._load_init(init_from)
 
     # -- model ---------------------------------------------------------------------------------
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx)
-
-    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
 
     # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
     def growable_forms(self) -> list[NamedForm]:
@@ -120,18 +111,8 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         inputs, labels = batch
         return self.loss(self(inputs), labels)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown
-        # checkpoint has other Q/K widths than the hparams the module was built from: resize to the checkpoint's
-        # shapes first, then record them, so that checkpoints saved from now on describe their weights.
-        resize_to_checkpoint(self, state_dict)
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        self.record_head_sizes()
-        return result
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        refuse_resuming_former_value_layout(self, checkpoint, ".attn.v.weight", "`v` and `o` (nn.Linear)")
-        super().on_load_checkpoint(checkpoint)
+    def _former_value_layout(self) -> tuple[str, str]:
+        return ".attn.v.weight", "`v` and `o` (nn.Linear)"
 
     def _per_layer(self, name: str) -> list[int]:
         """The per-layer sizes that hparams[name] (d_head or d_v: one value, one per layer, or None) describe."""
@@ -231,12 +212,3 @@ class GrowAttentionLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         if bytes_per_token:
             bpb = loss / (math.log(2) * bytes_per_token[dataloader_idx])
             self.log(f"{prefix}/bpb", bpb, add_dataloader_idx=False, sync_dist=True)
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
-        return self._eval_step(batch, "val", dataloader_idx)
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
-        return self._eval_step(batch, "test", dataloader_idx)
-
-    def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
-        return self(batch[0]).argmax(-1)

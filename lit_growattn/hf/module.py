@@ -13,21 +13,19 @@ A checkpoint does not need the pretrained folder: the folder's config is recorde
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any
 
-import lightning as L
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
-from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
 from lit_growattn.contract import NamedForm
 from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
-from lit_growattn.training.divergence import DivergenceGuard
 from lit_growattn.hf.growable import GrowableAttention, make_growable
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, supported
-from lit_growattn.training.optimization import GrowthOptimization, default_optimizer
+from lit_growattn.training.divergence import MAX_NONFINITE_STEPS
+from lit_growattn.training.lm import NOT_HPARAMS, GrowableLM
+from lit_growattn.training.optimization import LR_SCHEDULE, MIN_LR_RATIO, WARMUP_STEPS, LrSchedule, default_optimizer
 
 
 def build_model(pretrained: str | None, config: dict[str, Any] | None, attn_implementation: str,
@@ -132,7 +130,7 @@ def unreadable_safetensors(folder: str) -> list[str]:
     return unreadable
 
 
-class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
+class HFCausalLM(GrowableLM):
     """Args:
         pretrained: a local model folder (config.json and weights), e.g. one downloaded beforehand. Its tokenizer is
             the one to train with: the CLI gives it to a data module whose tokenizer is left out, and a data
@@ -171,17 +169,17 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         growable: bool = True,
         optimizer: OptimizerCallable = default_optimizer,
         scheduler: LRSchedulerCallable | None = None,
-        lr_schedule: Literal["cosine", "constant"] = "cosine",
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
+        lr_schedule: LrSchedule = LR_SCHEDULE,
+        warmup_steps: int = WARMUP_STEPS,
+        min_lr_ratio: float = MIN_LR_RATIO,
         init_from: str | None = None,
-        max_nonfinite_steps: int = 10,
+        max_nonfinite_steps: int = MAX_NONFINITE_STEPS,
         tokenizer: str | None = None,
         pretrained_config: dict[str, Any] | None = None,
     ):  # pragma: no mutate block  (save_hyperparameters reads this frame: docs/testing.md)
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "scheduler", "init_from"])
-        self.guard_divergence(max_nonfinite_steps)
+        self.save_hyperparameters(ignore=NOT_HPARAMS)
+        self._init_training(optimizer, scheduler, max_nonfinite_steps)
         if config is not None and vocab_size is not None:
             config = {"vocab_size": vocab_size, **config}  # from scratch: the tokenizer's size unless given
         self.model = build_model(pretrained, config, attn_implementation, pretrained_config)
@@ -215,10 +213,7 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
                 raise ValueError(f"v_head_sizes has {len(v_head_sizes)} entries for {len(self.growable_values())} layers")
             for named, d in zip(self.growable_values(), v_head_sizes):
                 named.form.resize(d)
-        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
-        self._total_steps = 1
-        if init_from is not None:
-            load_weights(self, init_from)
+        self._load_init(init_from)
 
     def _check_data_fits(self, vocab_size: int | None, block_size: int | None) -> None:
         cfg = self.model.config
@@ -252,19 +247,12 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
 
     def batch_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, labels = batch
-        return F.cross_entropy(self(inputs).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return self.loss(self(inputs), labels)
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        resize_to_checkpoint(self, state_dict)
-        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        self.record_head_sizes()
-        return result
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.growable_forms():  # a model kept as loaded (growable=false) still has its v_proj
-            refuse_resuming_former_value_layout(self, checkpoint, "attn.v_proj.weight",
-                                                "v_proj and o_proj (GPT-2: c_proj)")
-        super().on_load_checkpoint(checkpoint)
+    def _former_value_layout(self) -> tuple[str, str] | None:
+        if not self.growable_forms():  # a model kept as loaded (growable=false) still has its v_proj
+            return None
+        return "attn.v_proj.weight", "v_proj and o_proj (GPT-2: c_proj)"
 
     # -- the data's tokenizer -------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -302,12 +290,6 @@ class HFCausalLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         self.observe_loss(loss, batch_idx)
         self.log("train/loss", loss, prog_bar=True)
         return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
-        return self._eval_step(batch, "val", dataloader_idx)
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
-        return self._eval_step(batch, "test", dataloader_idx)
 
     def _eval_step(self, batch: tuple[Tensor, Tensor], split: str, dataloader_idx: int) -> Tensor:
         loss = self.batch_loss(batch)

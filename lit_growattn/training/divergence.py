@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from lit_growattn.training.lightning_private import accumulation_open_after_this_batch
 
 ADVICE = "Lower the learning rate, or raise warmup_steps or gradient clipping"
+MAX_NONFINITE_STEPS = 10  # the modules' default limit (`NonFiniteLosses`)
 
 
 class TrainingDiverged(RuntimeError):

@@ -18,12 +18,18 @@ from torch import nn
 
 from lit_growattn.contract import Resizable
 
+LrSchedule = Literal["cosine", "constant"]
+# The built-in schedule's defaults (`lr_factor`), as the modules' arguments.
+LR_SCHEDULE: LrSchedule = "cosine"
+WARMUP_STEPS = 100
+MIN_LR_RATIO = 0.1
+
 
 def default_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def lr_factor(step: int, warmup: int, total: int, floor: float, shape: Literal["cosine", "constant"]) -> float:
+def lr_factor(step: int, warmup: int, total: int, floor: float, shape: LrSchedule) -> float:
     """The learning rate at optimizer `step` as a share of the peak: linear warmup over `warmup` steps, then constant
     or a cosine decay to `floor` at step `total`."""
     if step < warmup:

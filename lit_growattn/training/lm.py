@@ -1,0 +1,66 @@
+"""GrowableLM: what the LightningModules that GrowAttentionCallback grows (GrowAttentionLM, hf.HFCausalLM) share, so
+that it is written once: the training setup of their __init__, loading (a grown checkpoint's shapes first), the loss
+over the data modules' shifted labels, and the evaluation steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch.nn.functional as F
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+
+from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
+from lit_growattn.training.divergence import DivergenceGuard
+from lit_growattn.training.optimization import GrowthOptimization
+
+# Arguments kept out of the hyperparameters: callables, and a checkpoint that only starts a run.
+NOT_HPARAMS = ["optimizer", "scheduler", "init_from"]
+
+
+class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
+    """Base of the modules that grow. A subclass's __init__ calls `save_hyperparameters(ignore=NOT_HPARAMS)` itself
+    (Lightning reads the caller's frame), then `_init_training`, builds its model, and calls `_load_init` last. It
+    provides the GrowableModule methods (`lit_growattn.contract`), `record_head_sizes`, `_eval_step` and
+    `_former_value_layout`."""
+
+    def _init_training(self, optimizer: OptimizerCallable, scheduler: LRSchedulerCallable | None,
+                       max_nonfinite_steps: int) -> None:
+        self.guard_divergence(max_nonfinite_steps)
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self._total_steps = 1  # set at train start; the schedule is only evaluated at step 0 before that
+
+    def _load_init(self, init_from: str | None) -> None:
+        if init_from is not None:
+            load_weights(self, init_from)
+
+    @staticmethod
+    def loss(logits: Tensor, labels: Tensor) -> Tensor:
+        """Labels come shifted (labels[:, t] is the target at t); -100 marks a position without one."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown
+        # checkpoint has other Q/K widths than the hparams the module was built from: resize to the checkpoint's
+        # shapes first, then record them, so that checkpoints saved from now on describe their weights.
+        resize_to_checkpoint(self, state_dict)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.record_head_sizes()
+        return result
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if (former := self._former_value_layout()) is not None:
+            refuse_resuming_former_value_layout(self, checkpoint, *former)
+        super().on_load_checkpoint(checkpoint)
+
+    def _former_value_layout(self) -> tuple[str, str] | None:
+        """(the end of a state-dict key, the modules' names) by which a checkpoint from before the per-head value
+        maps is recognised and named; None for a model that still has those modules."""
+        raise NotImplementedError
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step(batch, "val", dataloader_idx)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> Tensor:
+        return self._eval_step(batch, "test", dataloader_idx)
