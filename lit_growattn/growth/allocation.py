@@ -38,7 +38,7 @@ from torch import Tensor
 
 from lit_growattn.growth.factorize import FormGrowth
 from lit_growattn.growth.grouped import GroupedGrowth
-from lit_growattn.growth.sides import HeadSize
+from lit_growattn.growth.unit import HeadSize
 from lit_growattn.growth.value import ValueGrowth
 
 Growths = Sequence[FormGrowth | GroupedGrowth] | Sequence[ValueGrowth]
