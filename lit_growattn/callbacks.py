@@ -198,7 +198,7 @@ class GrowAttentionCallback(Callback):
     def _capped(self, named) -> bool:
         """Whether a unit has no room left under growth.max_d_head / max_d_v (or its rank bound)."""
         form = named.form
-        return form.width >= min(self.settings.max_width(growth.is_value(form)), form.max_width)
+        return form.width >= min(self.settings.max_width(form.side), form.max_width)
 
     def _forms(self, pl_module: L.LightningModule) -> NamedForms:
         """The units that grow at the next event: those with room left. A capped one gathers no statistics."""
@@ -208,10 +208,10 @@ class GrowAttentionCallback(Callback):
         """e.g. `d_v at growth.max_d_v=11 in layers [0, 1]`: the next event's capped sides ("": none)."""
         capped: dict[str, set[int]] = {}
         for named in filter(self._capped, self._units(pl_module)):
-            capped.setdefault(growth.head_size_of(named.form), set()).add(named.layer)
+            capped.setdefault(named.form.side, set()).add(named.layer)
 
         def cap(side: str) -> str:
-            size = self.settings.max_width(side == "d_v")
+            size = self.settings.max_width(side)
             return f"growth.max_{side}={size}" if f"max_{side}" in self._caps_given else f"its largest possible size {size}"
 
         return ", ".join(f"{side} at {cap(side)} in layers {sorted(layers)}" for side, layers in capped.items())
@@ -311,7 +311,7 @@ class GrowAttentionCallback(Callback):
     def _finish(self, trainer: L.Trainer, event: dict, spectra: dict | None = None) -> None:
         self.history.append(event)
         self.window.clear()
-        layer_of = {f.name: (f.layer, growth.is_value(f.form)) for f in growable_units(trainer.lightning_module)}
+        layer_of = {f.name: (f.layer, f.form.side) for f in growable_units(trainer.lightning_module)}
         report.log_event(trainer, event, layer_of, spectra)
         report.say(trainer, report.event_line(event))
 

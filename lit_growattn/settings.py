@@ -160,18 +160,18 @@ class GrowthSettings:
             raise ValueError(f"growth.max_columns caps a count chosen from the statistics, and {name} grows by "
                              f"{fixed}: set growth.rank_threshold to choose the count, or use {fixed} for a fixed one")
 
-    def count(self, layer: int, value: bool = False) -> int | None:
+    def count(self, layer: int, side: growth.HeadSize = "d_head") -> int | None:
         """The fixed new query/key (or value) columns of `layer` at an event (None: chosen from the spectrum, up to
         `cap(layer)`)."""
         if self.rank_threshold is not None:
             return None
-        setting = self.value_columns if value else self.columns
+        setting = self.value_columns if side == "d_v" else self.columns
         columns = setting[layer] if isinstance(setting, list) else setting
         return 1 if columns is None else columns
 
-    def max_width(self, value: bool = False) -> int | None:
+    def max_width(self, side: growth.HeadSize = "d_head") -> int | None:
         """The largest query/key (or value) head size a growth may reach (None: the form's own bound)."""
-        return self.max_d_v if value else self.max_d_head
+        return {"d_head": self.max_d_head, "d_v": self.max_d_v}[side]
 
     def cap(self, layer: int) -> int | None:
         return self.max_columns[layer] if isinstance(self.max_columns, list) else self.max_columns

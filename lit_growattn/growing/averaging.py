@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from lit_growattn.training.checkpoint import resize_to_checkpoint
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import Carry, tensor_names
+from lit_growattn.growth import Carry
 from lit_growattn.model.contract import growable_units
 from lit_growattn.training.lightning_private import averaged_model, callback_scheduler, pruned_tensors
 
@@ -57,7 +57,7 @@ def check_callbacks(trainer: L.Trainer, grower: Callback, forms: NamedForms) -> 
             growable = {form: form_name for _, form_name, form in forms}  # modules hash by identity
             pruned = pruned_tensors(callback, trainer.lightning_module)
             if hit := [f"{growable[module]}.{tensor}" for module, tensor in pruned
-                       if module in growable and tensor in tensor_names(module)]:
+                       if module in growable and tensor in module.tensor_names()]:
                 raise ValueError(
                     f"ModelPruning prunes {hit}, which grow: pruning re-parametrises a tensor (a mask beside "
                     "`<name>_orig`) and keeps a copy of its first values (lottery ticket), and neither follows a "
@@ -88,7 +88,7 @@ def grow_averaged(trainer: L.Trainer, forms: NamedForms, before: dict[str, dict[
             target.set_weights(**{
                 tensor: follow(getattr(target, tensor), before[name][tensor], getattr(form, tensor),
                                carries[f"{name}.{tensor}"])
-                for tensor in tensor_names(form)})
+                for tensor in form.tensor_names()})
         copy.record_head_sizes()
 
 

@@ -37,16 +37,16 @@ def plan_growth(forms: NamedForms, stats: list[growth.Sums], s: GrowthSettings, 
     """The GrowthPlan of `forms` (layer, name, query/key form or value map) from their reduced statistics; the forms
     of one side of a layer grow together. `sized_later`: the automatic schedule sizes each layer afterwards
     (`allocation.allocate`)."""
-    side_of = {name: (layer, growth.is_value(form)) for layer, name, form in forms}
+    side_of = {name: (layer, form.side) for layer, name, form in forms}
     if sized_later:
         grow_by = 0
     elif s.rank_threshold is not None:
         grow_by = {name: s.cap(layer) for layer, name, _ in forms}
     else:
-        grow_by = {name: s.count(layer, value) for name, (layer, value) in side_of.items()}
+        grow_by = {name: s.count(layer, side) for name, (layer, side) in side_of.items()}
     return growth.GrowthPlan.build(
         {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
-        dynamic_rank=s.rank_threshold, max_width={name: s.max_width(value) for name, (_, value) in side_of.items()},
+        dynamic_rank=s.rank_threshold, max_width={name: s.max_width(side) for name, (_, side) in side_of.items()},
         group_of=side_of.__getitem__, mode=s.mode, temperature=s.temperature, truncation=s.truncation,
         line_search=line_search, size_by=s.size_by,
         # Random columns of the baselines: the same draw on every rank, and on a resumed run.
@@ -66,11 +66,11 @@ def offers(forms: NamedForms, stats: list[growth.Sums], half: list[growth.Sums],
     costs = growth.column_costs((layer, form) for layer, _, form in forms)
     names: dict[tuple[int, growth.HeadSize], list[str]] = {}
     for layer, name, form in forms:
-        names.setdefault((layer, growth.head_size_of(form)), []).append(name)
+        names.setdefault((layer, form.side), []).append(name)
     found = []
     for (layer, side), shared in names.items():
         first = a[shared[0]]
-        room = max(0, min(s.max_width(side == "d_v"), first.max_width) - first.width)
+        room = max(0, min(s.max_width(side), first.max_width) - first.width)
         found.append(allocation.offer(layer, side, [a[n] for n in shared], [b[n] for n in shared], costs[layer, side],
                                       room))
     return found
@@ -155,7 +155,7 @@ class GrowthEvent:
         """Grows `forms` from their reduced `stats`; returns the event's record and the kept spectra per form.
         `half`: the sums of half the window's micro-batches, which the automatic schedule's decision needs.
         Raises growth.NonFiniteStatistics (nothing changed) when the statistics hold NaN or inf."""
-        clock = Stopwatch(growth.leading_tensor(forms[0][2]).device)
+        clock = Stopwatch(forms[0][2].leading_tensor.device)
         plan = plan_growth(forms, stats, self.settings, self.search.line_search, self.allowance is not None, seed)
         names = [name for _, name, _ in forms]
         decided = {}
@@ -166,7 +166,7 @@ class GrowthEvent:
             # Rank 0's decisions on every rank, as for the grown tensors below.
             decided = {"allowance": self.allowance, "decisions": self.broadcast([o.as_dict() for o in bought])}
             columns = {(d["layer"], d["side"]): d["columns"] for d in decided["decisions"]}
-            plan = plan.resized({name: form.width + columns[layer, growth.head_size_of(form)]
+            plan = plan.resized({name: form.width + columns[layer, form.side]
                                  for layer, name, form in forms})
             if not any(columns.values()):
                 clock.lap("plan")
@@ -195,4 +195,4 @@ class GrowthEvent:
 
 
 def _to_cpu(g: growth.Growth | growth.GrownValue) -> growth.Growth | growth.GrownValue:
-    return dataclasses.replace(g, **{f.name: getattr(g, f.name).cpu() for f in dataclasses.fields(growth.weights_of(g))})
+    return dataclasses.replace(g, **{name: getattr(g, name).cpu() for name in g.tensor_names()})

@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import math
 
-from lit_growattn.growth import is_value
 from lit_growattn.model.contract import NamedForm
 
 BYTES = 4  # float32 sums
 
+# How the memory line states each side's sums, from its first unit: query/key first, then values.
+SUMS_TEXT = {
+    "d_head": lambda form, method: (f"query/key {form.n_head} heads × e′² = {form.e_in}²"
+                                    f"{', twice for pinv' if method == 'pinv' else ''}"),
+    "d_v": lambda values, method: (f"values {values.n_head} heads × e′ × (e′ + e) = "
+                                   f"{values.e_in} × {values.e_in + values.e_out}"),
+}
+
 
 def form_bytes(form, method: str) -> int:
     """The statistics' bytes of one query/key form or value map."""
-    if is_value(form):
-        return BYTES * form.n_head * form.e_in * (form.e_in + form.e_out)
-    return BYTES * form.e_in * form.e_in * (1 + form.n_head * (2 if method == "pinv" else 1))
+    return BYTES * form.sums_numel(method)
 
 
 def layers_of_event(layers: list[int], per_event: int | None, event: int) -> list[int]:
@@ -45,12 +50,10 @@ def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event
     k = len(layers) if per_event is None else min(per_event, len(layers))
     worst = max(sum(per_layer[i] for i in layers_of_event(layers, per_event, n)) for n in range(len(layers)))
     size = f"{worst / 1e9:.3g} GB" if worst >= 1e8 else f"{worst / 1e6:.3g} MB"
-    first = forms[0].form
-    values = next((named.form for named in forms if is_value(named.form)), None)
-    parts = [] if is_value(first) else [f"query/key {first.n_head} heads × e′² = {first.e_in}²"
-                                        f"{', twice for pinv' if method == 'pinv' else ''}"]
-    if values is not None:
-        parts.append(f"values {values.n_head} heads × e′ × (e′ + e) = {values.e_in} × {values.e_in + values.e_out}")
+    first: dict[str, object] = {}
+    for named in forms:
+        first.setdefault(named.form.side, named.form)
+    parts = [text(first[side], method) for side, text in SUMS_TEXT.items() if side in first]
     if halves:
         parts.append("twice: the automatic schedule keeps each half of the window")
     line = f"growth statistics: {size} per rank ({k} of {len(layers)} layers per window; {'; '.join(parts)}; {BYTES} B each)"

@@ -11,6 +11,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from lit_growattn.analysis import spectrum_figure
+from lit_growattn.growth.unit import HeadSize
+
+SUFFIX: dict[HeadSize, str] = {"d_head": "", "d_v": "_v"}  # a side's TensorBoard tags: growth/…{suffix}/layer_i
 
 
 def say(trainer: L.Trainer, text: str) -> None:
@@ -98,13 +101,13 @@ def summary_table(history: list[dict]) -> str:
     return "\n".join(["growth summary", *lines[:1], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-def event_metrics(event: dict, layer_of: dict[str, tuple[int, bool]]) -> dict[str, float]:
-    """The event's TensorBoard scalars; `layer_of`: each grown form's (layer, is a value map)."""
+def event_metrics(event: dict, layer_of: dict[str, tuple[int, HeadSize]]) -> dict[str, float]:
+    """The event's TensorBoard scalars; `layer_of`: each grown form's (layer, side)."""
     metrics = {"growth/skipped": float(event["skipped"])}
     if math.isfinite(event.get("allowance", math.inf)):
         metrics["growth/auto/allowance"] = event["allowance"]
     for d in event.get("decisions", []):
-        tag = lambda name: f"growth/auto/{name}{'_v' if d.get('side') == 'd_v' else ''}/layer_{d['layer']}"  # noqa: E731
+        tag = lambda name: f"growth/auto/{name}{SUFFIX[d.get('side', 'd_head')]}/layer_{d['layer']}"  # noqa: E731
         metrics[tag("columns")] = float(d["columns"])
         metrics[tag("above_floor")] = float(d["above_floor"])
         if d["held_out"]:
@@ -118,8 +121,8 @@ def event_metrics(event: dict, layer_of: dict[str, tuple[int, bool]]) -> dict[st
     metrics |= {f"growth/{k}": float(event[k]) for k in keys}
     metrics |= head_size_metrics(event["d_head"], event.get("d_v"))
     for name, energy in event["discarded_energy"].items():  # the forms of a layer add up
-        layer, value = layer_of[name]
-        key = f"growth/discarded_energy{'_v' if value else ''}/layer_{layer}"
+        layer, side = layer_of[name]
+        key = f"growth/discarded_energy{SUFFIX[side]}/layer_{layer}"
         metrics[key] = metrics.get(key, 0.0) + energy
     return metrics
 
@@ -130,7 +133,7 @@ def head_size_metrics(sizes: list[int], value_sizes: list[int] | None = None) ->
             for i, d in enumerate(per_layer)}
 
 
-def log_event(trainer: L.Trainer, event: dict, layer_of: dict[str, tuple[int, bool]],
+def log_event(trainer: L.Trainer, event: dict, layer_of: dict[str, tuple[int, HeadSize]],
               spectra: dict[str, Tensor] | None) -> None:
     if trainer.logger is not None:
         trainer.logger.log_metrics(event_metrics(event, layer_of), step=trainer.global_step)

@@ -229,7 +229,7 @@ class AutoSchedule(GrowthSchedule):
                 f"{unset('statistics.layers_per_event')} with AutoSchedule (or bound memory with growth.layers), or "
                 "use AtSteps")
         self.costs = {(layer, side): cost for (layer, side), cost in costs.items() if layer in layers}
-        self.limits = {side: settings.max_width(side == "d_v") for side in ("d_head", "d_v")
+        self.limits = {side: settings.max_width(side) for side in ("d_head", "d_v")
                        if any(s == side for _, s in self.costs)}
         self.start_sizes = start_sizes
         if self.budget is None:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lit_growattn.growing.averaging import callback_schedulers, grow_averaged
 from lit_growattn.growing.window import NamedForms
-from lit_growattn.growth import Carry, Growth, GrownValue, installed, tensor_names
+from lit_growattn.growth import Carry, Growth, GrownValue, installed
 from lit_growattn.training.optim_state import carry_state, snapshot_state
 
 
@@ -68,7 +68,7 @@ def install_growth(
     def resize() -> dict[str, Carry]:
         carries, before = {}, {}
         for _, name, form in forms:
-            before[name] = {tensor: getattr(form, tensor) for tensor in tensor_names(form)}
+            before[name] = {tensor: getattr(form, tensor) for tensor in form.tensor_names()}
             grown[name].install(form)
             carries |= {f"{name}.{param}": carry for param, carry in grown[name].carries.items()}
         grow_averaged(trainer, forms, before, carries)

@@ -84,10 +84,10 @@ class StatsWindow:
             self.event, self.gathered_with = event, gathered_with
         if self.stats is None:
             # float64 sums when the model itself runs in float64 (precision="64-true").
-            dtype = torch.float64 if growth.leading_tensor(forms[0][2]).dtype == torch.float64 else torch.float32
-            self.stats = [growth.stats_like(form, self.method, dtype) for _, _, form in forms]
+            dtype = torch.float64 if forms[0][2].leading_tensor.dtype == torch.float64 else torch.float32
+            self.stats = [form.empty_sums(self.method, dtype) for _, _, form in forms]
             if self.halves:
-                self.half = [growth.stats_like(form, self.method, dtype) for _, _, form in forms]
+                self.half = [form.empty_sums(self.method, dtype) for _, _, form in forms]
         for layer, _, form in forms:
             form.capture = mode if layer in active else None
         if keep is not None:
