@@ -4,12 +4,12 @@
     trainer = lightning.Trainer(callbacks=[GrowAttentionCallback(AtEpochs([2, 4]), GrowthSettings(columns=2))])
 """
 
-from lit_growattn.callbacks import GrowAttentionCallback
+from lit_growattn.callback import (
+    AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowthSchedule, GrowthSettings, StatisticsSettings, StepSearch,
+)
 from lit_growattn.model.config import GPTConfig
-from lit_growattn.growing.schedule import AtEpochs, AtSteps, AutoSchedule, GrowthSchedule
 from lit_growattn.model.gpt import GPT
 from lit_growattn.module import GrowAttentionLM
-from lit_growattn.settings import GrowthSettings, StatisticsSettings, StepSearch
 
 __all__ = [
     "AtEpochs",

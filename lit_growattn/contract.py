@@ -173,14 +173,14 @@ def check_value_module(pl_module: object) -> list[NamedForm]:
     if lacks := missing(pl_module, ValueGrowingModule):
         raise TypeError(
             f"GrowAttentionCallback cannot grow the value side of {type(pl_module).__name__}: it lacks "
-            f"{', '.join(lacks)} (lit_growattn.model.contract.ValueGrowingModule), as GrowAttentionLM "
+            f"{', '.join(lacks)} (lit_growattn.contract.ValueGrowingModule), as GrowAttentionLM "
             "has; set growth.grow='query_key', or add them to the module"
         )
     values = pl_module.growable_values()
     for named in values:
         if lacks := missing(named.form, GrowableValues):
             raise TypeError(f"value map {named.name!r} ({type(named.form).__name__}) lacks {', '.join(lacks)} of "
-                            "lit_growattn.model.contract.GrowableValues")
+                            "lit_growattn.contract.GrowableValues")
     return values
 
 
@@ -189,18 +189,18 @@ def check_module(pl_module: object) -> list[NamedForm]:
     if lacks := missing(pl_module, GrowableModule):
         raise TypeError(
             f"GrowAttentionCallback cannot grow {type(pl_module).__name__}: it lacks {', '.join(lacks)}. A module to grow "
-            "implements lit_growattn.model.contract.GrowableModule (growable_forms, head_sizes, batch_loss, "
+            "implements lit_growattn.contract.GrowableModule (growable_forms, head_sizes, batch_loss, "
             "record_head_sizes), as lit_growattn.GrowAttentionLM does; wrap other models in an adapter that does"
         )
     forms = pl_module.growable_forms()
     if not forms:
         raise ValueError(
             f"{type(pl_module).__name__}.growable_forms() is empty: no attention layer has a growable query/key form "
-            "(lit_growattn.model.contract.GrowableForm); choose an attention variant with one, or train without "
+            "(lit_growattn.contract.GrowableForm); choose an attention variant with one, or train without "
             "GrowAttentionCallback (remove it from the config's trainer.callbacks)"
         )
     for named in forms:
         if lacks := missing(named.form, GrowableForm):
             raise TypeError(f"form {named.name!r} ({type(named.form).__name__}) lacks {', '.join(lacks)} of "
-                            "lit_growattn.model.contract.GrowableForm")
+                            "lit_growattn.contract.GrowableForm")
     return forms

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 import bench_common
 
 from lit_growattn import growth  # bench_common has put the repository on the path
-from lit_growattn.growing.window import NamedForms, capture_mode, fold_captured
+from lit_growattn.callback.window import NamedForms, capture_mode, fold_captured
 from lit_growattn.module import GrowAttentionLM
 
 

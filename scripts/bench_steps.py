@@ -18,8 +18,8 @@ from bench_setup import (CPU, ROUND_ROBIN_SHARE, VARIANTS, Env, Preset, Shape, a
                          make_trainer, median, named_forms, named_values, set_capture, token_data)
 
 from lit_growattn import growth, AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
-from lit_growattn.growing.event import plan_growth
-from lit_growattn.growing.window import NamedForms
+from lit_growattn.callback.event import plan_growth
+from lit_growattn.callback.window import NamedForms
 from lit_growattn.module import GrowAttentionLM
 
 

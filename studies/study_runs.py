@@ -16,7 +16,7 @@ import lightning as L
 REPO = Path(__file__).resolve().parents[1]  # studies/ sits in the repository's root
 sys.path.insert(0, str(REPO))
 
-from lit_growattn.callbacks import GrowAttentionCallback  # noqa: E402
+from lit_growattn.callback import GrowAttentionCallback  # noqa: E402
 from lit_growattn.commands.cli import main as cli_main  # noqa: E402
 from lit_growattn.commands.convert import convert_checkpoint  # noqa: E402
 

@@ -35,22 +35,16 @@ LAYERS = [
 ]
 # Old import paths kept for users' code and configs: each is an alias of the module that moved. Nothing of the
 # project imports them.
-COMPAT = {"lit_growattn.model.contract", "lit_growattn.dint.attention"}
+COMPAT = {
+    "lit_growattn.model.contract", "lit_growattn.dint.attention", "lit_growattn.callbacks", "lit_growattn.settings",
+    *(f"lit_growattn.growing.{m}" for m in ("schedule", "event", "window", "memory", "report", "trainer_ops", "averaging")),
+}
 # Modules that sit in a room other than their name says (the longest dotted prefix listed here or in LAYERS wins).
 PLACED = {
     "": "facade",  # lit_growattn/__init__.py
     "__main__": "commands",
-    # The callback's files until they move into callback/ (issue 53).
-    "settings": "callback.settings",
-    "callbacks": "callback",
-    "growing": "callback",
+    "growing": "facade",  # the package of old paths
     **{old.removeprefix(PACKAGE + "."): "facade" for old in COMPAT},
-}
-# Imports that break the rules today, (importer, imported), until the steps of issue 53 that remove them.
-KNOWN = {
-    *((m, "lit_growattn.model.contract") for m in (  # the callback's files, until they move into callback/
-        "lit_growattn.callbacks", "lit_growattn.settings", "lit_growattn.growing.averaging",
-        "lit_growattn.growing.memory", "lit_growattn.growing.window")),
 }
 PURE = ["growth", "contract", "attention", "model"]  # rooms that run without Lightning, transformers and matplotlib
 HEAVY = {"lightning", "pytorch_lightning", "transformers", "matplotlib"}
@@ -149,7 +143,7 @@ def test_every_module_is_in_a_layer():
 
 
 def test_no_import_points_up_a_layer_or_into_a_sibling_room():
-    assert misplaced(package_graph()) <= KNOWN
+    assert misplaced(package_graph()) == set()
 
 
 def test_the_package_has_no_import_cycle():
@@ -159,7 +153,7 @@ def test_the_package_has_no_import_cycle():
 def test_nothing_imports_an_old_path():
     graph = package_graph()
     in_package = {(m, dep) for m, deps in graph.items() if m not in COMPAT for dep in deps & COMPAT}
-    assert in_package <= KNOWN
+    assert in_package == set()
     known = module_names(REPO / PACKAGE, PACKAGE)
     for folder in ("scripts", "studies"):
         for name, path in module_names(REPO / folder, None).items():
@@ -218,6 +212,7 @@ def test_a_module_out_of_every_layer_is_named():
 def test_the_top_level_holds_only_the_public_entry_points():
     assert sorted(p.name for p in (REPO / PACKAGE).glob("*.py")) == [
         "__init__.py", "__main__.py", "analysis.py", "callbacks.py", "contract.py", "module.py", "settings.py"]
+    # callbacks.py and settings.py are old paths (COMPAT): each is an alias of its module in callback/
 
 
 @pytest.mark.parametrize("first", ["lit_growattn.dint.attention", "lit_growattn.dint.models", "lit_growattn.hf.dint"])

@@ -10,6 +10,8 @@ import re
 
 import yaml
 
+from lit_growattn.callback.budget import CHECK_EVERY, SPEND_UNTIL
+
 GROUP_OF = {
     "grow_by": ("growth", "columns"), "dynamic_rank": ("growth", "rank_threshold"),
     "max_d_head": ("growth", "max_d_head"), "layers": ("growth", "layers"), "method": ("growth", "method"),
@@ -36,7 +38,8 @@ def grouped(init_args: dict[str, Any]) -> dict[str, Any]:
     auto = init_args.get("schedule") == "auto"
     if auto:  # the flat form's rule (patience, auto_threshold) is gone: the automatic schedule spends a budget now
         schedule = {"class_path": "lit_growattn.AutoSchedule",
-                    "init_args": {"budget": None, "check_every": init_args.get("check_every", 50), "spend_until": 0.5}}
+                    "init_args": {"budget": None, "check_every": init_args.get("check_every", CHECK_EVERY),
+                                  "spend_until": SPEND_UNTIL}}
     elif init_args.get("grow_at_steps") is not None:
         schedule = {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": init_args["grow_at_steps"]}}
     else:
@@ -88,7 +91,7 @@ def _refuse_old_auto(schedule: Any, where: str) -> None:
         if old := OLD_AUTO & set(schedule.get("init_args") or {}):
             kept = {k: v for k, v in schedule["init_args"].items() if k not in OLD_AUTO}
             raise ValueError(f"{where}: {_auto_rewrite(old)}. Write its init_args as:\n"
-                             + yaml.safe_dump({"budget": None, **kept, "spend_until": 0.5}, sort_keys=False,
+                             + yaml.safe_dump({"budget": None, **kept, "spend_until": SPEND_UNTIL}, sort_keys=False,
                                               default_flow_style=None))
 
 

@@ -1,77 +1,9 @@
-"""How much memory the statistics of a growth window hold, and which layers an event grows when the statistics
-of all layers at once would not fit (docs/hf.md, "Statistics memory": it grows as layers × heads × e′²; Llama-3.2-1B,
-16 layers × 32 heads × 2048², needs about 8.6 GB of N in float32).
+"""Old path of `lit_growattn.callback.memory` (statistics memory),
+kept for the imports and configs that name it: this module is that one, the same object, so that a name patched
+here is patched there."""
 
-The window keeps per growing form C̄ (e′²) and N (h·e′²), plus C⁺NC⁺ (h·e′²) for method `pinv`, and per growing
-value map C (h·e′²) and N (h·e′·e) (docs/value.md), in float32.
-With `layers_per_event = k` each event grows k layers in turn (round-robin over the events) from its own window,
-so a window holds the statistics of k layers only. The automatic schedule keeps the sums of half the window beside
-the whole window's (`halves`), twice the memory, and offers every growing layer at each check.
-"""
+import sys
 
-from __future__ import annotations
+from lit_growattn.callback import memory as _new
 
-import math
-
-from lit_growattn.growth import is_value
-from lit_growattn.model.contract import NamedForm
-
-BYTES = 4  # float32 sums
-
-
-def form_bytes(form, method: str) -> int:
-    """The statistics' bytes of one query/key form or value map."""
-    if is_value(form):
-        return BYTES * form.n_head * form.e_in * (form.e_in + form.e_out)
-    return BYTES * form.e_in * form.e_in * (1 + form.n_head * (2 if method == "pinv" else 1))
-
-
-def layers_of_event(layers: list[int], per_event: int | None, event: int) -> list[int]:
-    """The layers event number `event` (0-based, skipped events included) grows: all, or the next `per_event`."""
-    if per_event is None or per_event >= len(layers):
-        return layers
-    start = (event * per_event) % len(layers)
-    return [layers[(start + i) % len(layers)] for i in range(per_event)]
-
-
-def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event: int | None, method: str,
-                            limit_gb: float | None, halves: bool = False) -> str:
-    """The console line stating the window's statistics memory; a ValueError saying what to change when it exceeds
-    `limit_gb` (None: no limit). `halves`: the window also keeps the sums of its first half (AutoSchedule)."""
-    per_layer: dict[int, int] = {}
-    for named in forms:
-        if named.layer in layers:
-            per_layer[named.layer] = per_layer.get(named.layer, 0) + form_bytes(named.form, method) * (1 + halves)
-    k = len(layers) if per_event is None else min(per_event, len(layers))
-    worst = max(sum(per_layer[i] for i in layers_of_event(layers, per_event, n)) for n in range(len(layers)))
-    size = f"{worst / 1e9:.3g} GB" if worst >= 1e8 else f"{worst / 1e6:.3g} MB"
-    first = forms[0].form
-    values = next((named.form for named in forms if is_value(named.form)), None)
-    parts = [] if is_value(first) else [f"query/key {first.n_head} heads × e′² = {first.e_in}²"
-                                        f"{', twice for pinv' if method == 'pinv' else ''}"]
-    if values is not None:
-        parts.append(f"values {values.n_head} heads × e′ × (e′ + e) = {values.e_in} × {values.e_in + values.e_out}")
-    if halves:
-        parts.append("twice: the automatic schedule keeps each half of the window")
-    line = f"growth statistics: {size} per rank ({k} of {len(layers)} layers per window; {'; '.join(parts)}; {BYTES} B each)"
-    if limit_gb is not None and worst > limit_gb * 1e9:
-        raise ValueError(f"{line} exceed statistics.max_memory_gb={limit_gb}: "
-                         f"{_memory_fix(forms, per_layer, method, limit_gb * 1e9, halves)}")
-    return line
-
-
-def _memory_fix(forms: list[NamedForm], per_layer: dict[int, int], method: str, limit: float, halves: bool) -> str:
-    """What brings a window under `limit` bytes: fewer layers per window (with the automatic schedule, which offers
-    every layer at each check: fewer growing layers), else a method without pinv's second sum, else a larger limit
-    (only what would help, and nothing already in use)."""
-    largest = max(per_layer.values())
-    if (fits := math.floor(limit / largest)) >= 1:
-        if halves:
-            return (f"grow at most {fits} layer{'s' if fits > 1 else ''} with growth.layers (the automatic schedule offers every growing "
-                    "layer at each check), or raise statistics.max_memory_gb")
-        return f"set statistics.layers_per_event: {fits} (each event then grows {fits} layers in turn, each from its own window)"
-    without_pinv = max(sum(form_bytes(f.form, "natural") * (1 + halves) for f in forms if f.layer == i) for i in per_layer)
-    if method == "pinv" and without_pinv <= limit:
-        return (f"one layer alone needs {largest / 1e9:.3g} GB with pinv's second sum: use method natural or gradient "
-                f"({without_pinv / 1e9:.3g} GB per layer), or raise statistics.max_memory_gb")
-    return f"one layer alone needs {largest / 1e9:.3g} GB: raise statistics.max_memory_gb above that"
+sys.modules[__name__] = _new

@@ -12,8 +12,9 @@ step_size  step-size candidates, the choice among their losses, and the quadrati
 plan       GrowthPlan: a growth event over many forms, as the Lightning callback drives it.
 allocation the automatic schedule's rule: held-out gain of each candidate column per cache value, bought
            across layers and sides within an allowance.
-sides      what each side needs, picked by the grown object's type (query/key form or value map): growth_for,
-           stats_like, weights_of, column_costs, …; everything above handles lists of both.
+unit       GrowableUnit: what a growable unit (query/key form or value map) offers, so that everything above handles
+           lists of both; HeadSize, the side a column widens.
+sides      one-line functions over a unit (stats_like, weights_of, column_costs, …) and growth_for, a type table.
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
 shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
@@ -34,6 +35,7 @@ from lit_growattn.growth.sides import (
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
 from lit_growattn.growth.value import VALUE_METHODS, GrownValue, ValueGrowth, ValueStats, ValueWeights
+from lit_growattn.growth.unit import GrowableUnit
 from lit_growattn.growth.step_size import candidate_steps, choose_step, loss_rounding, quadratic_step
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "FormWeights",
     "FormStats",
     "GroupedGrowth",
+    "GrowableUnit",
     "GrownValue",
     "Growth",
     "GrowthPlan",

@@ -5,7 +5,7 @@ pairs of the SVD of its bottleneck ΔM⊥ = (I − P_Q)ΔM(I − P_K), the part 
 cannot express (under GQA per group of heads sharing keys, `grouped.GroupedGrowth.bottleneck`); on the value side
 the leading pairs of its value bottleneck (I − P_V)ΔW_M(I − P_O) (docs/value.md); both in the order `append` takes
 them. Each column is rated by its first-order loss decrease per cache value it costs,
-and the best are bought across layers and sides while the check's allowance lasts (`allocate`).
+and the best are bought across layers and sides while the check's allowance lasts (`allocate`, over `buy_columns`).
 
 Held out. The statistics window is split in two halves A and B (alternate micro-batches). The pairs fitted on one half
 are scored against the other half's score gradient N̄: with pair j of half X (σ_j, u_j, v_j),
@@ -38,7 +38,7 @@ from torch import Tensor
 
 from lit_growattn.growth.factorize import FormGrowth
 from lit_growattn.growth.grouped import GroupedGrowth
-from lit_growattn.growth.sides import HeadSize
+from lit_growattn.growth.unit import HeadSize
 from lit_growattn.growth.value import ValueGrowth
 
 Growths = Sequence[FormGrowth | GroupedGrowth] | Sequence[ValueGrowth]
@@ -93,17 +93,31 @@ def offer(layer: int, side: HeadSize, a: Growths, b: Growths, cost: int, room: i
     return Offer(layer, a[0].width, cost, held_out[:room].tolist(), in_sample[:room].tolist(), side=side)
 
 
+def buy_columns(gains: Sequence[Sequence[float]], costs: Sequence[int], budget: float, *,
+                held: Sequence[int] | None = None, limits: Sequence[int] | None = None,
+                tie: Sequence[tuple] | None = None) -> list[int]:
+    """Columns per item after buying, one at a time, the next column (gains[i][count_i]) with the largest gain per
+    cost among the items below limits[i] (default: len(gains[i])) whose cost still fits the budget, the `held`
+    columns counted as spent; ties: the largest `tie` key, then the earlier item. The one allocator of a cache
+    budget: the automatic schedule's (`allocate`) and the post-hoc shrink's (`shrink.allocate_ranks`)."""
+    counts = list(held) if held is not None else [0] * len(gains)
+    limits = limits if limits is not None else [len(g) for g in gains]
+    tie = tie if tie is not None else [()] * len(gains)
+    spent = sum(count * cost for count, cost in zip(counts, costs))
+    while True:
+        fits = [i for i in range(len(gains)) if counts[i] < limits[i] and spent + costs[i] <= budget]
+        if not fits:
+            return counts
+        best = max(fits, key=lambda i: (gains[i][counts[i]] / costs[i], tie[i], -i))
+        counts[best] += 1
+        spent += costs[best]
+
+
 def allocate(offers: Sequence[Offer], allowance: float) -> list[Offer]:
     """The offers with the columns bought: repeatedly the next column above the floor with the largest held-out gain
     per cache value, among the offers whose next column the remaining allowance pays for (ties: the lower layer, then
     the query/key side)."""
-    bought = {o.key: 0 for o in offers}
-    left = allowance
-    while True:
-        options = [(o.held_out[bought[o.key]] / o.cost, -o.layer, o.side == "d_head", o) for o in offers
-                   if bought[o.key] < o.above_floor and o.cost <= left]
-        if not options:
-            return [Offer(**{**asdict(o), "columns": bought[o.key]}) for o in offers]
-        *_, best = max(options, key=lambda option: option[:3])
-        bought[best.key] += 1
-        left -= best.cost
+    columns = buy_columns([o.held_out for o in offers], [o.cost for o in offers], allowance,
+                          limits=[o.above_floor for o in offers],
+                          tie=[(-o.layer, o.side == "d_head") for o in offers])
+    return [Offer(**{**asdict(o), "columns": c}) for o, c in zip(offers, columns)]

@@ -8,14 +8,21 @@ values: a candidate to rate or a growth to install (`factorize.Growth` is one, w
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
+from lit_growattn.growth.stats import FormStats
+from lit_growattn.growth.unit import GrowableUnit
 
-class FormShape:
-    """Head counts, input size, head size and temperature read off w_q, w_k and log_tau."""
 
+class FormShape(GrowableUnit):
+    """Head counts, input size, head size and temperature read off w_q, w_k and log_tau; the query/key side of a
+    `GrowableUnit`."""
+
+    side = "d_head"
     w_q: Tensor
     w_k: Tensor
     log_tau: Tensor
@@ -49,6 +56,24 @@ class FormShape:
     @property
     def tau(self) -> Tensor:
         return self.log_tau.exp()
+
+    @property
+    def leading_tensor(self) -> Tensor:
+        return self.w_q
+
+    @classmethod
+    def tensor_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(FormWeights))
+
+    def held_weights(self) -> FormWeights:
+        return FormWeights.of(self)
+
+    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32) -> FormStats:
+        return FormStats.empty_like(self, method, dtype=dtype)
+
+    def sums_numel(self, method: str) -> int:
+        """C̄ (e′²) and N (h·e′²), and C⁺NC⁺ (h·e′²) for pinv."""
+        return self.e_in * self.e_in * (1 + self.n_head * (2 if method == "pinv" else 1))
 
 
 @dataclass

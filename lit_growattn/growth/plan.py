@@ -18,7 +18,7 @@ from lit_growattn.growth.choices import BASELINES, LINE_SEARCHES, check_choice
 from lit_growattn.growth.factorize import FormGrowth, Growth
 from lit_growattn.growth.form import FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth
-from lit_growattn.growth.sides import growth_for, restore, weights_of
+from lit_growattn.growth.sides import growth_for, restore
 from lit_growattn.growth.stats import Sums
 from lit_growattn.growth.value import GrownValue, ValueGrowth, ValueWeights
 
@@ -141,7 +141,7 @@ def installed(forms: Mapping[str, object], grown: Mapping[str, FormWeights | Val
     """Inside the block, every form named in `grown` holds its candidate growth (None: the forms as they are); on
     exit every form of `forms` (name → query/key form or value map, with set_weights) gets its own parameters back,
     the same objects, also after an error: for rating candidates, not for installing the chosen one."""
-    originals = {name: weights_of(form) for name, form in forms.items()}
+    originals = {name: form.held_weights() for name, form in forms.items()}
     try:
         for name, weights in (grown or {}).items():
             weights.install(forms[name])

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lit_growattn.growth.allocation import buy_columns
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH
 
 
@@ -82,20 +83,13 @@ def allocate_ranks(layers: Sequence[Sequence[tuple[Tensor, Tensor, Tensor]]], bu
     unequal ones it is the greedy knapsack. Under GQA the query heads sharing a key are rated one by one, an
     upper bound on what a shared key keeps.
     """
-    gains = [sum(_energy_per_column(*form) for form in forms) for forms in layers]
+    gains = [sum(_energy_per_column(*form) for form in forms).tolist() for forms in layers]
     costs = [sum(w_k.shape[0] for _, w_k, _ in forms) for forms in layers]
     spent = sum(costs)
     if spent > budget:
         raise ValueError(f"a budget of {budget} K-cache values per token is below one column per layer ({spent}): "
                          f"give at least {spent}")
-    ranks = [1] * len(layers)
-    while True:
-        fits = [i for i, gain in enumerate(gains) if ranks[i] < len(gain) and spent + costs[i] <= budget]
-        if not fits:
-            return ranks
-        best = max(fits, key=lambda i: float(gains[i][ranks[i]]) / costs[i])
-        ranks[best] += 1
-        spent += costs[best]
+    return buy_columns(gains, costs, budget, held=[1] * len(layers))
 
 
 def _energy_per_column(w_q: Tensor, w_k: Tensor, log_tau: Tensor) -> Tensor:

@@ -33,14 +33,16 @@ from lit_growattn.growth.choices import BASELINES, check_choice
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, Outcome, sizing_method
 from lit_growattn.growth.linalg import column_basis, psd_pinv
 from lit_growattn.growth.stats import Moments, Sums
+from lit_growattn.growth.unit import GrowableUnit
 
 VALUE_DIRECTIONS = ("natural", "gradient")
 VALUE_METHODS = (*VALUE_DIRECTIONS, *BASELINES)
 
 
-class ValueShape:
-    """Head counts and sizes read off w_v (KV, e′, d_v) and w_o (H, d_v, e)."""
+class ValueShape(GrowableUnit):
+    """Head counts and sizes read off w_v (KV, e′, d_v) and w_o (H, d_v, e); the value side of a `GrowableUnit`."""
 
+    side = "d_v"
     w_v: Tensor
     w_o: Tensor
 
@@ -73,6 +75,24 @@ class ValueShape:
     def max_width(self) -> int:
         """The largest useful value head size: W_M (e′, e) has rank ≤ min(e′, e)."""
         return min(self.e_in, self.e_out)
+
+    @property
+    def leading_tensor(self) -> Tensor:
+        return self.w_v
+
+    @classmethod
+    def tensor_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(ValueWeights))
+
+    def held_weights(self) -> ValueWeights:
+        return ValueWeights.of(self)
+
+    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32) -> ValueStats:
+        return ValueStats.empty_like(self, dtype=dtype)
+
+    def sums_numel(self, method: str) -> int:
+        """C (h·e′²) and N (h·e′·e), whatever the method."""
+        return self.n_head * self.e_in * (self.e_in + self.e_out)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import bench_gpu  # noqa: E402
 from bench_common import StepTimer, sync  # noqa: E402
 from lit_growattn import GrowAttentionCallback  # noqa: E402
 from lit_growattn.commands.cli import main as cli_main  # noqa: E402
-from lit_growattn.growing import report  # noqa: E402
+from lit_growattn.callback import report  # noqa: E402
 
 CONFIGS = REPO / "configs"
 

@@ -29,7 +29,7 @@ from step_study import GROW_EPOCHS, HERE, STATIC, FINE_GRID, build, grow_args, h
 from step_study_probe import probe
 from step_study_report import report, runs_table  # noqa: F401 - runs_table: the table of `train` runs
 
-from lit_growattn.callbacks import GrowAttentionCallback  # step_study has put the repository on the path
+from lit_growattn.callback import GrowAttentionCallback  # step_study has put the repository on the path
 
 RUNS: dict[str, tuple[list[str], bool]] = {
     "static d_head 2": ([*STATIC, "--model.init_args.d_head=2"], False),

@@ -15,8 +15,8 @@ import torch
 from step_study import GROW_EPOCHS, GRIDS, KEPT, OLD_GRID, WINDOW, build, grow_args, held_out
 
 from lit_growattn import StepSearch, growth  # step_study has put the repository on the path
-from lit_growattn.growing.event import choose_step_size
-from lit_growattn.growing.trainer_ops import loss_terms
+from lit_growattn.callback.event import choose_step_size
+from lit_growattn.callback.trainer_ops import loss_terms
 
 GRID = [0.0] + [2.0**-k for k in range(13)]  # 1 … 1/4096
 PAIRS = [(m, mode) for m in growth.DIRECTIONS for mode in growth.MODES]

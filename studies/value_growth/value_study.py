@@ -33,7 +33,7 @@ sys.path.insert(0, str(STUDIES / "kcache_budget"))
 from study_runs import TEXT_SETTING, read_results, run, save, v_cache_bytes  # noqa: E402
 
 from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings  # noqa: E402
-from lit_growattn.settings import StatisticsSettings  # noqa: E402
+from lit_growattn.callback.settings import StatisticsSettings  # noqa: E402
 
 CONFIG = "configs/text_auto.yaml"  # its growth callback (query/key, automatic) is dropped in every row
 D_HEAD = 16  # the query/key head size of every row: only the value side differs
