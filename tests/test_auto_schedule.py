@@ -110,6 +110,15 @@ def test_auto_with_both_sides_resumes_from_inside_a_window_with_the_same_decisio
                     full)
 
 
+def test_a_checkpoint_written_before_the_callback_had_its_package_resumes_bit_equal(auto_kv_run, tmp_path):
+    """Step 8 of this run (inside a statistics window, after a growth of both sides), written under this suite by the
+    code of commit 5432392, when the callback lived in callbacks.py, settings.py and growing/: resumed by today's code,
+    it ends at the uninterrupted run's weights and history."""
+    out, full = auto_kv_run
+    old = REPO / "tests" / "data" / "recall_auto_kv_step8_before_callback_package.ckpt"
+    assert_same_run(cli_fit(tmp_path, AUTO_KV, ckpt_path=old, config="configs/recall_auto.yaml"), full)
+
+
 def test_resuming_with_other_growing_sides_is_refused_before_any_step(auto_kv_run, tmp_path):
     """A run's KV-cache budget and window count the sides it grew: resuming a run of both sides with query/key alone
     would drop its value columns from the budget."""
