@@ -4,6 +4,8 @@
     trainer = lightning.Trainer(callbacks=[GrowAttentionCallback(AtEpochs([2, 4]), GrowthSettings(columns=2))])
 """
 
+import importlib
+
 from lit_growattn.callback import (
     AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowthSchedule, GrowthSettings, StatisticsSettings, StepSearch,
 )
@@ -24,3 +26,11 @@ __all__ = [
     "StatisticsSettings",
     "StepSearch",
 ]
+
+
+def __getattr__(name: str):
+    """The old paths of the callback's modules, which a plain `import lit_growattn` made attributes before they moved
+    into `lit_growattn.callback`."""
+    if name in ("callbacks", "settings", "growing"):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

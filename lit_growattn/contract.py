@@ -1,4 +1,4 @@
-"""What GrowAttentionCallback needs of a LightningModule, and what `growing/` needs of a growable form.
+"""What GrowAttentionCallback needs of a LightningModule, and of the growable forms and value maps it holds.
 
 A model not built here (a Hugging Face causal LM, say) needs an adapter that meets these protocols, nothing
 else. The callback checks them in `setup`, as Lightning's BackboneFinetuning checks for `backbone`, and refuses
@@ -44,12 +44,37 @@ class ScoreMap(Resizable, Protocol):
 
 
 @runtime_checkable
-class GrowableForm(ScoreMap, Protocol):
+class Unit(Protocol):
+    """What the callback asks of a form or value map whatever its side: the members of
+    `lit_growattn.growth.GrowableUnit`, which `FormShape` and `ValueShape` implement (inherit one of them)."""
+
+    side: str  # "d_head" (query/key) or "d_v" (value)
+    e_in: int
+    width: int
+    max_width: int
+
+    @property
+    def column_cost(self) -> int: ...
+
+    @property
+    def leading_tensor(self) -> Tensor: ...
+
+    def tensor_names(self) -> tuple[str, ...]: ...
+
+    def held_weights(self) -> Any: ...
+
+    def empty_sums(self, method: str, dtype: Any = ...) -> Any: ...
+
+    def sums_numel(self, method: str) -> int: ...
+
+
+@runtime_checkable
+class GrowableForm(ScoreMap, Unit, Protocol):
     """A query/key bilinear form M_j = τ_j W_Qj W_K(g(j))ᵀ that growth widens (see the module docstring for shapes).
 
     Its w_q, w_k and log_tau are the fields of `lit_growattn.growth.FormWeights`, the one type of a form's weights
     (what growth computes and `set_weights` takes); inheriting `lit_growattn.growth.FormShape` gives n_head,
-    n_kv_head and d_head, as QKForm and the Hugging Face GrowableAttention do.
+    n_kv_head, d_head and the members of `Unit`, as QKForm and the Hugging Face GrowableAttention do.
     """
 
     w_q: Tensor  # (n_head, e′, d_head)
@@ -75,10 +100,10 @@ class GrowableForm(ScoreMap, Protocol):
 
 
 @runtime_checkable
-class GrowableValues(Resizable, Protocol):
+class GrowableValues(Resizable, Unit, Protocol):
     """A value map W_M,j = W_V,j//g W_O,j per head that value growth widens (docs/value.md). Its w_v and w_o are the
     fields of `lit_growattn.growth.ValueWeights`; inheriting `lit_growattn.growth.value.ValueShape` gives n_head,
-    n_kv_head, e_in, e_out and d_v, as `lit_growattn.attention.value.ValueMap` does."""
+    n_kv_head, e_in, e_out, d_v and the members of `Unit`, as `lit_growattn.attention.value.ValueMap` does."""
 
     w_v: Tensor  # (n_kv_head, e′, d_v)
     w_o: Tensor  # (n_head, d_v, e)

@@ -9,7 +9,7 @@ import yaml
 
 from lit_growattn import GrowAttentionCallback
 from lit_growattn.commands.cli import main
-from lit_growattn.growing.window import StatsWindow
+from lit_growattn.callback.window import StatsWindow
 
 from conftest import REPO, SHAKESPEARE, needs_shakespeare, scalar_tags
 from test_growth_schedule import assert_same_run, cli_fit, growth_history

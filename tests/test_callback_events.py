@@ -10,11 +10,11 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lit_growattn import callbacks
+from lit_growattn.callback import callback as callback_module
 from lit_growattn.attention import ATTENTIONS, Attention, QKForm
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.commands.cli import main
-from lit_growattn.growing.event import GrowthEvent
+from lit_growattn.callback.event import GrowthEvent
 from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
@@ -60,8 +60,8 @@ def test_growth_run_grows_logs_and_never_raises_the_eval_loss(tmp_path, method):
 @pytest.mark.parametrize("method", ["random", "zero"])
 def test_baselines_rate_one_candidate(tmp_path, monkeypatch, method):
     rated = []
-    losses = callbacks.kept_batch_losses
-    monkeypatch.setattr(callbacks, "kept_batch_losses", lambda *args: rated.append(len(args[-1])) or losses(*args))
+    losses = callback_module.kept_batch_losses
+    monkeypatch.setattr(callback_module, "kept_batch_losses", lambda *args: rated.append(len(args[-1])) or losses(*args))
     L.seed_everything(0)
     data = recall_data()
     grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2, method=method),
@@ -89,7 +89,7 @@ def test_a_step_must_beat_the_round_off_of_every_token_it_was_rated_on():
 
 def test_the_step_choice_counts_the_tokens_of_every_kept_batch(tmp_path, monkeypatch):
     made = []
-    monkeypatch.setattr(callbacks, "GrowthEvent", lambda *a, **k: made.append(k["terms"]) or GrowthEvent(*a, **k))
+    monkeypatch.setattr(callback_module, "GrowthEvent", lambda *a, **k: made.append(k["terms"]) or GrowthEvent(*a, **k))
     L.seed_everything(0)
     data = recall_data()  # 8 full batches an epoch
     grow = GrowAttentionCallback(AtEpochs([1]), growth=GrowthSettings(columns=2),
@@ -151,8 +151,8 @@ class CarryProbe:
     """Wraps the callback's install step: the optimizer state just before and just after the rebuild."""
 
     def __init__(self, monkeypatch):
-        install = callbacks.install_growth
-        monkeypatch.setattr(callbacks, "install_growth", lambda *args: self(install, *args))
+        install = callback_module.install_growth
+        monkeypatch.setattr(callback_module, "install_growth", lambda *args: self(install, *args))
 
     def __call__(self, install, trainer, pl_module, *args):
         opt = trainer.optimizers[0]

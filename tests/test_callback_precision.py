@@ -8,7 +8,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from lit_growattn.attention import QKForm
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
-from lit_growattn.growing.window import StatsWindow
+from lit_growattn.callback.window import StatsWindow
 
 from callback_helpers import WindowRecorder, recall_data, tiny_module, trainer
 

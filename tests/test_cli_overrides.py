@@ -7,7 +7,7 @@ from jsonargparse import ArgumentError, ArgumentParser, _typehints
 
 from lit_growattn import AutoSchedule, GrowAttentionCallback
 from lit_growattn.commands.cli import main
-from lit_growattn.settings import StatisticsSettings
+from lit_growattn.callback.settings import StatisticsSettings
 
 from conftest import REPO, needs_transformers
 

@@ -14,7 +14,7 @@ from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM, Growt
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.lowrank_dint import LowRankQK
 from lit_growattn.training.checkpoint import resize_to_checkpoint
-from lit_growattn.contract import GrowableForm, GrowableModule, ScoreMap, missing
+from lit_growattn.contract import GrowableForm, GrowableModule, NamedForm, ScoreMap, check_module, missing
 
 
 def grow_once(**settings) -> GrowAttentionCallback:
@@ -73,6 +73,38 @@ def test_the_project_types_meet_the_contract():
     assert isinstance(low_rank, ScoreMap) and not isinstance(low_rank, GrowableForm)
     assert [p is q for p, q in zip(form.bias_row_parameters(), [form.w_q, form.w_k])] == [True, True]
     assert QKForm(8, 2, 3, bias=False).bias_row_parameters() == []
+
+
+UNIT_MEMBERS = ("column_cost", "e_in", "empty_sums", "held_weights", "leading_tensor", "max_width", "side",
+                "sums_numel", "tensor_names", "width")
+
+
+class BareForm(torch.nn.Module):
+    """A form of one's own with everything of a query/key form but the members every growable unit has."""
+
+    def __init__(self, form: QKForm):
+        super().__init__()
+        self.inner = form
+
+    def __getattr__(self, name):
+        if name == "inner":
+            return super().__getattr__(name)
+        if name in UNIT_MEMBERS:
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def test_a_form_without_the_members_of_a_growable_unit_is_refused_naming_them():
+    class OwnModel:  # a module of one's own whose form is not built on lit_growattn.growth.FormShape
+        def growable_forms(self):
+            return [NamedForm(0, "model.layers.0.qk", BareForm(QKForm(8, 2, 3, bias=True)))]
+
+        head_sizes = batch_loss = record_head_sizes = growable_forms
+
+    with pytest.raises(TypeError) as refused:
+        check_module(OwnModel())
+    assert str(refused.value) == (
+        f"form 'model.layers.0.qk' (BareForm) lacks {', '.join(UNIT_MEMBERS)} of lit_growattn.contract.GrowableForm")
 
 
 class ScaledQK(QKForm):

@@ -320,9 +320,9 @@ def test_discarded_energy_is_the_directions_energy_the_kept_pairs_leave_out(kv):
 def test_the_sides_pick_the_value_maps_types_and_pass_their_settings():
     p = ValueProblem(kv=2)
     values = ValueWeights(p.w_v, p.w_o)
-    assert sides.is_value(values) and sides.head_size_of(values) == "d_v"
-    assert sides.tensor_names(values) == ("w_v", "w_o") and sides.leading_tensor(values) is p.w_v
-    empty = sides.stats_like(values, "natural", dtype=F64)
+    assert values.side == "d_v" and values.column_cost == 2  # a column lengthens the V cache of both KV heads
+    assert values.tensor_names() == ("w_v", "w_o") and values.leading_tensor is p.w_v
+    empty = values.empty_sums("natural", dtype=F64)
     assert isinstance(empty, ValueStats) and empty.c_sum.shape == (4, 6, 6) and empty.c_sum.dtype == F64
     stats = p.stats()
     restored = sides.stats_from_state_dict(stats.state_dict())

@@ -33,8 +33,8 @@ LAYERS = [
     ["commands"],
     ["facade"],  # the root package's public names, and the old paths
 ]
-# Old import paths kept for users' code and configs: each is an alias of the module that moved. Nothing of the
-# project imports them.
+# Old import paths kept for users' code and configs: each is an alias of the module that moved (growing.schedule and
+# growing.event, split in two, re-export their names). Nothing of the project imports them.
 COMPAT = {
     "lit_growattn.model.contract", "lit_growattn.dint.attention", "lit_growattn.callbacks", "lit_growattn.settings",
     *(f"lit_growattn.growing.{m}" for m in ("schedule", "event", "window", "memory", "report", "trainer_ops", "averaging")),
@@ -79,11 +79,12 @@ def imported_names(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
 
 def runs(target: str, importer: str) -> set[str]:
-    """`target` and the packages that importing it runs first, less the importer's ancestors and itself."""
+    """`target` and the packages that importing it runs first, less the importer's ancestors and itself; a name
+    taken from an ancestor's `__init__` (`target` is that ancestor) needs it to have run, so that edge stays."""
     parts = target.split(".")
     prefixes = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
     own = importer.split(".")
-    return prefixes - {".".join(own[:i]) for i in range(1, len(own) + 1)}
+    return (prefixes - {".".join(own[:i]) for i in range(1, len(own) + 1)}) | ({target} - {importer})
 
 
 def import_graph(root: Path, package: str | None) -> dict[str, set[str]]:
@@ -110,10 +111,9 @@ def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
 
 def position(module: str, layers: list[list[str]] = LAYERS, placed: dict[str, str] = PLACED) -> tuple[int, str]:
     """(layer, room) of a module: its room is the longest dotted prefix of its name below the package that is placed
-    or is a room."""
+    or is a room (the package itself is placed as ""; a module under it is never placed by that)."""
     parts = module.split(".")[1:]
-    for i in range(len(parts), -1, -1):
-        prefix = ".".join(parts[:i])
+    for prefix in [".".join(parts[:i]) for i in range(len(parts), 0, -1)] or [""]:
         room = placed.get(prefix, prefix)
         for n, rooms in enumerate(layers):
             if room in rooms:
@@ -206,7 +206,17 @@ def test_the_check_finds_a_cycle_among_plain_modules(tmp_path):
 
 def test_a_module_out_of_every_layer_is_named():
     with pytest.raises(LookupError, match="pkg.stray is in no layer"):
-        position("pkg.stray", layers=[["low"]], placed={})
+        position("pkg.stray", layers=[["low"], ["facade"]], placed={"": "facade"})
+    assert position("pkg", layers=[["low"], ["facade"]], placed={"": "facade"}) == (1, "facade")
+
+
+def test_a_name_taken_from_a_parent_packages_init_is_an_edge_to_it(tmp_path):
+    root = tmp_path / "pkg"
+    (root / "low").mkdir(parents=True)
+    (root / "__init__.py").write_text("from pkg.low.base import X\n")
+    (root / "low" / "__init__.py").write_text("")
+    (root / "low" / "base.py").write_text("from pkg import Y\nX = 1\n")
+    assert cycles(import_graph(root, "pkg")) == {frozenset({"pkg", "pkg.low.base"})}
 
 
 def test_the_top_level_holds_only_the_public_entry_points():

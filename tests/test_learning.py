@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.commands.cli import main
-from lit_growattn.growing.event import choose_step_size
+from lit_growattn.callback.event import choose_step_size
 from lit_growattn.growth import loss_rounding
 
 from callback_helpers import recall_data, tiny_module, trainer

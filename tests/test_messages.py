@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from lit_growattn.growing.window import StatsWindow
+from lit_growattn.callback.window import StatsWindow
 
 from conftest import REPO, needs_transformers
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from lit_growattn import AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowthSettings
-from lit_growattn.growing.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
-from lit_growattn.settings import StatisticsSettings
+from lit_growattn.callback.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
+from lit_growattn.callback.settings import StatisticsSettings
 
 
 def bound(budget=4.0, check_every=10, spend_until=0.5, steps=100, costs=None, start=None, max_d_head=16,
@@ -301,7 +301,7 @@ def test_resuming_with_the_same_kind_is_accepted(state, kind):
 
 
 def test_an_automatic_checks_line_names_what_it_bought_and_the_gains_against_the_noise():
-    from lit_growattn.growing.report import event_line
+    from lit_growattn.callback.report import event_line
 
     check = {"step": 40, "epoch": 1, "skipped": False, "allowance": 16.0, "decisions": [
         {"layer": 0, "side": "d_head", "columns": 1, "above_floor": 2, "cost": 4,

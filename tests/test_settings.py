@@ -100,3 +100,13 @@ def test_an_old_flat_option_on_the_command_line_fails_with_the_new_one(option, m
     with pytest.raises(ValueError, match=message):
         main(["fit", "--config", str(REPO / "configs/recall_auto.yaml"), f"--trainer.callbacks.init_args.{option}"],
              run=False)
+
+
+def test_a_setting_of_one_side_is_asked_for_by_the_sides_name():
+    settings = GrowthSettings(grow="both", columns=[2, 3], value_columns=5, max_d_head=12, max_d_v=6)
+    assert [settings.count(1, "d_head"), settings.count(1, "d_v")] == [3, 5]
+    assert [settings.max_width("d_head"), settings.max_width("d_v")] == [12, 6]
+    for ask in (lambda side: settings.count(0, side), settings.max_width):  # a bool was the side before the names
+        with pytest.raises(ValueError) as refused:
+            ask(True)
+        assert str(refused.value) == "side is 'd_head' (the query/key side) or 'd_v' (the value side), not True"

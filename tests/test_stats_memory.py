@@ -7,7 +7,7 @@ from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, Statis
 from lit_growattn.growth import FormShape
 from lit_growattn.growth.value import ValueShape
 from lit_growattn.contract import NamedForm
-from lit_growattn.growing.memory import check_statistics_memory, layers_of_event
+from lit_growattn.callback.memory import check_statistics_memory, layers_of_event
 
 from callback_helpers import recall_data, tiny_module, trainer
 

@@ -14,7 +14,7 @@ from torch.optim.swa_utils import SWALR
 from lit_growattn import AtSteps, GrowAttentionCallback
 from lit_growattn.commands.cli import main
 from lit_growattn.training.lightning_private import averaged_model
-from lit_growattn.settings import GrowthSettings, StatisticsSettings
+from lit_growattn.callback.settings import GrowthSettings, StatisticsSettings
 
 from callback_helpers import params, recall_data, tiny_module, trainer
 from conftest import REPO, needs_transformers

@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from lit_growattn import growth
 from lit_growattn.growth import allocation
 from lit_growattn.attention.qk import QKForm
-from lit_growattn.growing.event import GrowthEvent, StepChoice, Stopwatch, choose_step_size, offers, plan_growth
-from lit_growattn.growing.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
+from lit_growattn.callback.budget import offers
+from lit_growattn.callback.event import GrowthEvent, StepChoice, Stopwatch, choose_step_size, plan_growth
+from lit_growattn.callback.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth import FormStats, installed
-from lit_growattn.settings import GrowthSettings, StepSearch
+from lit_growattn.callback.settings import GrowthSettings, StepSearch
 from test_growth import F64, Problem
 
 E, H, D, DV, S = 6, 2, 2, 3, 9

@@ -54,15 +54,15 @@ def width_limits(settings: GrowthSettings, firsts: Firsts, layers: list[int]) ->
     """max_d_head and max_d_v of the sides that grow: as set, else the units' own bound; refuses a limit outside
     the current size and that bound, and a side already past its bound."""
     limits = {}
-    for side, key, first, what in [
+    for side, key, first_of_layer, what in [
         ("query/key", "max_d_head", firsts.get("query/key form"), "the form's input size ({}: the bilinear form "
                                                                   "has rank ≤ {})"),
         ("value", "max_d_v", firsts.get("value map"), "the smaller of input size and width ({}: W_V·W_O has "
                                                       "rank ≤ {})"),
     ]:
-        if first is None:
+        if first_of_layer is None:
             continue
-        current, bound = max(first[i].width for i in layers), first[layers[0]].max_width
+        current, bound = max(first_of_layer[i].width for i in layers), first_of_layer[layers[0]].max_width
         other = "value" if side == "query/key" else "query_key"
         limits[key] = getattr(settings, key) if getattr(settings, key) is not None else bound
         if current > bound:

@@ -11,7 +11,8 @@ statistics window is the `statistics.batches` micro-batches just before it.
 `Clock.advance` replays Lightning's loop (an optimizer step after every `accumulate` micro-batches and after
 an epoch's last batch), so the window's position is known in advance from any resumed position.
 
-`AutoSchedule` (`budget.py`) checks every `check_every` optimizer steps instead, until its KV-cache budget is spent.
+`AutoSchedule` (`budget.py`) checks every `check_every` optimizer steps instead, until `spend_until` of the run or
+until its K- (or KV-) cache budget is spent.
 """
 
 from __future__ import annotations

@@ -160,18 +160,23 @@ class GrowthSettings:
             raise ValueError(f"growth.max_columns caps a count chosen from the statistics, and {name} grows by "
                              f"{fixed}: set growth.rank_threshold to choose the count, or use {fixed} for a fixed one")
 
+    def _of_side(self, side: growth.HeadSize, d_head, d_v):
+        if side not in ("d_head", "d_v"):
+            raise ValueError(f"side is 'd_head' (the query/key side) or 'd_v' (the value side), not {side!r}")
+        return d_v if side == "d_v" else d_head
+
     def count(self, layer: int, side: growth.HeadSize = "d_head") -> int | None:
         """The fixed new query/key (or value) columns of `layer` at an event (None: chosen from the spectrum, up to
         `cap(layer)`)."""
         if self.rank_threshold is not None:
             return None
-        setting = self.value_columns if side == "d_v" else self.columns
+        setting = self._of_side(side, self.columns, self.value_columns)
         columns = setting[layer] if isinstance(setting, list) else setting
         return 1 if columns is None else columns
 
     def max_width(self, side: growth.HeadSize = "d_head") -> int | None:
         """The largest query/key (or value) head size a growth may reach (None: the form's own bound)."""
-        return {"d_head": self.max_d_head, "d_v": self.max_d_v}[side]
+        return self._of_side(side, self.max_d_head, self.max_d_v)
 
     def cap(self, layer: int) -> int | None:
         return self.max_columns[layer] if isinstance(self.max_columns, list) else self.max_columns

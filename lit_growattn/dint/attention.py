@@ -1,4 +1,4 @@
-"""Old path of `lit_growattn.hf.dint` (moved there in issue 53), kept for users' code: the same module object under
+"""Old path of `lit_growattn.hf.dint`, kept for users' code: the same module object under
 both names, so an import or a monkeypatch through either reaches the one module."""
 
 import sys

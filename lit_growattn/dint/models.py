@@ -3,7 +3,7 @@ model from a native one, every native weight copied, the second maps initialised
 are the native model's (tests/test_hf_dint.py).
 
 The DINT layer and the registered `dint_<family>` model classes are `lit_growattn.hf.dint`'s; their names are also
-reachable here, where they were defined before issue 53.
+reachable here, their old path, for users' code and pickles.
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ import torch
 from torch import nn
 
 from lit_growattn.hf import dint as _dint
-from lit_growattn.hf.dint import DINT_MODEL_TYPES, FAMILIES, register_all  # noqa: F401 - their old path
-from lit_growattn.hf.dint import DintSettings, dint_classes
+from lit_growattn.hf.dint import DINT_MODEL_TYPES, FAMILIES, DintSettings, dint_classes, register_all  # noqa: F401
 from lit_growattn.hf.loading import write_loading_files
 from lit_growattn.training.writing import check_output, new_folder
 
 
-def __getattr__(name: str):
-    return getattr(_dint, name)  # the generated Dint<Family>Config and Dint<Family>ForCausalLM
+def __getattr__(name: str) -> type:
+    """The generated Dint<Family>Config and Dint<Family>ForCausalLM classes, made by `lit_growattn.hf.dint`."""
+    if name.startswith("Dint"):
+        return getattr(_dint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def convert_to_dint(model: nn.Module, settings: DintSettings, seed: int = 0) -> nn.Module:

@@ -14,7 +14,8 @@ allocation the automatic schedule's rule: held-out gain of each candidate column
            across layers and sides within an allowance.
 unit       GrowableUnit: what a growable unit (query/key form or value map) offers, so that everything above handles
            lists of both; HeadSize, the side a column widens.
-sides      one-line functions over a unit (stats_like, weights_of, column_costs, …) and growth_for, a type table.
+sides      what the callback does with either side: column costs, restore, sums from a checkpoint; growth_for, a
+           type table.
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
 shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
@@ -28,10 +29,7 @@ from lit_growattn.growth.factorize import Carry, FormGrowth, Growth, Outcome, si
 from lit_growattn.growth.form import FormShape, FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth
 from lit_growattn.growth.plan import GrowthPlan, installed
-from lit_growattn.growth.sides import (
-    HeadSize, column_costs, growth_for, head_size_of, is_value, leading_tensor, restore, stats_from_state_dict,
-    stats_like, tensor_names, weights_of,
-)
+from lit_growattn.growth.sides import HeadSize, column_costs, growth_for, restore, stats_from_state_dict
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
 from lit_growattn.growth.value import VALUE_METHODS, GrownValue, ValueGrowth, ValueStats, ValueWeights
@@ -91,12 +89,6 @@ __all__ = [
     "unflatten_stats",
     "HeadSize",
     "column_costs",
-    "head_size_of",
-    "is_value",
-    "leading_tensor",
     "restore",
     "stats_from_state_dict",
-    "stats_like",
-    "tensor_names",
-    "weights_of",
 ]

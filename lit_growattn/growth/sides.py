@@ -1,6 +1,7 @@
-"""The two sides of attention that grow, as functions over a `unit.GrowableUnit`: a query/key form
-(`form.FormShape`) or a value map (`value.ValueShape`). Each is one line over the unit's members, kept as the names
-`lit_growattn.growth` exports; `growth_for` is a type table, since the growths import the units."""
+"""What the callback does with either side of attention that grows, a `unit.GrowableUnit`: a query/key form
+(`form.FormShape`) or a value map (`value.ValueShape`): the cache cost of a column per layer and side, restoring
+weights after a trial, sums from a checkpoint, and `growth_for`, a type table (the growths import the units, so it
+cannot be a method)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,12 @@ import dataclasses
 import functools
 from typing import Iterable
 
-import torch
-
 from lit_growattn.growth.factorize import FormGrowth
 from lit_growattn.growth.form import FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for as form_growth_for
 from lit_growattn.growth.stats import FormStats, Moments, Sums
 from lit_growattn.growth.unit import GrowableUnit, HeadSize
 from lit_growattn.growth.value import ValueGrowth, ValueShape, ValueStats, ValueWeights
-
-
-def is_value(unit: object) -> bool:
-    """True for a value map, False for a query/key form."""
-    return isinstance(unit, ValueShape)
-
-
-def head_size_of(unit: GrowableUnit) -> HeadSize:
-    return unit.side
 
 
 def column_costs(units: Iterable[tuple[int, GrowableUnit]]) -> dict[tuple[int, HeadSize], int]:
@@ -38,30 +28,10 @@ def column_costs(units: Iterable[tuple[int, GrowableUnit]]) -> dict[tuple[int, H
     return costs
 
 
-def weights_of(unit: GrowableUnit) -> FormWeights | ValueWeights:
-    """The weights `unit` holds now (the same tensors, not copies)."""
-    return unit.held_weights()
-
-
-def tensor_names(unit: GrowableUnit) -> tuple[str, ...]:
-    """The parameter names a growth of `unit` replaces (what its `set_weights` takes)."""
-    return unit.tensor_names()
-
-
-def leading_tensor(unit: GrowableUnit) -> torch.Tensor:
-    """W_Q or W_V: where the unit's dtype and device are read."""
-    return unit.leading_tensor
-
-
 def restore(unit: GrowableUnit, weights: FormWeights | ValueWeights) -> None:
     """Puts `weights` back in `unit` as they are, the same objects (after rating a candidate)."""
     for f in dataclasses.fields(weights):
         setattr(unit, f.name, getattr(weights, f.name))
-
-
-def stats_like(unit: GrowableUnit, method: str, dtype: torch.dtype = torch.float32) -> Sums:
-    """Empty sums for `unit`'s statistics."""
-    return unit.empty_sums(method, dtype)
 
 
 def stats_from_state_dict(state: dict) -> Sums:

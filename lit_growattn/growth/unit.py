@@ -45,7 +45,7 @@ class GrowableUnit:
         """The parameter names a growth of the unit replaces (what its `set_weights` takes)."""
         raise NotImplementedError
 
-    def held_weights(self):
+    def held_weights(self):  # FormWeights | ValueWeights: both modules import this one
         """The weights the unit holds now (the same tensors, not copies): its FormWeights or ValueWeights."""
         raise NotImplementedError
 

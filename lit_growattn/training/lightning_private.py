@@ -4,7 +4,7 @@ Lightning has no public API for these three facts, and each is read where a publ
 millisecond per step or would be wrong after a resume. A Lightning upgrade that moves one of them breaks here,
 and `tests/test_lightning_private.py` says which.
 
-Nor does Lightning expose what a growth must follow in its own callbacks (`growing/averaging.py`): the averaged
+Nor does Lightning expose what a growth must follow in its own callbacks (`callback/averaging.py`): the averaged
 copy of the model that its weight-averaging callbacks keep, SWA's scheduler, and which tensors ModelPruning
 prunes. `tests/test_weight_averaging.py` reads them through these functions.
 

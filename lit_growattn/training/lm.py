@@ -21,9 +21,9 @@ NOT_HPARAMS = ["optimizer", "scheduler", "init_from"]
 
 class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     """Base of the modules that grow. A subclass's __init__ calls `save_hyperparameters(ignore=NOT_HPARAMS)` itself
-    (Lightning reads the caller's frame), then `_init_training`, builds its model, and calls `_load_init` last. It
-    provides the GrowableModule methods (`lit_growattn.contract`), `record_head_sizes`, `_eval_step` and
-    `_former_value_layout`."""
+    (Lightning reads the caller's frame), then `_init_training`, builds its model, and calls `_load_init` last. The
+    subclass provides the GrowableModule methods (`lit_growattn.contract`), `record_head_sizes`, `_eval_step` and
+    `_former_value_layout`; this class the loading, the loss and the evaluation steps built on them."""
 
     def _init_training(self, optimizer: OptimizerCallable, scheduler: LRSchedulerCallable | None,
                        max_nonfinite_steps: int) -> None:
