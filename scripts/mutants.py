@@ -11,7 +11,8 @@ function) counts against it. Mutants not checked yet are left out of the score a
 
 With --sample N, each module's score is estimated from N of its mutants drawn uniformly at random (with a fixed
 seed, so a rerun draws the same ones): the table gives the kills among those drawn and a 95 % Wilson interval for
-the module's score. A module with at most N mutants, or whose every mutant is checked, is scored whole. A survivor of a function that every
+the module's score; the drawn mutants not killed yet are (re)tested. A module with at most N mutants, or whose every
+mutant is checked, is scored whole from the results so far. A survivor of a function that every
 training run reaches costs minutes, so the whole product takes about ten CPU-hours; a sample of 40 per module
 bounds each score to about ±12 points in about two.
 
@@ -135,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             )
         chosen = draw(status, args.sample, args.seed)
     if not args.scores:
-        unchecked = [name for name in chosen if args.sample is None or status[name] == "not checked"]
-        if args.sample is None or unchecked:
-            run = subprocess.run([*MUTMUT, "run", "--max-children", str(args.workers), *unchecked])
+        # mutmut retests a function whose code changed, not a survivor that a test added since may kill: a sample
+        # reruns its survivors (a kill stands, since the tests only grow)
+        rerun = [name for name in chosen if args.sample is None or status[name] not in KILLED]
+        if args.sample is None or rerun:
+            run = subprocess.run([*MUTMUT, "run", "--max-children", str(args.workers), *rerun])
             if run.returncode != 0:
                 return run.returncode
     status = mutmut_statuses()

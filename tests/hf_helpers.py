@@ -39,6 +39,11 @@ def saved_tiny_model(model_type: str, folder, seed: int = 0, vocab: int = VOCAB)
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if model_type == "gpt2":  # its biases too (and a trained GPT-2's are not zero)
+        with torch.no_grad():
+            for block in model.transformer.h:
+                block.attn.c_attn.bias.normal_(0, 0.5)
+                block.attn.c_proj.bias.normal_(0, 0.5)
     if model_type == "qwen3":
         with torch.no_grad():
             for layer in model.model.layers:

@@ -18,7 +18,7 @@ needs_transformers()
 import torch  # noqa: E402
 
 import lit_growattn.hf  # noqa: E402, F401  (registers the grown model types)
-from hf_helpers import load, same_model, saved_tiny_model  # noqa: E402
+from hf_helpers import VOCAB, load, same_model, saved_tiny_model  # noqa: E402
 from lit_growattn.hf import make_growable  # noqa: E402
 from lit_growattn.hf.export import export  # noqa: E402
 
@@ -203,6 +203,31 @@ def test_registering_again_keeps_every_grown_model_type_with_its_classes():
         assert grown_classes(model_type) == (config_cls, model_cls)
         assert type(AutoConfig.for_model(f"growattn_{model_type}")) is config_cls
         assert AutoModelForCausalLM._model_mapping[config_cls] is model_cls
+    # Named after the native classes, and found by name in their module (what pickling does)
+    import lit_growattn.hf.export as module
+
+    config_cls, model_cls = before["llama"]
+    assert (config_cls.__name__, model_cls.__name__) == ("GrowAttnLlamaConfig", "GrowAttnLlamaForCausalLM")
+    assert getattr(module, "GrowAttnGPT2Config") is before["gpt2"][0]
+    assert all(c.__module__ == "lit_growattn.hf.export" for pair in before.values() for c in pair)
+    with pytest.raises(AttributeError) as error:
+        module.GrowAttnBertConfig  # noqa: B018
+    assert str(error.value) == "GrowAttnBertConfig"
+
+
+def test_an_exported_model_pickles(tmp_path):
+    """torch.save of a whole model and ddp_spawn pickle it: its grown classes are found by name."""
+    import pickle
+
+    model = load(saved_tiny_model("llama", tmp_path / "native"))
+    make_growable(model)
+    export(model, tmp_path / "grown")
+    grown = load(tmp_path / "grown")
+    copy = pickle.loads(pickle.dumps(grown))
+    assert type(copy) is type(grown) and type(copy.config) is type(grown.config)
+    ids = torch.arange(12)[None] % VOCAB
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, grown(ids).logits)
 
 
 def test_an_exported_dint_model_says_how_to_load_it(tmp_path, cli):

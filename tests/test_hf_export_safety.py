@@ -683,6 +683,12 @@ def test_export_of_a_moved_folder_takes_pretrained(model, tmp_path, cli):
             f"error: FileNotFoundError: --pretrained {tmp_path / 'now_here'} holds no {lost}, and the model was "
             f"trained with the tokenizer of {recorded}: give --tokenizer PATH, where a copy of that tokenizer is now")
     assert not (tmp_path / "out2").exists()
+    # The folder where it was recorded, still there but without its tokenizer: what it lacks is named.
+    in_place = hf_checkpoint(tmp_path / "in_place.ckpt", tmp_path / "now_here", tokenizer=str(tmp_path / "now_here"))
+    assert refusal(cli("export", "--ckpt", in_place, "--out", tmp_path / "out3")) == (
+        f"error: FileNotFoundError: the model was trained with the tokenizer of {tmp_path / 'now_here'}, which holds no "
+        "tokenizer files: give --pretrained DIR, the folder's new place, or --tokenizer DIR, a copy of its tokenizer "
+        "kept elsewhere")
 
 
 def test_a_tokenizer_folder_holding_only_tokenizer_json_is_exported_with_a_config(bare_model, tmp_path, cli):

@@ -383,3 +383,23 @@ def test_instruction_data_takes_the_pretrained_folders_tokenizer(tmp_path):
     assert cli.datamodule.tokenizer_spec == str(folder) and cli.datamodule.tokenizer.chat_template
     with pytest.raises(ValueError, match="instruction data needs a tokenizer"):
         main([*tiny, "--model.init_args.config={model_type: llama, hidden_size: 32}"], run=False)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])  # max_position_embeddings | GPT-2's n_positions
+def test_blocks_longer_than_the_models_positions_are_refused_and_blocks_of_exactly_its_positions_fit(tmp_path,
+                                                                                                    model_type):
+    folder = saved_tiny_model(model_type, tmp_path)  # 64 positions
+    with pytest.raises(ValueError) as refused:
+        HFCausalLM(pretrained=folder, block_size=65)
+    assert str(refused.value) == "blocks of 65 tokens exceed the model's 64 positions: lower block_size"
+    assert HFCausalLM(pretrained=folder, block_size=64).hparams.block_size == 64
+
+
+@pytest.mark.parametrize("given", [{}, "both"])
+def test_a_model_needs_exactly_one_of_a_folder_and_a_config(tmp_path, given):
+    if given == "both":
+        given = {"pretrained": saved_tiny_model("llama", tmp_path), "config": tiny_config("llama").to_dict()}
+    with pytest.raises(ValueError) as refused:
+        HFCausalLM(**given)
+    assert str(refused.value) == ("give exactly one of `pretrained` (a local model folder) or `config` (a mapping with "
+                                  "`model_type`, to train from scratch)")

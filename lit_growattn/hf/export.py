@@ -146,13 +146,23 @@ def grown_classes(base_type: str) -> tuple[type, type]:
                     kwargs["state_dict"], folder = former_layout_weights(folder, config), None
             return super(model_cls, cls).from_pretrained(folder, *args, config=config, **kwargs)
 
-        config_cls = type(f"GrowAttn{stem}Config", (base_config,), {"model_type": PREFIX + base_type, "base_model_type": base_type, "__init__": config_init,
-                                                                       "__module__": __name__})
-        model_cls = type(f"GrowAttn{base_model.__name__}", (base_model,), {"config_class": config_cls, "__init__": model_init,
-                                                                             "from_pretrained": from_pretrained,
-                                                                             "__module__": __name__})
+        # type() takes __module__ from this module's globals: pickling finds the classes here by name
+        config_cls = type(f"GrowAttn{stem}Config", (base_config,),
+                          {"model_type": PREFIX + base_type, "base_model_type": base_type, "__init__": config_init})
+        model_cls = type(f"GrowAttn{base_model.__name__}", (base_model,),
+                         {"config_class": config_cls, "__init__": model_init, "from_pretrained": from_pretrained})
         _GROWN[base_type] = config_cls, model_cls
     return _GROWN[base_type]
+
+
+def __getattr__(name: str) -> type:
+    """Pickling (torch.save of a whole model, ddp_spawn) finds a grown class by name here, also in a process that
+    has not made it yet."""
+    for base_type in NATIVE_ATTENTION if name.startswith("GrowAttn") else ():
+        found = [cls for cls in grown_classes(base_type) if cls.__name__ == name]
+        if found:
+            return found[0]
+    raise AttributeError(name)
 
 
 def former_layout_weights(folder: str, config) -> dict[str, torch.Tensor]:

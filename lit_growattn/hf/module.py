@@ -223,7 +223,7 @@ class HFCausalLM(GrowableLM):
                    else f"raise vocab_size in the model's config to at least {vocab_size}")
             raise ValueError(f"the tokenizer has {vocab_size} tokens but the model's vocabulary has {cfg.vocab_size}: "
                              f"{fix}")
-        positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        positions = getattr(cfg, "max_position_embeddings", None)  # GPT-2's config maps it to n_positions
         if block_size is not None and positions is not None and block_size > positions:
             raise ValueError(f"blocks of {block_size} tokens exceed the model's {positions} positions: lower block_size")
 
