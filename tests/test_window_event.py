@@ -717,3 +717,35 @@ def test_a_layer_growing_both_sides_offers_each_side_and_the_event_installs_the_
     [grown] = installs
     assert grown["form"].w_q.shape[-1] == 2 + bought["d_head"]
     assert grown["values"].w_v.shape == (2, 6, 2 + bought["d_v"]) and grown["values"].w_o.shape == (4, 2 + bought["d_v"], 6)
+
+
+def test_kept_batch_losses_are_each_candidates_mean_over_every_kept_batch_with_the_forms_restored():
+    """Rated forward only, in eval mode, with each candidate installed in turn: the loss of candidate c on batch b is
+    c + b here (the query weights' mean is the candidate's offset), so each mean is c + the mean of the batches."""
+    from types import SimpleNamespace
+
+    from lit_growattn.callback.trainer_ops import kept_batch_losses
+    from lit_growattn.contract import NamedForm
+    from lit_growattn.growth import FormWeights
+
+    form = QKForm(4, 1, 2, bias=False)
+    with torch.no_grad():
+        form.w_q.zero_()
+    weights = form.held_weights()
+
+    class Module(torch.nn.Module):
+        device = torch.device("cpu")
+
+        def batch_loss(self, batch):
+            assert not self.training  # rated in eval mode
+            return form.w_q.mean() + batch
+
+    module = Module().train()
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(forward_context=torch.no_grad),
+                              strategy=SimpleNamespace(reduce=lambda t, reduce_op: t))
+    candidates = [None, *({"qk": FormWeights(torch.full_like(weights.w_q, c), weights.w_k, weights.log_tau)}
+                          for c in (1.0, 10.0))]
+    means = kept_batch_losses(trainer, module, [NamedForm(0, "qk", form)], [torch.tensor(1.0), torch.tensor(4.0)],
+                              candidates)
+    assert means.tolist() == [2.5, 3.5, 12.5]
+    assert module.training and form.w_q is weights.w_q  # the mode and the forms as they were
