@@ -134,7 +134,7 @@ def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, mon
     rows = ["static 16", "uniform static", "post-hoc"]
     # The grown rows need AutoSchedule's K-cache budget; until it has one, the static and post-hoc rows run alone.
     grows = "budget" in inspect.signature(AutoSchedule).parameters
-    rows += ["grown", "static at the allocator's widths", "grown, no budget"] if grows else []
+    rows += ["grown", "static at the allocator's widths"] if grows else []
     command = ["--text", str(corpus), "--corpus", "tiny", "--model", "2layer", "--seeds", "0", "--budgets", "2",
                "--rows", *rows, "--out", str(out), *tiny]
     kcache_study.main(command)
@@ -149,7 +149,7 @@ def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, mon
         grown = cell["grown 2"]["0"]
         assert sum(grown["d_head"]) <= 4  # a mean head size of 2 over 2 layers
         assert cell["static at the allocator's widths 2"]["0"]["d_head"] == grown["d_head"]
-        assert grown["time"]["statistics_steps"] > 0 and "grown, no budget" in cell
+        assert grown["time"]["statistics_steps"] > 0
 
     def no_training(*args, **kwargs):
         raise AssertionError("a run already in the results was run again")
