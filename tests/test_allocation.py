@@ -142,6 +142,21 @@ def test_at_the_last_check_the_floor_orders_but_does_not_withhold():
     assert [o.columns for o in allocate([noisy, clean], 4, fill_to=4)] == [2, 2]  # the allowance is spent
 
 
+def test_at_the_last_check_columns_above_the_floor_go_by_gain_per_cache_value():
+    # Both columns clear the floor; the allowance pays for one: 1.5 per value beats 1 per value (not the lower layer).
+    per_value_1 = Offer(0, 1, cost=2, held_out=[2.0], in_sample=[2.0])
+    per_value_1_5 = Offer(1, 1, cost=1, held_out=[1.5], in_sample=[1.5])
+    assert [o.columns for o in allocate([per_value_1, per_value_1_5], 2, fill_to=4)] == [0, 1]
+
+
+def test_the_fill_breaks_equal_widths_by_gain_per_value_then_the_query_key_side():
+    # Below the floor (held-out 0.1 or 0.2 against a fitted noise of 0.8 or 0.9), at equal widths.
+    low, high = Offer(0, 1, 1, [0.1], [1.0]), Offer(1, 1, 1, [0.2], [1.0])
+    assert [o.columns for o in allocate([low, high], 1, fill_to=4)] == [0, 1]
+    values, keys = Offer(0, 2, 1, [0.1], [1.0], side="d_v"), Offer(0, 2, 1, [0.1], [1.0])
+    assert [o.columns for o in allocate([values, keys], 1, fill_to=4)] == [0, 1]
+
+
 def test_what_the_statistics_leave_goes_to_the_narrowest_sides_first():
     # Nothing above the floor (held-out gains all 0): widths 8, 1, 2 fill 1, then 1 and 2 in turn (ties: the lower
     # layer), so the narrow layers level up toward uniform and the wide one waits.

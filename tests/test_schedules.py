@@ -3,7 +3,6 @@ window's position, the fixed schedules' checks, resuming with another kind, and 
 allowance spread over the checks, the checks' steps, the cost of a column per key head, the end, the summary, and
 the settings it refuses). Training runs with the schedules: tests/test_growth_schedule.py, test_auto_schedule.py."""
 
-import math
 import warnings
 from types import SimpleNamespace
 
@@ -59,7 +58,8 @@ def test_the_budget_is_spread_evenly_over_the_checks_and_unspent_allowance_carri
                                                          "the 24 values per token the budget adds to the start (100 %), "
                                                          "0 unspent")
     assert "mean query/key head size 2.5 of 4; bought 12 of the 24" in schedule.summary([check([1, 1], [3, 2])])
-    assert "(50 %), 12 unspent" in schedule.summary([check([1, 1], [3, 2])])
+    assert schedule.summary([check([1, 1], [3, 2])]).endswith(
+        "(50 %), 12 unspent: the run ended before its check at step 20")
 
 
 def test_a_budget_is_counted_in_key_heads_so_a_gqa_layer_costs_its_kv_heads():
@@ -82,7 +82,7 @@ def test_a_kv_budget_counts_both_sides_in_their_cache_heads():
     assert schedule.pending([spent]) is None
     assert schedule.summary([both]) == ("KV-cache budget: mean head size of the query/key and value sides 2.857 (d_head "
                                         "3, d_v 2.667) of 3; bought 26 of the 28 values per token the budget adds to "
-                                        "the start (93 %), 2 unspent")
+                                        "the start (93 %), 2 unspent: the run ended before its check at step 20")
     # A resumed run: its history says where both sides started.
     schedule.start_sizes = {"d_head": [3, 3], "d_v": [3, 2]}
     assert schedule.spent([both]) == 26 and schedule.total([both]) == 28
@@ -117,7 +117,9 @@ def test_a_skipped_last_check_is_named_in_the_summary():
     skipped = {**check([1, 1], [2, 1]), "event": "step 50", "skipped": True, "reason": "no statistics were gathered"}
     assert schedule.summary([check([1, 1], [2, 1])] * 4 + [skipped]).endswith(
         "(17 %), 20 unspent: the last check (step 50) was skipped: no statistics were gathered")
-    assert "skipped" not in schedule.summary([check([1, 1], [2, 1])] * 4)  # the last check is still to come
+    # A run that stopped (max_steps, an interrupt) before its last check: the summary says so, not "skipped".
+    assert schedule.summary([check([1, 1], [2, 1])] * 4).endswith(
+        "20 unspent: the run ended before its check at step 50")
 
 
 @pytest.mark.parametrize("build, message", [
@@ -341,6 +343,9 @@ def test_an_automatic_checks_line_names_what_it_bought_and_the_gains_against_the
     # The last check buys beyond the floor, toward the budget: the line says how many of each.
     last = {**check, "fill_to": 4.0, "decisions": [{**check["decisions"][0], "columns": 3, "above_floor": 2,
                                                     "filled": 1}]}
-    assert decision_text(last) == ("allowance 16 values per token; layer 0 d_head +3 (2 above the floor, 1 toward the "
-                                   "budget of 4) (held-out gains 0.031 0.012 0.004 0.001 vs fitted noise 0.01 0.011 "
-                                   "0.009 0.008, 4 values per column)")
+    assert decision_text(last) == ("allowance 16 values per token; layer 0 d_head +3 (2 of 2 above the floor, 1 toward "
+                                   "the budget of 4) (held-out gains 0.031 0.012 0.004 0.001 vs fitted noise 0.01 "
+                                   "0.011 0.009 0.008, 4 values per column)")
+    # An allowance short of what cleared the floor: the line keeps how many cleared it.
+    short = {**last, "decisions": [{**last["decisions"][0], "columns": 2, "above_floor": 4, "filled": 0}]}
+    assert "d_head +2 (2 of 4 above the floor, 0 toward the budget of 4)" in decision_text(short)

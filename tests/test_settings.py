@@ -89,7 +89,7 @@ def test_an_old_flat_automatic_config_is_spelled_with_the_budget(tmp_path):
     spelled = yaml.safe_load(str(error.value).split("Write its init_args as:\n", 1)[1])
     assert spelled["schedule"] == {"class_path": "lit_growattn.AutoSchedule",
                                    "init_args": {"budget": 4, "check_every": 10, "spend_until": 0.5}}
-    assert "the budget 4 below is an example: give the mean query/key head size you can afford" in str(error.value)
+    assert "(budget 4 is an example: give the mean query/key head size you can afford)" in str(error.value)
     assert "growth" not in spelled  # grow_by was the old rule's cap, which the budget replaces
 
 

@@ -219,6 +219,9 @@ def assert_spent_within_the_shipped_budget(callback: GrowAttentionCallback, step
     assert spent <= check["allowance"]
     schedule = callback.schedule
     assert schedule.cache({"d_head": check["d_head"]}) <= schedule.budget * schedule.heads()
+    if "fill_to" in check:  # the last check spends all but less than the cheapest column a layer still has room for
+        room = [d["cost"] for d, after in zip(check["decisions"], check["d_head"]) if after < schedule.limits["d_head"]]
+        assert not room or check["allowance"] - spent < min(room)
     return check
 
 

@@ -503,24 +503,6 @@ def test_the_automatic_schedule_buys_from_the_halves_within_its_allowance():
         assert calls[0][0] is None and record["loss_before"] == pytest.approx(p.loss().item(), rel=1e-12)
 
 
-
-def test_at_the_last_check_noisy_halves_still_spend_the_allowance():
-    # Halves whose noise outweighs the signal: no column clears the floor, yet the last check buys all the
-    # allowance of 5 pays for (2 columns of 2 heads), and installs them.
-    p = Problem(e=8, h=2, d=2)
-    stats = p.stats("natural")
-    noise = torch.randn(stats.n_sum.shape, dtype=stats.n_sum.dtype, generator=torch.Generator().manual_seed(0))
-    half = FormStats.from_state_dict({**{k: v / 2 for k, v in stats.state_dict().items()},
-                                      "n_sum": stats.n_sum / 2 + 10 * noise * stats.n_sum.abs().mean()})
-    installs = []
-    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p),
-                        install=installs.append, broadcast=lambda obj: obj, allowance=5.0, fill_to=4.0)
-    record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
-    [decision] = record["decisions"]
-    assert (decision["columns"], decision["above_floor"], decision["filled"]) == (2, 0, 2)
-    assert installs[0]["form"].w_q.shape[-1] == 2 + 2
-
-
 # -- choose_step_size and Stopwatch ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -707,17 +689,24 @@ def test_a_check_that_buys_nothing_records_its_decision_and_installs_nothing():
     assert installed == [] and spectra == {} and p.form.d_head == 2 and record["allowance"] == float("inf")
 
 
-def test_the_last_check_buys_what_its_allowance_pays_for_even_with_nothing_above_the_floor():
-    # The twin of the check above at the last check (fill_to: the budget): a zero gradient puts no column above the
-    # floor, and the allowance of 5 still buys 2 columns of 2 heads each, toward the budget.
+@pytest.mark.parametrize("halves", ["still", "noisy"])
+def test_the_last_check_buys_what_its_allowance_pays_for_even_with_nothing_above_the_floor(halves):
+    # The twin of the check above at the last check (fill_to: the budget). No column clears the floor, because the
+    # gradient is zero (still) or the halves' noise outweighs the signal (noisy), and the allowance of 5 still buys
+    # 2 columns of 2 heads each, toward the budget, and installs them.
     p = Problem(e=8, h=2, d=2)
     stats = p.stats("natural")
-    still = FormStats.from_state_dict({**stats.state_dict(), "n_sum": torch.zeros_like(stats.n_sum)})
-    half = FormStats.from_state_dict({k: v / 2 for k, v in still.state_dict().items()})
+    if halves == "still":
+        stats = FormStats.from_state_dict({**stats.state_dict(), "n_sum": torch.zeros_like(stats.n_sum)})
+        half = FormStats.from_state_dict({k: v / 2 for k, v in stats.state_dict().items()})
+    else:
+        noise = torch.randn(stats.n_sum.shape, dtype=stats.n_sum.dtype, generator=torch.Generator().manual_seed(0))
+        half = FormStats.from_state_dict({**{k: v / 2 for k, v in stats.state_dict().items()},
+                                          "n_sum": stats.n_sum / 2 + 10 * noise * stats.n_sum.abs().mean()})
     installs = []
     event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p),
                         install=installs.append, broadcast=lambda obj: obj, allowance=5.0, fill_to=4.0)
-    record, _ = event.run([(0, "form", p.form)], [still], seed=0, half=[half])
+    record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
     [decision] = record["decisions"]
     assert (decision["columns"], decision["above_floor"], decision["filled"]) == (2, 0, 2)
     assert record["fill_to"] == 4.0 and installs[0]["form"].w_q.shape[-1] == 2 + 2

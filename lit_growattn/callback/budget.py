@@ -180,6 +180,8 @@ class AutoSchedule(GrowthSchedule):
         last = history[-1] if history and len(history) >= (self.checks or 0) else None
         if last is not None and last.get("skipped"):
             line += f": the last check ({last['event']}) was skipped: {last['reason']}"
+        elif (due := self.pending(history)) is not None:
+            line += f": the run ended before its check at step {due.at}"
         return line
 
 

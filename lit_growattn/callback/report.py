@@ -3,7 +3,6 @@ TensorBoard scalars and figures, and the custom-scalar layout that groups them."
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import lightning as L
@@ -54,7 +53,7 @@ def decision_text(event: dict) -> str:
     0.001 vs fitted noise 0.01 0.011 0.009 0.008, 4 values per column)`: what the automatic schedule could buy, and
     per side of each layer the columns bought, how many cleared the noise floor, and the first candidates' held-out
     gains against the noise their half fitted (in-sample − held-out). At the last check, which buys toward the budget
-    beyond the floor: `layer 1 d_head +3 (0 above the floor, 3 toward the budget of 4) (held-out gains …)`."""
+    beyond the floor: `layer 1 d_head +3 (0 of 0 above the floor, 3 toward the budget of 4) (held-out gains …)`."""
     shown = lambda xs: " ".join(f"{x:.2g}" for x in xs) or "–"  # noqa: E731
     parts = [f"allowance {event['allowance']:.4g} values per token"]
     for d in event["decisions"]:
@@ -62,8 +61,8 @@ def decision_text(event: dict) -> str:
         noise = [seen - held for held, seen in zip(d["held_out"], d["in_sample"])]
         side = d.get("side", "d_head")  # absent in checks written before the value side could grow
         if "fill_to" in event:
-            bought = (f"+{d['columns']} ({d['columns'] - d['filled']} above the floor, {d['filled']} toward the budget "
-                      f"of {event['fill_to']:.4g})")
+            bought = (f"+{d['columns']} ({d['columns'] - d['filled']} of {d['above_floor']} above the floor, "
+                      f"{d['filled']} toward the budget of {event['fill_to']:.4g})")
         else:
             bought = f"+{d['columns']} of {d['above_floor']} above the floor"
         parts.append(f"layer {d['layer']} {side} {bought} (held-out gains {shown(d['held_out'][first])} vs fitted "
@@ -109,7 +108,7 @@ def summary_table(history: list[dict]) -> str:
 def event_metrics(event: dict, layer_of: dict[str, tuple[int, HeadSize]]) -> dict[str, float]:
     """The event's TensorBoard scalars; `layer_of`: each grown form's (layer, side)."""
     metrics = {"growth/skipped": float(event["skipped"])}
-    if math.isfinite(event.get("allowance", math.inf)):
+    if "allowance" in event:
         metrics["growth/auto/allowance"] = event["allowance"]
     for d in event.get("decisions", []):
         tag = lambda name: f"growth/auto/{name}{SUFFIX[d.get('side', 'd_head')]}/layer_{d['layer']}"  # noqa: E731

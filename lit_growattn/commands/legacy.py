@@ -27,6 +27,7 @@ FLAT = {*GROUP_OF, "check_every", "patience", "auto_threshold", "grow_at_epochs"
 OLD_AUTO = {"first_check", "patience", "threshold", "agreement", "pool", "min_fall", "spare_below"}
 # What a rewritten AutoSchedule is given for its budget, which has no default: a quarter of static d_head 16's K cache.
 EXAMPLE_BUDGET = 4
+EXAMPLE_NOTE = f"budget {EXAMPLE_BUDGET} is an example: give the mean query/key head size you can afford"
 MOVED = {"lit_growattn.hf.entropy": "lit_growattn.dint.entropy"}  # a class a config names, in its old module
 
 
@@ -71,8 +72,7 @@ def refuse_old_config(args: list[str]) -> None:
             _refuse_moved(text, path)
             for init_args in _callback_init_args(yaml.safe_load(text) or {}):
                 if is_flat(init_args):
-                    example = (f" (the budget {EXAMPLE_BUDGET} below is an example: give the mean query/key head size "
-                               "you can afford)" if init_args.get("schedule") == "auto" else "")
+                    example = f" ({EXAMPLE_NOTE})" if init_args.get("schedule") == "auto" else ""
                     raise ValueError(
                         f"{path} gives GrowAttentionCallback its settings in the old flat form, which is no longer "
                         f"read; they are grouped now{example}. Write its init_args as:\n"
@@ -103,7 +103,7 @@ def _auto_rewrite(old: set[str]) -> str:
     return (f"AutoSchedule no longer takes {', '.join(sorted(old))}: it now spends a K-cache budget (budget: the "
             "mean query/key head size the growing layers may reach; check_every; spend_until: the share of the run "
             "the budget is spread over), and growth.max_columns goes with the old rule too (docs/capacity.md); "
-            f"budget {EXAMPLE_BUDGET} is an example: give the mean query/key head size you can afford")
+            f"{EXAMPLE_NOTE}")
 
 
 def _refuse_moved(text: str, where: str) -> None:

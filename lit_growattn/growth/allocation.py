@@ -144,8 +144,9 @@ def allocate(offers: Sequence[Offer], allowance: float, fill_to: float | None = 
     def priority(i: int, count: int) -> tuple:
         per_value = offers[i].held_out[count] / offers[i].cost
         if count < floors[i]:
-            return (1, per_value, 0.0, tie[i])  # the statistics first: the floor orders the columns
-        return (0, -(offers[i].width + count) / fill_to, per_value, tie[i])  # then toward uniform
+            return (1, per_value, tie[i])  # the statistics first: the floor orders the columns
+        # Then toward uniform: one budget is every side's target, so the narrowest side is the furthest below it.
+        return (0, -(offers[i].width + count), per_value, tie[i])
 
     columns = buy_columns(gains, costs, allowance, priority=priority)
     return [replace(o, columns=c, filled=max(0, c - f)) for o, c, f in zip(offers, columns, floors)]
