@@ -124,14 +124,82 @@ def test_the_two_sides_of_a_layer_are_offers_of_their_own_bought_by_gain_per_cac
     assert bought([tied, Offer(0, 2, 4, [4.0], [4.0])], 4) == [0, 1]
 
 
-def test_columns_below_the_floor_are_never_bought_and_a_layer_buys_in_order():
+def test_before_the_last_check_columns_below_the_floor_are_never_bought_and_a_layer_buys_in_order():
     noisy = Offer(0, 1, cost=1, held_out=[1.0, 9.0], in_sample=[5.0, 9.0])  # its first column fails the floor
     clean = Offer(1, 1, cost=1, held_out=[0.5, 0.1], in_sample=[0.5, 0.1])
     assert bought([noisy, clean], float("inf")) == [0, 2]
+    # Its record is what a check recorded before the last check filled: no `filled`, so old runs resume bit-equal.
+    assert "filled" not in allocate([noisy, clean], 1)[0].as_dict()
+
+
+def test_at_the_last_check_the_floor_orders_but_does_not_withhold():
+    noisy = Offer(0, 1, cost=1, held_out=[1.0, 9.0], in_sample=[5.0, 9.0])  # its first column fails the floor
+    clean = Offer(1, 1, cost=1, held_out=[0.5, 0.1], in_sample=[0.5, 0.1])
+    # The clean layer's columns above the floor come first; what is left goes to the noisy layer, which stays narrow.
+    assert [o.columns for o in allocate([noisy, clean], 1, fill_to=4)] == [0, 1]
+    last = allocate([noisy, clean], 3, fill_to=4)
+    assert [o.columns for o in last] == [1, 2] and [o.filled for o in last] == [1, 0]
+    assert [o.columns for o in allocate([noisy, clean], 4, fill_to=4)] == [2, 2]  # the allowance is spent
+
+
+def test_at_the_last_check_columns_above_the_floor_go_by_gain_per_cache_value():
+    # Both columns clear the floor; the allowance pays for one: 1.5 per value beats 1 per value (not the lower layer).
+    per_value_1 = Offer(0, 1, cost=2, held_out=[2.0], in_sample=[2.0])
+    per_value_1_5 = Offer(1, 1, cost=1, held_out=[1.5], in_sample=[1.5])
+    assert [o.columns for o in allocate([per_value_1, per_value_1_5], 2, fill_to=4)] == [0, 1]
+
+
+def test_the_fill_breaks_equal_widths_by_gain_per_value_then_the_query_key_side():
+    # Below the floor (held-out 0.1 or 0.2 against a fitted noise of 0.8 or 0.9), at equal widths.
+    low, high = Offer(0, 1, 1, [0.1], [1.0]), Offer(1, 1, 1, [0.2], [1.0])
+    assert [o.columns for o in allocate([low, high], 1, fill_to=4)] == [0, 1]
+    values, keys = Offer(0, 2, 1, [0.1], [1.0], side="d_v"), Offer(0, 2, 1, [0.1], [1.0])
+    assert [o.columns for o in allocate([values, keys], 1, fill_to=4)] == [0, 1]
+
+
+def test_what_the_statistics_leave_goes_to_the_narrowest_sides_first():
+    # Nothing above the floor (held-out gains all 0): widths 8, 1, 2 fill 1, then 1 and 2 in turn (ties: the lower
+    # layer), so the narrow layers level up toward uniform and the wide one waits.
+    offers = [Offer(layer, width, 1, [0.0] * 6, [0.0] * 6) for layer, width in enumerate([8, 1, 2])]
+    assert [[o.columns for o in allocate(offers, n, fill_to=4)] for n in range(1, 6)] == [
+        [0, 1, 0], [0, 2, 0], [0, 2, 1], [0, 3, 1], [0, 3, 2]]
+    assert [o.filled for o in allocate(offers, 5, fill_to=4)] == [0, 3, 2]
+
+
+def test_a_concentrated_layer_keeps_its_columns_and_the_others_widen():
+    # The 8-layer pattern: layer 0 at 7 with 2 columns above the floor, the others at 1 with none; 4 values per
+    # column (4 heads), and 4 × 8 × 4 = 128 − 4 × (7 + 7) = 72 values left of budget 4: 18 columns.
+    noisy = [1.0] * 8  # in-sample gains whose fitted noise (0.9) the held-out 0.1 does not clear
+    offers = [Offer(0, 7, 4, [2.0, 1.5] + [0.1] * 6, [2.0, 1.5] + noisy[2:])] + [
+        Offer(layer, 1, 4, [0.1] * 8, noisy) for layer in range(1, 8)]
+    last = allocate(offers, 72, fill_to=4)
+    widths = [o.width + o.columns for o in last]
+    assert last[0].above_floor == 2 and sum(4 * o.columns for o in last) == 72
+    # Layer 0 keeps its 2 columns above the floor; the other 16 level layers 1–7 (ties: the lower layer).
+    assert widths == [9, 4, 4, 3, 3, 3, 3, 3]
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_the_allowance_is_never_exceeded_and_at_equal_costs_the_best_columns_are_bought(seed):
+def test_the_fill_counts_gqa_and_value_costs_and_never_exceeds_the_allowance(seed):
+    # Query/key and value offers of three layers, mha (cost 8) or GQA (cost 2) per side, competing in one allowance.
+    g = torch.Generator().manual_seed(seed)
+    offers = []
+    for layer, side in itertools.product(range(3), ("d_head", "d_v")):
+        held = torch.rand(5, generator=g, dtype=F64).sort(descending=True).values
+        noise = torch.rand(5, generator=g, dtype=F64) * 2
+        offers.append(Offer(layer, int(torch.randint(1, 4, (1,), generator=g)), [8, 2][int(torch.randint(0, 2, (1,),
+                            generator=g))], held.tolist(), (held * (1 + noise)).tolist(), side=side))
+    allowance = float(torch.randint(0, 60, (1,), generator=g))
+    last = allocate(offers, allowance, fill_to=4)
+    spent = sum(o.cost * o.columns for o in last)
+    assert spent <= allowance
+    room = [o.cost for o in last if o.columns < len(o.held_out)]
+    assert not room or allowance - spent < min(room)  # all but less than one column's cost is spent
+
+
+@pytest.mark.parametrize("fill_to", [None, 4.0])
+@pytest.mark.parametrize("seed", range(20))
+def test_the_allowance_is_never_exceeded_and_at_equal_costs_the_best_columns_are_bought(seed, fill_to):
     g = torch.Generator().manual_seed(seed)
     offers = []
     for layer in range(3):
@@ -139,8 +207,17 @@ def test_the_allowance_is_never_exceeded_and_at_equal_costs_the_best_columns_are
         offers.append(Offer(layer, 1, int(torch.randint(1, 4, (1,), generator=g)), held.tolist(),
                             (held * (1 + torch.rand(4, generator=g, dtype=F64))).tolist()))
     allowance = float(torch.randint(0, 15, (1,), generator=g))
-    result = allocate(offers, allowance)
+    result = allocate(offers, allowance, fill_to)
     assert sum(o.cost * o.columns for o in result) <= allowance
+    if fill_to is not None:
+        # The whole allowance is spent, but for less than one column's cost; no column toward the budget is bought
+        # while a column above the floor still fits.
+        room = [o.cost for o in result if o.columns < len(o.held_out)]
+        assert not room or allowance - sum(o.cost * o.columns for o in result) < min(room)
+        if any(o.filled for o in result):
+            assert all(o.columns >= o.above_floor or allowance - sum(p.cost * p.columns for p in result) < o.cost
+                       for o in result)
+        return
     assert all(o.columns <= o.above_floor for o in result)
     # With gains decreasing within each layer, greedy by gain per value is optimal when every cost divides the
     # others; check it against every purchase within the allowance where the costs are equal.

@@ -37,7 +37,9 @@ def test_the_old_rules_settings_are_refused_with_the_new_spelling(tmp_path):
     with pytest.raises(ValueError, match="AutoSchedule no longer takes patience, threshold: it now spends a K-cache "
                                          "budget") as refused:
         main(["fit", "--config", str(path)], run=False)
-    assert "{budget: null, check_every: 20, spend_until: 0.5}" in str(refused.value)
+    # The budget has no default: the rewrite gives an example, and says so.
+    assert "{budget: 4, check_every: 20, spend_until: 0.5}" in str(refused.value)
+    assert "budget 4 is an example: give the mean query/key head size you can afford" in str(refused.value)
     with pytest.raises(ValueError, match="no longer takes first_check"):
         main(["fit", "--config", str(REPO / "configs" / "recall_auto.yaml"), f"{S}.first_check=16"], run=False)
 
@@ -66,8 +68,11 @@ def test_auto_spends_within_its_allowance_at_every_check_and_never_beyond_its_bu
         assert event["allowance"] == pytest.approx(3 * (n + 1) / 3 - spent_before)
         [decision] = event["decisions"]
         assert event["d_head"][0] - event["d_head_before"][0] == decision["columns"] <= event["allowance"]
-        assert decision["columns"] <= decision["above_floor"]
-    assert full["hyper_parameters"]["d_head"][0] <= budget
+        if n < len(history) - 1:  # before the last check only columns above the floor are bought
+            assert decision["columns"] <= decision["above_floor"] and "fill_to" not in event
+    # The last check spends all that is left (a column costs 1 value here), toward the budget.
+    assert history[-1]["fill_to"] == budget
+    assert full["hyper_parameters"]["d_head"][0] == history[-1]["d_head"][0] == budget
     assert history[-1]["d_head"][0] > 1  # recall needs width: the statistics say so
     tags = scalar_tags(out)
     assert {"growth/auto/columns/layer_0", "growth/auto/above_floor/layer_0", "growth/auto/first_gain/layer_0",
@@ -95,9 +100,11 @@ def test_auto_buys_query_key_and_value_columns_within_one_kv_cache_budget(auto_k
         bought = {d["side"]: d for d in event["decisions"]}
         assert set(bought) == {"d_head", "d_v"} and all(d["cost"] == 1 for d in bought.values())
         for side, d in bought.items():
-            assert event[side][0] - event[f"{side}_before"][0] == d["columns"] <= d["above_floor"]
+            assert event[side][0] - event[f"{side}_before"][0] == d["columns"]
+            assert d["columns"] <= d["above_floor"] or n == len(history) - 1  # the last check buys beyond the floor
         assert cache(event) - cache(event, "_before") <= event["allowance"]
-    assert cache(history[-1]) <= 8
+    # At the end the KV cache is the budget: a column costs 1 value, so less than one unspent is none.
+    assert cache(history[-1]) == 8
     assert history[-1]["d_v"][0] > 1  # recall reads its answer through W_V·W_O: one value column is not enough
     assert full["hyper_parameters"]["d_v"] == history[-1]["d_v"]
     assert {"growth/auto/columns_v/layer_0", "growth/auto/above_floor_v/layer_0", "growth/auto/first_gain_v/layer_0",
@@ -132,6 +139,7 @@ def test_resuming_with_other_growing_sides_is_refused_before_any_step(auto_kv_ru
     "step=3.ckpt",  # inside the first check's window
     "step=5.ckpt",  # between the window and the first check
     "step=8.ckpt",  # inside the second window, with grown shapes
+    "step=13.ckpt",  # inside the last check's window: it still fills toward the budget
     "step=16.ckpt",  # after the last check
 ])
 def test_auto_resumes_from_any_step_with_the_same_decisions(auto_run, tmp_path, checkpoint):
@@ -149,7 +157,8 @@ def test_auto_shows_its_decisions_and_takes_no_statistics_after_its_last_check(t
     assert windows == [e["event"] for e in cb.history for _ in range(3)]  # 3 batches a check, none after
     printed = capsys.readouterr().out
     assert "allowance 1 values per token; layer 0 d_head +" in printed and "above the floor (held-out gains " in printed
-    assert "K-cache budget: mean query/key head size" in printed and "unspent" in printed
+    assert "K-cache budget: mean query/key head size 4 of 4; bought 3 of the 3 values per token the budget adds to the " \
+           "start (100 %), 0 unspent" in printed
 
 
 @pytest.mark.parametrize("config", ["recall_auto.yaml", pytest.param("text_auto.yaml", marks=needs_shakespeare)])

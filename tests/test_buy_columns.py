@@ -24,6 +24,17 @@ def test_a_cheaper_column_still_fits_when_the_best_one_does_not():
     assert buy_columns([[100.0], [1.0]], [5, 1], 4) == [0, 1]
 
 
+def test_a_priority_orders_the_columns_and_the_budget_still_binds():
+    # Narrowest first (the last check's fill), whatever the gains: a holds 1 (spent), so b, then a (a tie goes to
+    # the earlier item), then b.
+    narrowest = lambda i, count: (-count,)  # noqa: E731
+    assert buy_columns([[9.0, 9.0, 9.0], [1.0, 1.0, 1.0]], [1, 1], 4, held=[1, 0], priority=narrowest) == [2, 2]
+    assert buy_columns([[9.0, 9.0, 9.0], [1.0, 1.0, 1.0]], [1, 1], 2, held=[1, 0], priority=narrowest) == [1, 1]
+    # Costs 3 and 2 against 7: the priority picks the order, the budget still stops it short of 7.
+    bought = buy_columns([[1.0] * 5, [1.0] * 5], [3, 2], 7, priority=narrowest)
+    assert bought == [1, 2] and 3 * bought[0] + 2 * bought[1] <= 7
+
+
 def test_held_columns_are_spent_already_and_the_next_gain_is_the_one_after_them():
     gains = [[9.0, 8.0, 1.0], [9.0, 2.0, 0.5]]
     assert buy_columns(gains, [1, 1], 3, held=[1, 1]) == [2, 1]  # spent 2 of 3; a's 8 beats b's 2

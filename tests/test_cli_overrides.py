@@ -6,6 +6,7 @@ import yaml
 from jsonargparse import ArgumentError, ArgumentParser, _typehints
 
 from lit_growattn import AutoSchedule, GrowAttentionCallback
+from lit_growattn.__main__ import main as command_line
 from lit_growattn.commands.cli import main
 from lit_growattn.callback.settings import StatisticsSettings
 
@@ -24,7 +25,8 @@ def test_recall_grow_switched_to_the_automatic_schedule_by_overrides(tmp_path, t
     # The shipped config's fixed `columns: 7` must go for AutoSchedule, which chooses the count itself.
     cli = main(["fit", "--config", str(REPO / "configs/recall_grow.yaml"), *tiny_cli_args, *SMALL_RECALL,
                 f"{CB}.growth.columns=null", f"{CB}.schedule=lit_growattn.AutoSchedule",
-                f"{CB}.schedule.init_args.check_every=2", f"{CB}.statistics.batches=2"])
+                f"{CB}.schedule.init_args.budget=4", f"{CB}.schedule.init_args.check_every=2",
+                f"{CB}.statistics.batches=2"])
     grow = growth_callback(cli)
     assert grow.settings.columns is None and grow.settings.method == "pinv"  # the config's other fields are kept
     assert isinstance(grow.schedule, AutoSchedule) and grow.schedule.check_every == 2
@@ -48,7 +50,6 @@ trainer:
 
 @pytest.mark.parametrize("option, read, expected", [
     ("schedule.init_args.spend_until=1.0", lambda g: g.schedule.spend_until, 1.0),
-    ("schedule.init_args.budget=null", lambda g: g.schedule.budget, None),  # null: no budget
     ("growth.max_d_head=null", lambda g: g.settings.max_d_head, None),
     ("growth.size_by=null", lambda g: g.settings.size_by, None),
     ("statistics.batches=6", lambda g: g.statistics.batches, 6),
@@ -64,6 +65,22 @@ def test_each_setting_is_set_and_unset_by_its_dotted_name(tmp_path, tiny_cli_arg
     grow = growth_callback(cli)
     assert read(grow) == expected
     assert grow.settings.method == "random" and grow.statistics.layers_per_step == 1  # the rest of the config stays
+
+
+def test_a_budget_unset_on_the_command_line_is_refused_with_what_to_use_instead(tmp_path, tiny_cli_args, capsys,
+                                                                                monkeypatch):
+    # AutoSchedule has no budget: null any more; the refusal names a budget to give, or the schedules without one.
+    monkeypatch.delenv("LIT_GROWATTN_DEBUG", raising=False)
+    overlay = tmp_path / "set.yaml"
+    overlay.write_text(SET_CONFIG)
+    assert command_line(["fit", "--config", str(REPO / "configs/recall_auto.yaml"), "--config", str(overlay),
+                         *tiny_cli_args, *SMALL_RECALL, f"{CB}.schedule.init_args.budget=null"]) == 1
+    err = capsys.readouterr().err
+    report = err[err.index("error:"):].splitlines()[0]
+    assert report.startswith("error: ValueError: AutoSchedule needs a budget: the mean head size the grown model may "
+                             "reach (e.g. budget: 4, ")
+    assert report.endswith("To grow without a cache bound use AtSteps or AtEpochs with growth.rank_threshold; to "
+                           "train at a fixed width drop the callback and set the model's d_head.")
 
 
 def test_options_after_the_callback_is_added_on_the_command_line(tmp_path, tiny_cli_args):

@@ -1,7 +1,6 @@
 """studies/growth_pays/experiments.py: the smoke run writes its table, results and plots; results of parallel invocations merge."""
 
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
@@ -10,7 +9,6 @@ import sys
 import pytest
 
 from conftest import REPO, SHAKESPEARE, needs_shakespeare
-from lit_growattn import AutoSchedule
 
 sys.path.insert(0, str(REPO / "studies" / "growth_pays"))
 import experiments  # noqa: E402
@@ -131,10 +129,7 @@ def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, mon
             "--override=--trainer.max_epochs=3",  # 12 steps of 64 sequences
             "--override=--trainer.callbacks.init_args.schedule.init_args.check_every=4",
             "--override=--trainer.callbacks.init_args.statistics.batches=2"]
-    rows = ["static 16", "uniform static", "post-hoc"]
-    # The grown rows need AutoSchedule's K-cache budget; until it has one, the static and post-hoc rows run alone.
-    grows = "budget" in inspect.signature(AutoSchedule).parameters
-    rows += ["grown", "static at the allocator's widths", "grown, no budget"] if grows else []
+    rows = ["static 16", "uniform static", "post-hoc", "grown", "static at the allocator's widths"]
     command = ["--text", str(corpus), "--corpus", "tiny", "--model", "2layer", "--seeds", "0", "--budgets", "2",
                "--rows", *rows, "--out", str(out), *tiny]
     kcache_study.main(command)
@@ -145,11 +140,10 @@ def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, mon
     assert posthoc["growths"][0][0] == 8 and min(posthoc["d_head"]) >= 1  # shrunk after 2/3 of them
     assert posthoc["kcache_bytes"] == 4 * sum(posthoc["d_head"]) * 4 <= uniform["kcache_bytes"] == 4 * 4 * 4
     assert static["time"]["steps"] == 12 and static["time"]["statistics_share"] == 0.0
-    if grows:
-        grown = cell["grown 2"]["0"]
-        assert sum(grown["d_head"]) <= 4  # a mean head size of 2 over 2 layers
-        assert cell["static at the allocator's widths 2"]["0"]["d_head"] == grown["d_head"]
-        assert grown["time"]["statistics_steps"] > 0 and "grown, no budget" in cell
+    grown = cell["grown 2"]["0"]
+    assert sum(grown["d_head"]) <= 4  # a mean head size of 2 over 2 layers
+    assert cell["static at the allocator's widths 2"]["0"]["d_head"] == grown["d_head"]
+    assert grown["time"]["statistics_steps"] > 0
 
     def no_training(*args, **kwargs):
         raise AssertionError("a run already in the results was run again")
@@ -163,6 +157,37 @@ def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, mon
     with pytest.raises(SystemExit):
         kcache_study.main([*command[:9], "4", "--rows", "post-hoc", "--out", str(out), *tiny])
     assert "'post-hoc 4' needs 'uniform static 4': add its row kind to --rows" in capsys.readouterr().err
+
+    # --from: another file's runs are inputs (here grown 2's widths), and only the new row is written to --out.
+    seen = []
+
+    def one_step(config, overrides, log_dir, grow):
+        seen.append(overrides)
+        final = {"loss": 2.0, "bpb": 2.9, "d_head": [1, 3], "step": 12, "flops": 1.0}
+        return {"n_head": 4, "flops": 1.0, "seconds": 1.0, "time": {}, "final": final, "curve": [final],
+                "events": []}
+
+    monkeypatch.setattr(kcache_study, "run", one_step)
+    elsewhere = tmp_path / "elsewhere.json"
+    widths = ["--rows", "static at the allocator's widths", "--out", str(elsewhere), "--from", str(out), *tiny]
+    kcache_study.main([*command[:9], "2", *widths])
+    assert f"--model.init_args.d_head=[{', '.join(map(str, grown['d_head']))}]" in seen[0]
+    assert list(json.loads(elsewhere.read_text())["runs"]["2layer"]["tiny"]) == ["static at the allocator's widths 2"]
+    with pytest.raises(SystemExit):
+        kcache_study.main([*command[:9], "2", "--rows", "static at the allocator's widths", "--out",
+                           str(tmp_path / "other.json"), "--from", str(out)])
+    assert f"--from {out} holds 2layer tiny runs with the overrides" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        kcache_study.main([*command, "--from", str(out)])
+    assert f"--from {out} is the --out file" in capsys.readouterr().err
+    # A file whose grown rows ran the earlier rule (no last check that filled) takes no grown row of the new one.
+    earlier = json.loads(out.read_text())
+    earlier["runs"]["2layer"]["tiny"]["grown 2"]["0"]["last_check"].pop("fill_to")
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    with pytest.raises(SystemExit):
+        kcache_study.main([*command[:9], "2", "--seeds", "1", "--rows", "grown", "--out", str(tmp_path / "earlier.json"),
+                           *tiny])
+    assert "holds grown rows of the earlier rule" in capsys.readouterr().err
 
     summary = kcache_summary()
     summary.main(["--results", str(out), "--out", str(tmp_path / "summary")])

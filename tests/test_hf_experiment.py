@@ -35,3 +35,11 @@ def test_smoke_run_writes_table_and_results(tmp_path):
     assert probe["loss_without_extra"] != probe["loss"]
     table = (tmp_path / "hf_experiment.md").read_text()
     assert "| static small | 1 |" in table and "| grow fixed | 0 |" in table
+
+
+def test_every_growth_schedule_of_the_experiment_builds():
+    from lightning.pytorch.cli import instantiate_class
+
+    for name, callback in hf_experiment.schedules(check_every=4, budget=8.0).items():
+        schedule = instantiate_class((), callback["init_args"]["schedule"])
+        assert type(schedule).__name__ == callback["init_args"]["schedule"]["class_path"].rpartition(".")[2], name

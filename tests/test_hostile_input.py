@@ -117,8 +117,9 @@ def test_the_model_takes_the_vocabulary_the_bpe_learned(tmp_path, corpus, cli):
 
 # 5 and 6. Resuming with another schedule kind is refused; changed model settings are named.
 def test_resuming_a_fixed_schedule_as_auto_is_refused(tmp_path, fixed_run, cli):
+    auto = "{class_path: lit_growattn.AutoSchedule, init_args: {budget: 8}}"  # the resumed model is at d_head 8
     done = cli(*RECALL, *logs(tmp_path), "--trainer.max_epochs=3", f"--ckpt_path={fixed_run}",
-                       "--config", growth_callback(tmp_path, "lit_growattn.AutoSchedule", "growth: {columns: null}"))
+                       "--config", growth_callback(tmp_path, auto, "growth: {columns: null}"))
     refused(done, "a fixed schedule (AtEpochs or AtSteps)", "the automatic schedule (AutoSchedule)", "init_from")
 
 

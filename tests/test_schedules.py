@@ -3,7 +3,6 @@ window's position, the fixed schedules' checks, resuming with another kind, and 
 allowance spread over the checks, the checks' steps, the cost of a column per key head, the end, the summary, and
 the settings it refuses). Training runs with the schedules: tests/test_growth_schedule.py, test_auto_schedule.py."""
 
-import math
 import warnings
 from types import SimpleNamespace
 
@@ -54,10 +53,13 @@ def test_the_budget_is_spread_evenly_over_the_checks_and_unspent_allowance_carri
     # A resumed run's model starts at its grown sizes: the budget still counts from where the run started.
     schedule.start_sizes = {"d_head": [2, 1]}
     assert schedule.total(one) == 24 and schedule.allowance(one) == pytest.approx(2 * 24 / 5 - 4)
-    assert schedule.summary([check([1, 1], [4, 4])]) == ("K-cache budget: mean query/key head size 4 of 4, 32 of 32 "
-                                                         "values per token; 0 unspent")
-    assert "mean query/key head size 2.5 of 4" in schedule.summary([check([1, 1], [3, 2])])
-    assert "; 12 unspent" in schedule.summary([check([1, 1], [3, 2])])
+    # The summary counts what was bought beyond the start, not the start itself.
+    assert schedule.summary([check([1, 1], [4, 4])]) == ("K-cache budget: mean query/key head size 4 of 4; bought 24 of "
+                                                         "the 24 values per token the budget adds to the start (100 %), "
+                                                         "0 unspent")
+    assert "mean query/key head size 2.5 of 4; bought 12 of the 24" in schedule.summary([check([1, 1], [3, 2])])
+    assert schedule.summary([check([1, 1], [3, 2])]).endswith(
+        "(50 %), 12 unspent: the run ended before its check at step 20")
 
 
 def test_a_budget_is_counted_in_key_heads_so_a_gqa_layer_costs_its_kv_heads():
@@ -79,7 +81,8 @@ def test_a_kv_budget_counts_both_sides_in_their_cache_heads():
     spent = check([1, 1], [3, 3], [1, 1], [3, 3])
     assert schedule.pending([spent]) is None
     assert schedule.summary([both]) == ("KV-cache budget: mean head size of the query/key and value sides 2.857 (d_head "
-                                        "3, d_v 2.667) of 3, 40 of 42 values per token; 2 unspent")
+                                        "3, d_v 2.667) of 3; bought 26 of the 28 values per token the budget adds to "
+                                        "the start (93 %), 2 unspent: the run ended before its check at step 20")
     # A resumed run: its history says where both sides started.
     schedule.start_sizes = {"d_head": [3, 3], "d_v": [3, 2]}
     assert schedule.spent([both]) == 26 and schedule.total([both]) == 28
@@ -91,22 +94,43 @@ def test_a_value_budget_counts_the_v_cache_alone():
     # The query/key sizes are in the record but not in the budget.
     grown = check([1, 1], [9, 9], [1, 1], [2, 2])
     assert schedule.spent([grown]) == 8 and schedule.pending([grown]) is None
-    assert schedule.summary([grown]).startswith("V-cache budget: mean value head size 2 of 2, 16 of 16 values per token")
+    assert schedule.summary([grown]).startswith("V-cache budget: mean value head size 2 of 2; bought 8 of the 8 values "
+                                                "per token")
 
 
-def test_no_budget_buys_until_spend_until_and_max_d_head():
-    schedule = bound(budget=None, max_d_head=4)
-    assert schedule.allowance([]) == float("inf")
-    assert schedule.pending([check([1, 1], [4, 3])]).at == 20
-    assert schedule.pending([check([1, 1], [4, 4])]) is None  # every layer at max_d_head
-    assert "(no budget)" in schedule.summary([check([1, 1], [4, 3])])
+def test_only_the_last_check_fills_toward_the_budget():
+    schedule = bound()  # 5 checks
+    assert [schedule.fill_to([check([1, 1], [1, 1])] * n) for n in range(5)] == [None] * 4 + [4.0]
+    # Read from the history alone: a run resumed before its last check fills at it, as the run it continues would.
+    resumed = bound(start=[2, 1])
+    assert resumed.fill_to([check([1, 1], [2, 1])] * 4) == 4.0 and resumed.fill_to([check([1, 1], [2, 1])]) is None
+
+
+def test_the_last_checks_allowance_is_all_that_is_left():
+    schedule = bound()
+    history = [check([1, 1], [2, 1]), check([2, 1], [3, 1]), check([3, 1], [3, 1]), check([3, 1], [3, 2])]
+    assert schedule.allowance(history) == schedule.total(history) - schedule.spent(history) == 24 - 12
+
+
+def test_a_skipped_last_check_is_named_in_the_summary():
+    schedule = bound()
+    skipped = {**check([1, 1], [2, 1]), "event": "step 50", "skipped": True, "reason": "no statistics were gathered"}
+    assert schedule.summary([check([1, 1], [2, 1])] * 4 + [skipped]).endswith(
+        "(17 %), 20 unspent: the last check (step 50) was skipped: no statistics were gathered")
+    # A run that stopped (max_steps, an interrupt) before its last check: the summary says so, not "skipped".
+    assert schedule.summary([check([1, 1], [2, 1])] * 4).endswith(
+        "20 unspent: the run ended before its check at step 50")
 
 
 @pytest.mark.parametrize("build, message", [
     (lambda: AutoSchedule(budget=0), "budget is a mean head size"),
-    (lambda: AutoSchedule(check_every=0), "check_every must be a positive number of optimizer steps"),
-    (lambda: AutoSchedule(spend_until=0), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
-    (lambda: AutoSchedule(spend_until=1.5), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
+    (lambda: AutoSchedule(), r"^AutoSchedule needs a budget: the mean head size the grown model may reach \(e.g. "
+                             r"budget: 4, .*To grow without a cache bound use AtSteps or AtEpochs with "
+                             r"growth.rank_threshold; to train at a fixed width drop the callback and set the model's "
+                             r"d_head.$"),
+    (lambda: AutoSchedule(4, check_every=0), "check_every must be a positive number of optimizer steps"),
+    (lambda: AutoSchedule(4, spend_until=0), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
+    (lambda: AutoSchedule(4, spend_until=1.5), r"spend_until is a share of the run's optimizer steps in \(0, 1\]"),
     (lambda: bound(budget=0.5), r"budget=0.5\) is below the mean query/key head size the growing layers are at \(1\)"),
     (lambda: bound(budget=17), r"exceeds the mean query/key head size that growth.max_d_head=16 allows \(16\), so it "
                                "could never be spent"),
@@ -115,13 +139,13 @@ def test_no_budget_buys_until_spend_until_and_max_d_head():
      r"allow \(12\)"),
     (lambda: bound(budget=0.5, costs={}, value_costs={0: 4, 1: 4}),
      r"below the mean value head size the growing layers are at \(1\)"),
-    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(grow="value", value_columns=2)),
+    (lambda: GrowAttentionCallback(AutoSchedule(4), GrowthSettings(grow="value", value_columns=2)),
      "set growth.value_columns to null"),
-    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(rank_threshold=0.5)),
+    (lambda: GrowAttentionCallback(AutoSchedule(4), GrowthSettings(rank_threshold=0.5)),
      "set growth.rank_threshold to null"),
-    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(columns=2)), "set growth.columns to null"),
-    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(max_columns=2)), "set growth.max_columns to null"),
-    (lambda: GrowAttentionCallback(AutoSchedule(), GrowthSettings(mode="replace")), "use growth.mode='append'"),
+    (lambda: GrowAttentionCallback(AutoSchedule(4), GrowthSettings(columns=2)), "set growth.columns to null"),
+    (lambda: GrowAttentionCallback(AutoSchedule(4), GrowthSettings(max_columns=2)), "set growth.max_columns to null"),
+    (lambda: GrowAttentionCallback(AutoSchedule(4), GrowthSettings(mode="replace")), "use growth.mode='append'"),
 ])
 def test_bad_auto_settings_fail_with_message(build, message):
     with pytest.raises(ValueError, match=message):
@@ -137,8 +161,8 @@ def test_a_run_too_short_for_a_check_warns_that_nothing_will_grow():
 
 
 def test_the_documented_defaults():
-    schedule = AutoSchedule()
-    assert (schedule.budget, schedule.check_every, schedule.spend_until) == (None, 50, 0.5)
+    schedule = AutoSchedule(budget=4)  # the budget has no default: AutoSchedule() is refused
+    assert (schedule.budget, schedule.check_every, schedule.spend_until) == (4, 50, 0.5)
 
 
 def test_checks_come_every_check_every_steps_and_the_last_leaves_a_batch_after_it():
@@ -301,7 +325,7 @@ def test_resuming_with_the_same_kind_is_accepted(state, kind):
 
 
 def test_an_automatic_checks_line_names_what_it_bought_and_the_gains_against_the_noise():
-    from lit_growattn.callback.report import event_line
+    from lit_growattn.callback.report import decision_text, event_line
 
     check = {"step": 40, "epoch": 1, "skipped": False, "allowance": 16.0, "decisions": [
         {"layer": 0, "side": "d_head", "columns": 1, "above_floor": 2, "cost": 4,
@@ -312,7 +336,16 @@ def test_an_automatic_checks_line_names_what_it_bought_and_the_gains_against_the
                "(held-out gains – vs fitted noise –, 2 values per column)")
     assert event_line({**check, "d_head": [5, 4], "alpha": 0.25, "loss_before": 2.5, "loss_after": 2.25,
                        "seconds": 0.4, "d_head_before": [4, 4]}).endswith(f"0.4 s; {decided}")
-    nothing = {**check, "allowance": math.inf, "decisions": [{**check["decisions"][0], "columns": 0, "side": "d_v"}]}
+    nothing = {**check, "decisions": [{**check["decisions"][0], "columns": 0, "side": "d_v"}]}
     assert event_line({**nothing, "d_head": [4, 4]}) == (
-        "growth check at step 40 (epoch 1): no layer grows, d_head stays [4, 4]; no budget; layer 0 d_v +0 of 2 above "
-        "the floor (held-out gains 0.031 0.012 vs fitted noise 0.01 0.011, 4 values per column)")
+        "growth check at step 40 (epoch 1): no layer grows, d_head stays [4, 4]; allowance 16 values per token; layer 0 "
+        "d_v +0 of 2 above the floor (held-out gains 0.031 0.012 vs fitted noise 0.01 0.011, 4 values per column)")
+    # The last check buys beyond the floor, toward the budget: the line says how many of each.
+    last = {**check, "fill_to": 4.0, "decisions": [{**check["decisions"][0], "columns": 3, "above_floor": 2,
+                                                    "filled": 1}]}
+    assert decision_text(last) == ("allowance 16 values per token; layer 0 d_head +3 (2 of 2 above the floor, 1 toward "
+                                   "the budget of 4) (held-out gains 0.031 0.012 0.004 0.001 vs fitted noise 0.01 "
+                                   "0.011 0.009 0.008, 4 values per column)")
+    # An allowance short of what cleared the floor: the line keeps how many cleared it.
+    short = {**last, "decisions": [{**last["decisions"][0], "columns": 2, "above_floor": 4, "filled": 0}]}
+    assert "d_head +2 (2 of 4 above the floor, 0 toward the budget of 4)" in decision_text(short)

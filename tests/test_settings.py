@@ -19,7 +19,7 @@ GROUPS = {"growth": GrowthSettings, "statistics": StatisticsSettings, "step_sear
 def test_the_product_is_importable_from_the_top_level():
     callback = GrowAttentionCallback(AtSteps([100]), GrowthSettings(columns=2))
     assert callback.schedule.points[0].name == "step 100" and GrowAttentionLM.__module__ == "lit_growattn.module"
-    assert AutoSchedule().splits_window and not AtEpochs([1]).splits_window
+    assert AutoSchedule(4).splits_window and not AtEpochs([1]).splits_window
 
 
 def test_print_config_describes_every_growth_setting():
@@ -88,7 +88,8 @@ def test_an_old_flat_automatic_config_is_spelled_with_the_budget(tmp_path):
         main(["fit", "--config", str(old)], run=False)
     spelled = yaml.safe_load(str(error.value).split("Write its init_args as:\n", 1)[1])
     assert spelled["schedule"] == {"class_path": "lit_growattn.AutoSchedule",
-                                   "init_args": {"budget": None, "check_every": 10, "spend_until": 0.5}}
+                                   "init_args": {"budget": 4, "check_every": 10, "spend_until": 0.5}}
+    assert "(budget 4 is an example: give the mean query/key head size you can afford)" in str(error.value)
     assert "growth" not in spelled  # grow_by was the old rule's cap, which the budget replaces
 
 

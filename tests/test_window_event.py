@@ -689,6 +689,29 @@ def test_a_check_that_buys_nothing_records_its_decision_and_installs_nothing():
     assert installed == [] and spectra == {} and p.form.d_head == 2 and record["allowance"] == float("inf")
 
 
+@pytest.mark.parametrize("halves", ["still", "noisy"])
+def test_the_last_check_buys_what_its_allowance_pays_for_even_with_nothing_above_the_floor(halves):
+    # The twin of the check above at the last check (fill_to: the budget). No column clears the floor, because the
+    # gradient is zero (still) or the halves' noise outweighs the signal (noisy), and the allowance of 5 still buys
+    # 2 columns of 2 heads each, toward the budget, and installs them.
+    p = Problem(e=8, h=2, d=2)
+    stats = p.stats("natural")
+    if halves == "still":
+        stats = FormStats.from_state_dict({**stats.state_dict(), "n_sum": torch.zeros_like(stats.n_sum)})
+        half = FormStats.from_state_dict({k: v / 2 for k, v in stats.state_dict().items()})
+    else:
+        noise = torch.randn(stats.n_sum.shape, dtype=stats.n_sum.dtype, generator=torch.Generator().manual_seed(0))
+        half = FormStats.from_state_dict({**{k: v / 2 for k, v in stats.state_dict().items()},
+                                          "n_sum": stats.n_sum / 2 + 10 * noise * stats.n_sum.abs().mean()})
+    installs = []
+    event = GrowthEvent(GrowthSettings(max_d_head=8), StepSearch(alphas=[0.0, 1.0]), loss_of=rated_by(p),
+                        install=installs.append, broadcast=lambda obj: obj, allowance=5.0, fill_to=4.0)
+    record, _ = event.run([(0, "form", p.form)], [stats], seed=0, half=[half])
+    [decision] = record["decisions"]
+    assert (decision["columns"], decision["above_floor"], decision["filled"]) == (2, 0, 2)
+    assert record["fill_to"] == 4.0 and installs[0]["form"].w_q.shape[-1] == 2 + 2
+
+
 def test_a_layer_growing_both_sides_offers_each_side_and_the_event_installs_the_columns_bought():
     from test_growth_value import ValueProblem
 

@@ -3,9 +3,9 @@ from at each check.
 
 It checks every `check_every` optimizer steps until `spend_until` of the run, or until its budget is spent. At each
 check every growing side of every growing layer offers its candidate columns (`offers`: their held-out gains and
-their cache cost), and `growth.allocation` buys the best within the check's allowance (`decide`). Its next point and
-its allowance are read from the history alone (one record per check), so a resumed run continues exactly where it
-stopped.
+their cache cost), and `growth.allocation` buys the best within the check's allowance (`decide`); the last check
+spends what is left (`fill_to`). Its next point, its allowance and whether a check is the last are read from the
+history alone (one record per check), so a resumed run continues exactly where it stopped.
 
 A column's cost, the cache values per token it adds, comes from one function, `growth.column_costs`: over every
 growing unit when the schedule is bound (the budget and its limits), over the units that kept finite statistics at
@@ -25,6 +25,12 @@ from lit_growattn.growth import HeadSize, allocation
 # AutoSchedule's defaults, read also by the messages that translate an old config (commands/legacy.py).
 CHECK_EVERY = 50
 SPEND_UNTIL = 0.5
+NO_BUDGET = (
+    "AutoSchedule needs a budget: the mean head size the grown model may reach (e.g. budget: 4, a quarter of static "
+    "d_head 16's K cache; docs/capacity.md). Without one it bought every column that cleared its noise floor, and from "
+    "d_head 1 reached 94–176 % of static d_head 16's K cache on a 2-layer model (studies/kcache_budget). To grow "
+    "without a cache bound use AtSteps or AtEpochs with growth.rank_threshold; to train at a fixed width drop the "
+    "callback and set the model's d_head.")
 
 
 class AutoSchedule(GrowthSchedule):
@@ -32,21 +38,22 @@ class AutoSchedule(GrowthSchedule):
     `spend_until` of the run, where every growing side (`growth.grow`: query/key, value or both) of every growing
     layer offers its next columns and the best, by held-out first-order gain per cache value, are bought across
     layers and sides while the check's allowance lasts (`lit_growattn.growth.allocation`). The allowance spreads the
-    budget evenly over the checks, so the widths follow the run's length: all of it is available at the last check,
-    and what earlier checks did not spend carries over. A column is bought only above a noise floor measured on the
-    same statistics, so a budget can stay unspent (the summary at the end of fit says how much). After the last
-    check, or once the budget is spent, no statistics are taken and steps cost what plain steps cost. Measured on the
-    query/key side (docs/capacity.md): it spends 33–71 % of its budget (about half), mostly in the first layer; on a
-    2-layer model a uniform static d_head of the budget beats it on 2 of 3 corpora (train that at a fixed K cache),
-    on an 8-layer model it was at or below uniform on all three.
+    budget evenly over the checks, so the widths follow the run's length, and what a check does not spend carries
+    over. Before the last check a column is bought only above a noise floor measured on the same statistics; the last
+    check withholds nothing: after the columns above the floor it buys toward uniform, to the sides narrowest relative
+    to the budget, until less than one column's cost is left. So the whole budget is spent, never more (unless the
+    last check is skipped: the summary at the end of fit says so). After the last check, or once the budget is
+    spent, no statistics are taken and steps cost what plain steps cost. Measured on the query/key side with the
+    earlier rule, which withheld what the floor refused (docs/capacity.md): it bought 29 % of the columns its budget
+    could buy, mostly in the first layer; on a 2-layer model a uniform static d_head of the budget beat it on 2 of 3
+    corpora, on an 8-layer model it was at or below uniform on all three.
 
     Args:
         budget: the cache the grown model may use, as the mean head size of the growing sides over the growing
             layers, weighted by their cache heads, so that it is proportional to the cache's bytes per token:
             budget × (cache heads) × bytes per value. With growth.grow query_key the K cache (mean d_head over the key
             heads, KV heads under GQA), with value the V cache (mean d_v over the value heads), with both the KV cache
-            (the mean of d_head and d_v over both). null: no budget; every column above the noise floor is bought, up
-            to growth.max_d_head (and growth.max_d_v).
+            (the mean of d_head and d_v over both). Required (null is refused, with what to use instead).
         check_every: optimizer steps between checks (the statistics window is the `statistics.batches`
             micro-batches before each).
         spend_until: the share of the run's optimizer steps over which the budget is spread (in (0, 1]); the last
@@ -56,8 +63,11 @@ class AutoSchedule(GrowthSchedule):
     unit, kind, splits_window = "step", "auto", True
 
     def __init__(self, budget: float | None = None, check_every: int = CHECK_EVERY, spend_until: float = SPEND_UNTIL):
-        if budget is not None and not budget > 0:
-            raise ValueError(f"budget is a mean head size (> 0), or null for no budget; got {budget}")
+        # None stays the default so that a config without a budget gets this message, not the parser's "required".
+        if budget is None:
+            raise ValueError(NO_BUDGET)
+        if not budget > 0:
+            raise ValueError(f"budget is a mean head size (> 0); got {budget}")
         if check_every <= 0:
             raise ValueError(f"check_every must be a positive number of optimizer steps, got {check_every}")
         if not 0 < spend_until <= 1:
@@ -82,8 +92,6 @@ class AutoSchedule(GrowthSchedule):
         self.limits = {side: settings.max_width(side) for side in ("d_head", "d_v")
                        if any(s == side for _, s in self.costs)}
         self.start_sizes = start_sizes
-        if self.budget is None:
-            return
         weight = self.heads()
         start = self.cache(start_sizes) / weight
         most = sum(self.heads(side) * limit for side, limit in self.limits.items()) / weight
@@ -136,14 +144,17 @@ class AutoSchedule(GrowthSchedule):
         return self.cache(self._sizes(history)) - self.cache(self._start(history))
 
     def total(self, history: list[dict]) -> float:
-        """The cache values per token the budget adds to the run's start (inf: no budget)."""
-        if self.budget is None:
-            return float("inf")
+        """The cache values per token the budget adds to the run's start."""
         return self.budget * self.heads() - self.cache(self._start(history))
 
     def allowance(self, history: list[dict]) -> float:
         checks_done = len(history) + 1  # counting the one about to happen
         return self.total(history) * min(checks_done / self.checks, 1.0) - self.spent(history)
+
+    def fill_to(self, history: list[dict]) -> float | None:
+        # The last check's allowance is all that is left (min(k/n, 1) = 1): it buys toward the budget, so nothing
+        # expires with it.
+        return self.budget if self.checks and len(history) + 1 >= self.checks else None
 
     def pending(self, history: list[dict]) -> GrowthPoint | None:
         sizes = self._sizes(history)
@@ -162,10 +173,16 @@ class AutoSchedule(GrowthSchedule):
         if len(self.limits) > 1:
             per_side = [f"{side} {self.cache(sizes, side) / self.heads(side):.4g}" for side in self.limits]
             mean += f" ({', '.join(per_side)})"
-        if self.budget is None:
-            return f"{cache_of} cache: {mean} (no budget), {cache} values per token"
-        return (f"{cache_of}-cache budget: {mean} of {self.budget:.4g}, {cache} of {self.budget * weight:.6g} values per "
-                f"token; {self.budget * weight - cache:.6g} unspent")
+        added, bought = self.total(history), self.spent(history)
+        share = f" ({100 * bought / added:.0f} %)" if added else ""
+        line = (f"{cache_of}-cache budget: {mean} of {self.budget:.4g}; bought {bought} of the {added:.6g} values per "
+                f"token the budget adds to the start{share}, {added - bought:.6g} unspent")
+        last = history[-1] if history and len(history) >= (self.checks or 0) else None
+        if last is not None and last.get("skipped"):
+            line += f": the last check ({last['event']}) was skipped: {last['reason']}"
+        elif (due := self.pending(history)) is not None:
+            line += f": the run ended before its check at step {due.at}"
+        return line
 
 
 def offers(forms: NamedForms, stats: list[growth.Sums], half: list[growth.Sums],
@@ -191,6 +208,7 @@ def offers(forms: NamedForms, stats: list[growth.Sums], half: list[growth.Sums],
 
 
 def decide(forms: NamedForms, stats: list[growth.Sums], half: list[growth.Sums], s: GrowthSettings,
-           allowance: float) -> list[allocation.Offer]:
-    """The offers of `forms` with the columns each side of each layer buys within `allowance`."""
-    return allocation.allocate(offers(forms, stats, half, s), allowance)
+           allowance: float, fill_to: float | None = None) -> list[allocation.Offer]:
+    """The offers of `forms` with the columns each side of each layer buys within `allowance` (`fill_to`: the budget,
+    at the last check, which withholds nothing)."""
+    return allocation.allocate(offers(forms, stats, half, s), allowance, fill_to)

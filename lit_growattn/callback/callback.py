@@ -236,6 +236,7 @@ class GrowAttentionCallback(Callback):
             install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
             broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
             allowance=self.schedule.allowance(self.history),
+            fill_to=self.schedule.fill_to(self.history),
             terms=loss_terms(window.kept),  # every rank's kept batches
         )
         try:

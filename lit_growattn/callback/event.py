@@ -126,6 +126,7 @@ class GrowthEvent:
     broadcast: Callable[[dict], dict]  # rank 0's object on every rank
     choose_step_size: Callable[[growth.GrowthPlan, list[str], LossOf, StepSearch, str, int], StepChoice] = choose_step_size
     allowance: float | None = None  # cache values per token the automatic schedule may buy (None: the settings size)
+    fill_to: float | None = None  # at the automatic schedule's last check, its budget: nothing is withheld
     terms: int = 1  # values (tokens) each rated loss averages: its round-off (trainer_ops.loss_terms)
 
     def run(self, forms: NamedForms, stats: list[growth.Sums], seed: int,
@@ -140,9 +141,11 @@ class GrowthEvent:
         if self.allowance is not None:
             if half is None:
                 raise ValueError("the automatic schedule decides from the two halves of the window: pass `half`")
-            bought = decide(forms, stats, half, self.settings, self.allowance)
+            bought = decide(forms, stats, half, self.settings, self.allowance, self.fill_to)
             # Rank 0's decisions on every rank, as for the grown tensors below.
             decided = {"allowance": self.allowance, "decisions": self.broadcast([o.as_dict() for o in bought])}
+            if self.fill_to is not None:
+                decided["fill_to"] = self.fill_to
             columns = {(d["layer"], d["side"]): d["columns"] for d in decided["decisions"]}
             plan = plan.resized({name: form.width + columns[layer, form.side]
                                  for layer, name, form in forms})

@@ -3,7 +3,6 @@ TensorBoard scalars and figures, and the custom-scalar layout that groups them."
 
 from __future__ import annotations
 
-import math
 from fractions import Fraction
 
 import lightning as L
@@ -53,16 +52,21 @@ def decision_text(event: dict) -> str:
     """e.g. `allowance 16 values per token; layer 0 d_head +2 of 3 above the floor (held-out gains 0.031 0.012 0.004
     0.001 vs fitted noise 0.01 0.011 0.009 0.008, 4 values per column)`: what the automatic schedule could buy, and
     per side of each layer the columns bought, how many cleared the noise floor, and the first candidates' held-out
-    gains against the noise their half fitted (in-sample − held-out)."""
+    gains against the noise their half fitted (in-sample − held-out). At the last check, which buys toward the budget
+    beyond the floor: `layer 1 d_head +3 (0 of 0 above the floor, 3 toward the budget of 4) (held-out gains …)`."""
     shown = lambda xs: " ".join(f"{x:.2g}" for x in xs) or "–"  # noqa: E731
-    allowance = event["allowance"]
-    parts = [f"allowance {allowance:.4g} values per token" if math.isfinite(allowance) else "no budget"]
+    parts = [f"allowance {event['allowance']:.4g} values per token"]
     for d in event["decisions"]:
         first = slice(0, d["columns"] + 2)
         noise = [seen - held for held, seen in zip(d["held_out"], d["in_sample"])]
         side = d.get("side", "d_head")  # absent in checks written before the value side could grow
-        parts.append(f"layer {d['layer']} {side} +{d['columns']} of {d['above_floor']} above the floor (held-out gains "
-                     f"{shown(d['held_out'][first])} vs fitted noise {shown(noise[first])}, {d['cost']} values per column)")
+        if "fill_to" in event:
+            bought = (f"+{d['columns']} ({d['columns'] - d['filled']} of {d['above_floor']} above the floor, "
+                      f"{d['filled']} toward the budget of {event['fill_to']:.4g})")
+        else:
+            bought = f"+{d['columns']} of {d['above_floor']} above the floor"
+        parts.append(f"layer {d['layer']} {side} {bought} (held-out gains {shown(d['held_out'][first])} vs fitted "
+                     f"noise {shown(noise[first])}, {d['cost']} values per column)")
     return "; ".join(parts)
 
 
@@ -104,12 +108,14 @@ def summary_table(history: list[dict]) -> str:
 def event_metrics(event: dict, layer_of: dict[str, tuple[int, HeadSize]]) -> dict[str, float]:
     """The event's TensorBoard scalars; `layer_of`: each grown form's (layer, side)."""
     metrics = {"growth/skipped": float(event["skipped"])}
-    if math.isfinite(event.get("allowance", math.inf)):
+    if "allowance" in event:
         metrics["growth/auto/allowance"] = event["allowance"]
     for d in event.get("decisions", []):
         tag = lambda name: f"growth/auto/{name}{SUFFIX[d.get('side', 'd_head')]}/layer_{d['layer']}"  # noqa: E731
         metrics[tag("columns")] = float(d["columns"])
         metrics[tag("above_floor")] = float(d["above_floor"])
+        if "fill_to" in event:
+            metrics[tag("filled")] = float(d["filled"])
         if d["held_out"]:
             metrics[tag("first_gain")] = d["held_out"][0]
             metrics[tag("first_noise")] = d["in_sample"][0] - d["held_out"][0]
@@ -159,9 +165,9 @@ def add_layout(trainer: L.Trainer, n_layer: int) -> None:
             "sign fallbacks and skips": ["Multiline", ["growth/sign_fallbacks", "growth/skipped"]],
             "seconds": ["Multiline", ["growth/seconds"]],
             "automatic schedule: columns bought and above the noise floor": ["Multiline", [
-                *per_layer("auto/columns"), *per_layer("auto/above_floor")]],
+                *per_layer("auto/columns"), *per_layer("auto/above_floor"), *per_layer("auto/filled")]],
             "automatic schedule: value columns bought and above the noise floor": ["Multiline", [
-                *per_layer("auto/columns_v"), *per_layer("auto/above_floor_v")]],
+                *per_layer("auto/columns_v"), *per_layer("auto/above_floor_v"), *per_layer("auto/filled_v")]],
             "automatic schedule: first column's held-out gain vs fitted noise": ["Multiline", [
                 *per_layer("auto/first_gain"), *per_layer("auto/first_noise"), *per_layer("auto/first_gain_v"),
                 *per_layer("auto/first_noise_v")]],

@@ -88,6 +88,11 @@ class GrowthSchedule(abc.ABC):
         """The cache values per token the next event may add (None: the growth settings size each event)."""
         return None
 
+    def fill_to(self, history: list[dict]) -> float | None:
+        """The budget (a mean head size) when the next event is the last check, which spends all that is left
+        toward it; None: the event buys by the statistics alone."""
+        return None
+
     def summary(self, history: list[dict]) -> str | None:
         """A line for the end of fit, if the schedule has something to say."""
         return None

@@ -25,6 +25,9 @@ GROUP_OF = {
 FLAT = {*GROUP_OF, "check_every", "patience", "auto_threshold", "grow_at_epochs", "grow_at_steps"}
 # The automatic schedule's settings before its K-cache budget.
 OLD_AUTO = {"first_check", "patience", "threshold", "agreement", "pool", "min_fall", "spare_below"}
+# What a rewritten AutoSchedule is given for its budget, which has no default: a quarter of static d_head 16's K cache.
+EXAMPLE_BUDGET = 4
+EXAMPLE_NOTE = f"budget {EXAMPLE_BUDGET} is an example: give the mean query/key head size you can afford"
 MOVED = {"lit_growattn.hf.entropy": "lit_growattn.dint.entropy"}  # a class a config names, in its old module
 
 
@@ -38,7 +41,7 @@ def grouped(init_args: dict[str, Any]) -> dict[str, Any]:
     auto = init_args.get("schedule") == "auto"
     if auto:  # the flat form's rule (patience, auto_threshold) is gone: the automatic schedule spends a budget now
         schedule = {"class_path": "lit_growattn.AutoSchedule",
-                    "init_args": {"budget": None, "check_every": init_args.get("check_every", CHECK_EVERY),
+                    "init_args": {"budget": EXAMPLE_BUDGET, "check_every": init_args.get("check_every", CHECK_EVERY),
                                   "spend_until": SPEND_UNTIL}}
     elif init_args.get("grow_at_steps") is not None:
         schedule = {"class_path": "lit_growattn.AtSteps", "init_args": {"steps": init_args["grow_at_steps"]}}
@@ -69,9 +72,10 @@ def refuse_old_config(args: list[str]) -> None:
             _refuse_moved(text, path)
             for init_args in _callback_init_args(yaml.safe_load(text) or {}):
                 if is_flat(init_args):
+                    example = f" ({EXAMPLE_NOTE})" if init_args.get("schedule") == "auto" else ""
                     raise ValueError(
                         f"{path} gives GrowAttentionCallback its settings in the old flat form, which is no longer "
-                        "read; they are grouped now. Write its init_args as:\n"
+                        f"read; they are grouped now{example}. Write its init_args as:\n"
                         + yaml.safe_dump(grouped(init_args), sort_keys=False, default_flow_style=None)
                     )
                 _refuse_old_auto(init_args.get("schedule"), path)
@@ -91,15 +95,15 @@ def _refuse_old_auto(schedule: Any, where: str) -> None:
         if old := OLD_AUTO & set(schedule.get("init_args") or {}):
             kept = {k: v for k, v in schedule["init_args"].items() if k not in OLD_AUTO}
             raise ValueError(f"{where}: {_auto_rewrite(old)}. Write its init_args as:\n"
-                             + yaml.safe_dump({"budget": None, **kept, "spend_until": SPEND_UNTIL}, sort_keys=False,
-                                              default_flow_style=None))
+                             + yaml.safe_dump({"budget": EXAMPLE_BUDGET, **kept, "spend_until": SPEND_UNTIL},
+                                              sort_keys=False, default_flow_style=None))
 
 
 def _auto_rewrite(old: set[str]) -> str:
     return (f"AutoSchedule no longer takes {', '.join(sorted(old))}: it now spends a K-cache budget (budget: the "
-            "mean query/key head size the growing layers may reach, null for none; check_every; spend_until: the "
-            "share of the run the budget is spread over), and growth.max_columns goes with the old rule too "
-            "(docs/capacity.md)")
+            "mean query/key head size the growing layers may reach; check_every; spend_until: the share of the run "
+            "the budget is spread over), and growth.max_columns goes with the old rule too (docs/capacity.md); "
+            f"{EXAMPLE_NOTE}")
 
 
 def _refuse_moved(text: str, where: str) -> None:

@@ -5,7 +5,8 @@ byte tokenizer) on a text file, four runs per seed, the same steps for all:
     static full    d_k 8: the config's 8 rotary columns
     static small   d_k 4: 4 rotary columns, the RoPE of a head_dim-4 Llama (HFCausalLM rotary_dim=4); v width stays 8
     grow fixed     from small, +2 NoPE columns at epochs 1 and 2 (AtEpochs): 4 rotary + 4 NoPE = 8 at the end
-    grow auto      from small, AutoSchedule (a check every `--check-every` steps, its default bar)
+    grow auto      from small, AutoSchedule (a check every `--check-every` steps, a K-cache budget of `--budget`,
+                   default 8: static full's d_k)
 
     python studies/hf_growth/hf_experiment.py --text tinyshakespeare.txt        # 3 seeds, hf_experiment.* here
     python studies/hf_growth/hf_experiment.py --text FILE --seeds 0 --override --trainer.max_epochs=1   # a smoke run
@@ -43,7 +44,7 @@ CONFIG = "configs/hf_llama_grow.yaml"
 SMALL = ["--model.init_args.rotary_dim=4"]
 
 
-def schedules(check_every: int) -> dict[str, dict]:
+def schedules(check_every: int, budget: float) -> dict[str, dict]:
     """The growth callback of each growing run (replacing the config's)."""
     def grow(schedule: dict, columns: int | None) -> dict:
         return {"class_path": "lit_growattn.GrowAttentionCallback",
@@ -52,7 +53,7 @@ def schedules(check_every: int) -> dict[str, dict]:
 
     return {"grow fixed": grow({"class_path": "lit_growattn.AtEpochs", "init_args": {"epochs": [1, 2]}}, 2),
             "grow auto": grow({"class_path": "lit_growattn.AutoSchedule",
-                               "init_args": {"check_every": check_every}}, None)}
+                               "init_args": {"check_every": check_every, "budget": budget}}, None)}
 
 
 class SplitProbe(L.Callback):
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--only", nargs="+", help="run names to keep")
     parser.add_argument("--check-every", type=int, default=100, help="AutoSchedule's steps between checks")
+    parser.add_argument("--budget", type=float, default=8.0,
+                        help="AutoSchedule's K-cache budget, a mean query/key head size (default 8: static full's d_k)")
     parser.add_argument("--probe-batches", type=int, default=4)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
     parser.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides for every run")
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.text:
         parser.error("--text FILE is needed (the corpus; with --from-json, the one the results were trained on)")
-    grown = schedules(args.check_every)
+    grown = schedules(args.check_every, args.budget)
     runs = {"static full": ([], False), "static small": (SMALL, False),
             "grow fixed": (SMALL, True), "grow auto": (SMALL, True)}
     runs = {k: v for k, v in runs.items() if not args.only or k in args.only}

@@ -7,15 +7,20 @@
     post-hoc b                          static 16 for 2/3 of the steps, shrunk per layer to the budget by SVD energy
                                         (growth.shrink.allocate_ranks, Palu/Eigen-style), fine-tuned for the rest
 
-and once per seed "static 16" (the ceiling) and "grown, no budget" (budget null: every column that clears the noise
-floor). Every row trains the same number of steps (the auto config's 750-step setting).
+and once per seed "static 16" (the ceiling). The results also hold "grown, no budget" (budget null: every column that
+cleared the noise floor), which `summary.py` still renders; it no longer runs, since AutoSchedule refuses budget null
+(issue 54). Every row trains the same number of steps (the auto config's 750-step setting). The grown rows of this
+folder's results ran the earlier rule, which bought only columns above the noise floor; AutoSchedule now spends the
+whole budget at its last check, so new grown rows go to another --out (studies/spend_budget), never into a file that holds the earlier rule's.
 
     python studies/kcache_budget/kcache_study.py --text FILE --corpus NAME --model 2layer --seeds 0 1 2 3 4 5
 
 --budgets (default 2 4) and --rows (row kinds, default all) pick a part of the grid; --override adds CLI overrides to
 every run. Results go to --out (default studies/kcache_budget/results.json) after each run, as
 runs[model][corpus][row][seed]; a row × seed × corpus already there is skipped, so the grid runs over several
-sessions. The post-hoc rows of one seed share their static-16 phase within an invocation.
+sessions. The post-hoc rows of one seed share their static-16 phase within an invocation. --from names other results
+files read as inputs only (a row that needs another row's result, such as post-hoc's "uniform static b", finds it
+there): nothing of them is copied into --out, so a merge of the files holds no run twice.
 """
 
 from __future__ import annotations
@@ -38,8 +43,8 @@ from lit_growattn.module import GrowAttentionLM  # noqa: E402
 CONFIG = "configs/text_auto.yaml"  # static rows drop its growth callback and set d_head (as the capacity study)
 FULL = 16  # the ceiling's head size, and the width the post-hoc rows start from
 MODELS = {"2layer": [], "8layer": ["--model.init_args.n_layer=8", "--model.init_args.optimizer.init_args.lr=0.001"]}
-KINDS = ["static 16", "uniform static", "grown", "static at the allocator's widths", "post-hoc", "grown, no budget"]
-PER_BUDGET = KINDS[1:5]
+KINDS = ["static 16", "uniform static", "grown", "static at the allocator's widths", "post-hoc"]
+PER_BUDGET = KINDS[1:]
 NEEDS = {"static at the allocator's widths": "grown", "post-hoc": "uniform static"}  # the row whose result it takes
 BUDGET = "--trainer.callbacks.init_args.schedule.init_args.budget"
 OUT = Path(__file__).resolve().parent / "results.json"
@@ -50,10 +55,9 @@ WHAT = ("settings[model][corpus]: the overrides of its runs besides the corpus; 
 
 
 def row_names(kinds: list[str], budgets: list[int]) -> list[str]:
-    """The rows of one seed, in the order they run: each budget's rows after the ceiling, the unbudgeted run last."""
+    """The rows of one seed, in the order they run: each budget's rows after the ceiling."""
     names = ["static 16"] if "static 16" in kinds else []
-    names += [f"{kind} {b}" for b in budgets for kind in PER_BUDGET if kind in kinds]
-    return names + (["grown, no budget"] if "grown, no budget" in kinds else [])
+    return names + [f"{kind} {b}" for b in budgets for kind in PER_BUDGET if kind in kinds]
 
 
 def compact(result: dict) -> dict:
@@ -77,18 +81,24 @@ def allocated(trained: Path, budget: int) -> list[int]:
     return allocate_ranks(layers, budget * sum(f.n_kv_head for forms in model.qk_forms() for f in forms))
 
 
-def missing_inputs(names: list[str], done: dict, seed: int) -> list[str]:
-    """Rows that need another row's result of the same seed that is neither stored nor run in this invocation."""
+def missing_inputs(names: list[str], stored: list[dict], seed: int) -> list[str]:
+    """Rows that need another row's result of the same seed that is neither stored (in --out or a --from file) nor
+    run in this invocation."""
     out = []
     for name in names:
         kind, _, b = name.rpartition(" ")
         need = f"{NEEDS[kind]} {b}" if kind in NEEDS else None
-        if need and need not in names and str(seed) not in done.get(need, {}):
+        if need and need not in names and not any(str(seed) in cell.get(need, {}) for cell in stored):
             out.append(f"{name!r} needs {need!r}")
     return out
 
 
-def run_grid(args, results: dict, work: Path) -> None:
+def stored_run(cells: list[dict], row: str, seed: int) -> dict:
+    """A row's run of `seed`, from --out (run in this invocation or an earlier one) or a --from file."""
+    return next(cell[row][str(seed)] for cell in cells if str(seed) in cell.get(row, {}))
+
+
+def run_grid(args, results: dict, inputs: list[dict], work: Path) -> None:
     done = results["runs"].setdefault(args.model, {}).setdefault(args.corpus, {})
     names, logs = row_names(args.rows, args.budgets), str(work)
     common = [f"--data.init_args.path={args.text}", *settings(args)]
@@ -99,11 +109,9 @@ def run_grid(args, results: dict, work: Path) -> None:
             if str(seed) in done.get(name, {}):
                 continue
             kind, _, b = name.rpartition(" ")
-            stored = lambda row: done[row][str(seed)]  # noqa: E731 - a row run earlier, now or in another session
+            stored = lambda row: stored_run([done, *inputs], row, seed)  # noqa: E731
             if name == "static 16":
                 result = run(CONFIG, [*seeded, f"--model.init_args.d_head={FULL}"], logs, grow=False)
-            elif name == "grown, no budget":
-                result = run(CONFIG, [*seeded, f"{BUDGET}=null"], logs, grow=True)
             elif kind == "uniform static":
                 result = run(CONFIG, [*seeded, f"--model.init_args.d_head={b}"], logs, grow=False)
             elif kind == "grown":
@@ -138,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", nargs="+", default=KINDS, help=f"row kinds to run (default all): {KINDS}")
     parser.add_argument("--out", type=Path, default=OUT, help="the results JSON, read first and updated after each run")
     parser.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides for every run")
+    parser.add_argument("--from", dest="inputs", type=Path, nargs="+", default=[],
+                        help="results files whose runs are read as inputs, never copied into --out")
     args = parser.parse_args(argv)
     if unknown := [kind for kind in args.rows if kind not in KINDS]:
         parser.error(f"unknown row kinds {unknown}; known: {KINDS}")
@@ -150,13 +160,33 @@ def main(argv: list[str] | None = None) -> None:
     if recorded != settings(args):
         parser.error(f"{args.out} holds {args.model} {args.corpus} runs with the overrides {recorded}, not "
                      f"{settings(args)}: give the same --override, or another --out")
+    inputs = [input_cell(parser, path, args) for path in args.inputs]
     done = results["runs"].get(args.model, {}).get(args.corpus, {})
+    if "grown" in args.rows and any("fill_to" not in (run["last_check"] or {}) for b in args.budgets
+                                    for run in done.get(f"grown {b}", {}).values()):
+        parser.error(f"{args.out} holds grown rows of the earlier rule (the floor alone, which left budget unspent): "
+                     "write the rule that spends the whole budget to another --out, reading this file with --from")
     names = row_names(args.rows, args.budgets)
-    if problems := [p for seed in args.seeds for p in missing_inputs(names, done, seed)]:
-        parser.error(f"{'; '.join(sorted(set(problems)))}: add its row kind to --rows")
+    if problems := [p for seed in args.seeds for p in missing_inputs(names, [done, *inputs], seed)]:
+        parser.error(f"{'; '.join(sorted(set(problems)))}: add its row kind to --rows, or give a results file "
+                     "that holds it with --from")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
-        run_grid(args, results, Path(work))
+        run_grid(args, results, inputs, Path(work))
+
+
+def input_cell(parser: argparse.ArgumentParser, path: Path, args) -> dict:
+    """The runs of this model and corpus in a --from file, refused unless they ran with the same overrides."""
+    if path.resolve() == args.out.resolve():
+        parser.error(f"--from {path} is the --out file: it is read anyway")
+    if not path.is_file():
+        parser.error(f"--from {path} is not a file")
+    results = read_results(parser, path, WHAT)
+    recorded = results.get("settings", {}).get(args.model, {}).get(args.corpus)
+    if recorded != settings(args):
+        parser.error(f"--from {path} holds {args.model} {args.corpus} runs with the overrides {recorded}, not "
+                     f"{settings(args)}: its runs are not comparable")
+    return results["runs"][args.model][args.corpus]
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ configs/text_auto.yaml, query/key head size 16 in every row, every row trained f
                         each, by the natural direction, from 16 statistics batches: d_v 4 → 10 → 16
     auto d_v 4, budget 16
                         from d_v 4, AutoSchedule(budget=16, check_every=50, spend_until=0.5) on the value side
-                        (max_d_v 16, natural direction, 16 statistics batches): it buys what clears the noise floor,
-                        at most static d_v 16's V cache
+                        (max_d_v 16, natural direction, 16 statistics batches). Its recorded runs are the earlier
+                        rule's, which bought only what cleared the noise floor; AutoSchedule now spends the whole
+                        budget at its last check, so a rerun of this row ends every layer at d_v 16
 
     python studies/value_growth/value_study.py --text FILE --corpus NAME --seeds 0 1 2 3 4 5
 
