@@ -126,8 +126,8 @@ class ValueMap(ValueShape, nn.Module):
         rename_linear_keys(state_dict, prefix, self.n_kv_head, self.n_head, v, o, conv1d_o)
 
 
-def rename_linear_keys(state_dict: dict[str, Tensor], prefix: str, n_kv_head: int, n_head: int, v: str = "v",
-                       o: str = "o", conv1d_o: bool = False) -> None:
+def rename_linear_keys(state_dict: dict[str, Tensor], prefix: str, n_kv_head: int, n_head: int, v: str, o: str,
+                       conv1d_o: bool = False) -> None:
     """Rewrites, in place, the keys of the value and output modules `prefix + v`, `prefix + o` (nn.Linear, or `o` a
     transformers Conv1D) into a value map's `prefix + "value.w_v"`, `"value.w_o"`, `"value.o_bias"`; exact."""
     old = {f"{side}.{name}": state_dict.pop(f"{prefix}{module}.{name}", None)
