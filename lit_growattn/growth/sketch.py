@@ -1,0 +1,551 @@
+"""Sketched growth statistics: what a growth event needs of N̄, kept in e′·k numbers per head instead of e′².
+
+Why. The full statistics hold N̄_j (e′ × e′) per query head on the query/key side and N̄_V,j, C̄_V,j (e′ × e, e′ × e′)
+per head on the value side: at a 1B-parameter model's width that is gigabytes per layer. A growth event reads far less
+of them. It appends, per head (per group of heads sharing keys or values), the top p singular pairs of the bottleneck
+and ranks them by their first-order gain −σ_j u_jᵀN̄v_j; the direction's normalisation and the predicted decrease are
+traces that a thin factorisation gives exactly. So N̄ is only ever needed on a subspace of dimension about p, and a
+sketch of rank k ≈ 2p + 8 carries it whenever N̄ is close to low rank, which the gradient's N̄ is on real text.
+
+What is sketched (query/key side, `SketchFormStats`). A group g of query heads sharing one key head has the stacked
+statistics S_g = [N̄_j]_{j∈g} (g·e′ × e′), the very matrix `GroupedGrowth` factorises. With Gaussian test matrices Ω
+(e′ × k, one per layer) and Ψ_j (e′ × l, one per query head, Ψ_g their stack) the sums are
+
+    C = Σ_i X′ᵢᵀX′ᵢ (full: one e′ × e′ matrix per layer),
+    Y_j = Σ_i X′ᵢᵀG_ij(X′ᵢΩ) = N_jΩ (e′ × k, per query head),   so [Y_j]_{j∈g} = S_gΩ,
+    W_g = Σ_{j∈g} Σ_i X′ᵢᵀG_ijᵀ(X′ᵢΨ_j) = Σ_{j∈g} N_jᵀΨ_j (e′ × l, per key head) = S_gᵀΨ_g:
+
+a two-sided sketch of S_g. The capture hands G X′Ω and Σ_{j∈g} GᵀX′Ψ_j, thin products that attention with k + l extra
+columns gives without ever forming G (growth/ needs only their values).
+
+Value side (`SketchValueStats`). With P_j = A_jX′ and G_Y = ∂L/∂Y, a value head's group has T_g = [N̄_V,j]_{j∈g}
+(e′ × g·e, heads side by side); with Ω_j (e × k, per query head), Ψ (e′ × l) and Ω_c (e′ × k_c, per layer)
+
+    Y_V,g = Σ_{j∈g} N_V,jΩ_j = T_g[Ω_j]_j (e′ × k, per value head),   W_V,j = N_V,jᵀΨ (e × l, per query head),
+    F_j = C_V,jΩ_c (e′ × k_c, per query head): a Nyström sketch of each head's input covariance.
+
+Reconstruction (generalised Nyström). From y = AΩ and w = AᵀΨ alone, A ≈ Q(ΨᵀQ)⁺wᵀ with Q an orthonormal basis of
+range(y) (`nystrom`): exact whenever rank A ≤ k, since then range(A) = range(y) and (ΨᵀQ)⁺Ψᵀ inverts Q on it. So
+N̄_j ≈ L_jR_gᵀ with L = Q split per head (e′ × k) and R_g (e′ × k) shared by the group, as its heads share K. The
+value side's C_V,j is rebuilt as Ĉ_j = F(Ω_cᵀF)⁺Fᵀ = B_jB_jᵀ (`nystrom_psd`), exact when rank C_V,j ≤ k_c.
+
+Growth from thin factors. Directions are products ΔM_j = A_jB_gᵀ: gradient A = −L, B = R; natural A = −(C̄ + ρI)⁻¹L,
+B = (C̄ + ρI)⁻¹R (ridge ρ; none: C̄⁺). The bottleneck (I − P_stacked)[A_j]_j·((I − P_K)B)ᵀ is two thin QRs and a k × k
+SVD (`linalg.thin_svd`); gains, the normalisation tr(ΔMᵀC̄ΔMC̄) = tr((AᵀC̄A)(BᵀC̄B)) and the predicted decrease
+⟨N̂, M′ − M⟩ are traces of small matrices. Nothing of size e′ × e′ (e′ × e) per head is formed. On the value side the
+natural direction inverts Ĉ_j + ρ_jI by Woodbury on its thin root. The sketched growths (`SketchedFormGrowth`,
+`SketchedGroupedGrowth`, `SketchedValueGrowth`) are the full ones (`FormGrowth`, `GroupedGrowth`, `ValueGrowth`) with
+their direction, bottleneck, gains and first-order prediction taken from the factors; everything that turns pairs
+into columns is theirs. Pair signs are canonical (`linalg.canonical_signs`).
+
+Exactness. When each group's stacked statistics have rank ≤ k (and C_V,j rank ≤ k_c), the sketched growth equals the
+full one: the same columns up to each pair's sign, gains and predicted decrease. With k ≥ e′ it is exact for any
+statistics. Pairs beyond the sketch's k cannot be priced: a sketched growth appends at most k (value side: the
+bottleneck's pairs) columns per head per event.
+
+`pinv` cannot be sketched: it sums each sequence's C_i⁺N_iC_i⁺, which is not a function of the summed N̄ a sketch keeps.
+Nor can a direction registered by a user, which reads N̄ itself.
+
+Mergeable. Every sum is linear in what is captured, so micro-batches add, the halves of a window subtract and one
+all-reduce of `stats.flatten_stats` merges ranks, as for `FormStats`. The test matrices are not among the sums (an
+all-reduce would multiply them by the world size) nor in a checkpoint: they are drawn again from a seed (a float64 CPU
+generator, then cast), identical on every rank and after a resume, and a checkpoint keeps the seed, the sizes and a
+checksum that refuses a resume whose generator now draws other matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lit_growattn.growth.choices import BASELINES, check_choice
+from lit_growattn.growth.factorize import FormGrowth, sizing_method
+from lit_growattn.growth.grouped import GroupedGrowth, is_grouped
+from lit_growattn.growth.linalg import (
+    canonical_signs, column_basis, factored_score_energy, psd_pinv, psd_ridge_inverse, thin_svd,
+)
+from lit_growattn.growth.solvers import energy_scale
+from lit_growattn.growth.stats import Sums
+from lit_growattn.growth.value import ValueGrowth
+
+# The directions a sketch can give: pinv needs each sequence's own C_i⁺ (module docstring), a user's direction N̄.
+SKETCH_DIRECTIONS = ("natural", "gradient")
+
+
+@dataclass(frozen=True)
+class SketchSize:
+    """k: range columns per head (the most pairs an event can price), l: co-range columns (l > k, so that the
+    Nyström core is over-determined), k_c: the value side's Nyström columns for C_V."""
+
+    k: int
+    l: int
+    k_c: int
+
+    @classmethod
+    def of(cls, k: int) -> SketchSize:
+        """The sizes for k: l = ⌈3k/2⌉ (enough over k that ΨᵀQ is well conditioned), k_c = k."""
+        if k < 1:
+            raise ValueError(f"a sketch needs k ≥ 1 columns, got {k}")
+        return cls(k, math.ceil(3 * k / 2), k)
+
+
+@dataclass(frozen=True)
+class TestMatrices:
+    """The Gaussian test matrices of one unit's sketch (name → tensor), drawn from `seed`: in float64 on the CPU,
+    whatever the device, then cast, so every rank and every resume draws the same ones. checksum: of the float64
+    draws, to notice a torch whose generator draws others."""
+
+    __test__ = False  # not a pytest class, whatever its name
+
+    seed: int
+    matrices: dict[str, Tensor]
+    checksum: float
+
+    @classmethod
+    def draw(cls, seed: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32,
+             device: torch.device | str | None = None) -> TestMatrices:
+        generator = torch.Generator().manual_seed(seed)
+        drawn = {name: torch.randn(shape, generator=generator, dtype=torch.float64) for name, shape in shapes.items()}
+        return cls(seed, {name: t.to(dtype=dtype, device=device) for name, t in drawn.items()}, cls.checksum_of(drawn))
+
+    @staticmethod
+    def checksum_of(matrices: dict[str, Tensor]) -> float:
+        """A float64 fingerprint of the matrices, weighted by position: a generator that draws the same numbers in
+        another order (as a vectorised kernel may) changes it too."""
+        return sum(float(t.double().flatten() @ torch.linspace(1, 2, t.numel(), dtype=torch.float64))
+                   for t in matrices.values())
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.matrices[name]
+
+    def to(self, device: torch.device | str) -> TestMatrices:
+        return TestMatrices(self.seed, {name: t.to(device) for name, t in self.matrices.items()}, self.checksum)
+
+
+class Factored(NamedTuple):
+    """A statistic held as thin factors, N̄ ≈ left rightᵀ per head or group (see the moments that hold it)."""
+
+    left: Tensor
+    right: Tensor
+
+
+class SketchMoments(NamedTuple):
+    """A query/key form's sketched means: c = C̄ (e′, e′); n: N̄_j ≈ n.left_j n.right_gᵀ with left (H, e′, r) per
+    query head and right (KV, e′, r) per key head."""
+
+    c: Tensor
+    n: Factored
+
+
+class SketchValueMoments(NamedTuple):
+    """A value map's sketched means: c_root (H, e′, r_c) with Ĉ_j = c_root_j c_root_jᵀ, the Nyström estimate of C̄_j;
+    n: N̄_V,j ≈ n.left_g n.right_jᵀ with left (KV, e′, r) per value head and right (H, e, r) per query head."""
+
+    c_root: Tensor
+    n: Factored
+
+
+def nystrom(y: Tensor, w: Tensor, psi: Tensor) -> Factored:
+    """A ≈ Q(ΨᵀQ)⁺Wᵀ = left rightᵀ from the sketches y = AΩ (…, m, k) and w = AᵀΨ (…, n, l) with the co-range's test
+    matrix psi (…, m, l): left = Q (…, m, r), an orthonormal basis of y's columns, right = W(ΨᵀQ)⁺ᵀ (…, n, r),
+    r = min(m, k). Exact when rank A ≤ k: range(A) ⊆ span(Q), and ΨᵀQ (l > r rows) has full column rank, so
+    (ΨᵀQ)⁺ΨᵀA = QᵀA. Q keeps all k columns even when y has lower rank: the extra ones carry rows of `right` at round-off
+    and keep the least-squares problem well posed."""
+    q = torch.linalg.qr(y).Q
+    return Factored(q, torch.linalg.lstsq(psi.mT @ q, w.mT).solution.mT)
+
+
+def nystrom_psd(f: Tensor, omega: Tensor, cut: float) -> Tensor:
+    """A root B (…, m, k) of the Nyström estimate Ĉ = F(ΩᵀF)⁺Fᵀ = BBᵀ of symmetric PSD matrices C from f = CΩ
+    (…, m, k). The core ΩᵀCΩ has condition number about cond(C)·cond(Ω)², so it is cut at round-off (eigenvalues
+    below `cut` × its largest: their columns of B are zero), not at the growth's rcond, which then applies to Ĉ."""
+    core = omega.mT @ f
+    lam, vec = torch.linalg.eigh((core + core.mT) / 2)
+    keep = lam > cut * lam[..., -1:]
+    return f @ (vec * torch.where(keep, torch.where(keep, lam, 1.0).rsqrt(), 0.0).unsqueeze(-2))
+
+
+def nystrom_solve(root: Tensor, rhs: Tensor, ridge: float | None, rcond: float) -> Tensor:
+    """(Ĉ + ρI)⁻¹ rhs for Ĉ = root rootᵀ (root (…, e, m), rhs (…, e, r)), ρ = ridge × Ĉ's mean eigenvalue (tr Ĉ / e),
+    by Woodbury on Ĉ = U diag(λ) Uᵀ: U diag(1/(λ + ρ)) Uᵀ + (I − UUᵀ)/ρ. ridge None or 0: Ĉ⁺ rhs, eigenvalues
+    ≤ rcond × the largest counting as zero, as `linalg.psd_pinv`."""
+    u, s, _ = torch.linalg.svd(root, full_matrices=False)
+    lam = s.square()  # descending
+    along = u.mT @ rhs
+    if not ridge:
+        keep = lam > rcond * lam[..., :1]
+        return u @ (torch.where(keep, 1.0 / torch.where(keep, lam, 1.0), 0.0).unsqueeze(-1) * along)
+    if ridge < 0:
+        raise ValueError(f"ridge must be ≥ 0 (a multiple of the mean eigenvalue), got {ridge}")
+    rho = (ridge * lam.sum(-1) / root.shape[-2])[..., None, None]
+    return u @ (along / (lam.unsqueeze(-1) + rho)) + (rhs - u @ along) / rho
+
+
+class SketchSums(Sums):
+    """Sums of a sketch (module docstring): `Sums` with the unit's test matrices, which are neither summed nor saved.
+    Sums of different test matrices do not combine; a state restores only onto the same seed, sizes and draws."""
+
+    size: SketchSize
+    tests: TestMatrices
+
+    def to(self, device: torch.device | str) -> SketchSums:
+        super().to(device)
+        self.tests = self.tests.to(device)
+        return self
+
+    def _combined(self, other: Sums, sign: float) -> Sums:
+        if not isinstance(other, SketchSums) or (other.tests.seed, other.size) != (self.tests.seed, self.size):
+            raise ValueError("cannot combine sketches drawn with different test matrices (seed or size)")
+        return super()._combined(other, sign)
+
+    def _sketch_state(self) -> dict:
+        return {"seed": self.tests.seed, "k": self.size.k, "l": self.size.l, "k_c": self.size.k_c,
+                "checksum": self.tests.checksum}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "sketch": self._sketch_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved, drawn = state.get("sketch"), self._sketch_state()
+        if saved is None or {k: v for k, v in saved.items() if k != "checksum"} != {
+                k: v for k, v in drawn.items() if k != "checksum"}:
+            raise ValueError(f"the saved sketch {saved} is not this one's {drawn}")
+        if saved["checksum"] != drawn["checksum"]:
+            raise ValueError("the sketch's test matrices drawn now differ from the window's (torch changed its "
+                             "generator?): resume from a checkpoint outside the window")
+        super().load_state_dict({k: v for k, v in state.items() if k != "sketch"})
+
+    @staticmethod
+    def _saved_size(state: dict) -> tuple[SketchSize, int]:
+        sketch = state["sketch"]
+        return SketchSize(sketch["k"], sketch["l"], sketch["k_c"]), sketch["seed"]
+
+
+class SketchFormStats(SketchSums):
+    """Running sums of one query/key form's sketch: c_sum (e′, e′), y_sum (H, e′, k), w_sum (KV, e′, l); test
+    matrices omega (e′, k) and psi (H, e′, l). `means` gives SketchMoments (the reconstruction is done there)."""
+
+    def __init__(self, n_head: int, n_kv_head: int, e_in: int, size: SketchSize, seed: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, rcond: float = 1e-6):
+        if n_head % n_kv_head:
+            raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key heads evenly")
+        self.rcond, self.size = rcond, size
+        self.tests = TestMatrices.draw(seed, {"omega": (e_in, size.k), "psi": (n_head, e_in, size.l)}, dtype, device)
+        zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        self.c_sum = zeros(e_in, e_in)
+        self.y_sum = zeros(n_head, e_in, size.k)
+        self.w_sum = zeros(n_kv_head, e_in, size.l)
+        self.instances = zeros()
+        self.weight = zeros()
+
+    @classmethod
+    def empty_like(cls, form, size: SketchSize, seed: int, *, dtype: torch.dtype = torch.float32,
+                   rcond: float = 1e-6) -> SketchFormStats:
+        """Empty sums for a form with w_q (H, e′, d) and w_k (KV, e′, d)."""
+        (h, e_in, _), kv = form.w_q.shape, form.w_k.shape[0]
+        return cls(h, kv, e_in, size, seed, dtype=dtype, device=form.w_q.device, rcond=rcond)
+
+    @property
+    def names(self) -> list[str]:
+        return ["c_sum", "y_sum", "w_sum", "instances", "weight"]
+
+    @torch.no_grad()
+    def update(self, xa: Tensor, g_omega: Tensor, gt_psi: Tensor, weight: float = 1.0) -> None:
+        """Adds one captured triple: xa = X′ (b, s, e′), g_omega = G_j X′Ω (b, H, s, k) per query head and
+        gt_psi = Σ_{j∈g} G_jᵀX′Ψ_j (b, KV, s, l) per key head, G from the (unscaled) loss. Raises
+        NonFiniteStatistics, leaving the sums untouched, when they hold NaN or inf."""
+        self._follow(xa)
+        x, gy, gw = (t.detach().to(self.c_sum) for t in (xa, g_omega, gt_psi))
+        b, s, e = x.shape
+        expected = (b, *self.y_sum.shape[:1], s, self.size.k), (b, *self.w_sum.shape[:1], s, self.size.l)
+        if (tuple(gy.shape), tuple(gw.shape)) != expected:
+            raise ValueError(f"captured G X′Ω {tuple(gy.shape)} and GᵀX′Ψ {tuple(gw.shape)}, expected {expected}")
+        flat = x.reshape(b * s, e)
+        increments = {"c_sum": flat.mT @ flat, "y_sum": torch.einsum("bse,bhsk->hek", x, gy),
+                      "w_sum": torch.einsum("bse,bgsl->gel", x, gw)}
+        self._add(increments, b, weight, "captured (X′, G X′Ω, GᵀX′Ψ)")
+
+    def means(self) -> SketchMoments:
+        """C̄ and the factors of N̄ in float64 (sums divided as `FormStats.means` does); raises NonFiniteStatistics on
+        NaN/inf, ValueError when empty."""
+        w = self._checked_weight()
+        (h, e, k), (kv, _, l) = self.y_sum.shape, self.w_sum.shape
+        group = h // kv
+        left, right = nystrom((self.y_sum.double() / w).reshape(kv, group * e, k), self.w_sum.double() / w,
+                              self.tests["psi"].double().reshape(kv, group * e, l))
+        return SketchMoments(self.c_sum.double() / self.instances.double(),
+                             Factored(left.reshape(h, e, left.shape[-1]), right))
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> SketchFormStats:
+        size, seed = cls._saved_size(state)
+        (h, e, _), kv, y = state["y_sum"].shape, state["w_sum"].shape[0], state["y_sum"]
+        out = cls(h, kv, e, size, seed, dtype=y.dtype, device=y.device)
+        out.load_state_dict(state)
+        return out
+
+
+class SketchValueStats(SketchSums):
+    """Running sums of one value map's sketch: y_sum (KV, e′, k), w_sum (H, e, l), f_sum (H, e′, k_c); test matrices
+    omega (H, e, k), psi (e′, l), omega_c (e′, k_c). `means` gives SketchValueMoments."""
+
+    def __init__(self, n_head: int, n_kv_head: int, e_in: int, e_out: int, size: SketchSize, seed: int, *,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, rcond: float = 1e-6):
+        if n_head % n_kv_head:
+            raise ValueError(f"{n_head} query heads cannot share {n_kv_head} value heads evenly")
+        self.rcond, self.size = rcond, size
+        shapes = {"omega": (n_head, e_out, size.k), "psi": (e_in, size.l), "omega_c": (e_in, size.k_c)}
+        self.tests = TestMatrices.draw(seed, shapes, dtype, device)
+        zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        self.y_sum = zeros(n_kv_head, e_in, size.k)
+        self.w_sum = zeros(n_head, e_out, size.l)
+        self.f_sum = zeros(n_head, e_in, size.k_c)
+        self.instances = zeros()
+        self.weight = zeros()
+
+    @classmethod
+    def empty_like(cls, values, size: SketchSize, seed: int, *, dtype: torch.dtype = torch.float32,
+                   rcond: float = 1e-6) -> SketchValueStats:
+        """Empty sums for a value map with w_v (KV, e′, d) and w_o (H, d, e)."""
+        (kv, e_in, _), (h, _, e_out) = values.w_v.shape, values.w_o.shape
+        return cls(h, kv, e_in, e_out, size, seed, dtype=dtype, device=values.w_v.device, rcond=rcond)
+
+    @property
+    def names(self) -> list[str]:
+        return ["y_sum", "w_sum", "f_sum", "instances", "weight"]
+
+    @torch.no_grad()
+    def update(self, xa: Tensor, e_v_grad: Tensor, a_xpsi: Tensor, g_y: Tensor, e_c_grad: Tensor,
+               weight: float = 1.0) -> None:
+        """Adds one captured step: xa = X′ (b, s, e′); e_v_grad = Σ_{j∈g} A_jᵀG_YΩ_j (b, KV, s, k) per value head;
+        a_xpsi = A_jX′Ψ (b, H, s, l) and e_c_grad = A_jᵀA_jX′Ω_c (b, H, s, k_c) per query head; g_y = ∂L/∂Y (b, s, e)
+        from the (unscaled) loss. Raises NonFiniteStatistics, leaving the sums untouched, on NaN or inf."""
+        self._follow(xa)
+        x, ev, ap, g, ec = (t.detach().to(self.y_sum) for t in (xa, e_v_grad, a_xpsi, g_y, e_c_grad))
+        b, s, _ = x.shape
+        (kv, _, k), (h, e_out, l), k_c = self.y_sum.shape, self.w_sum.shape, self.size.k_c
+        expected = (b, kv, s, k), (b, h, s, l), (b, s, e_out), (b, h, s, k_c)
+        if tuple(tuple(t.shape) for t in (ev, ap, g, ec)) != expected:
+            raise ValueError(f"captured {[tuple(t.shape) for t in (ev, ap, g, ec)]}, expected {list(expected)}")
+        increments = {"y_sum": torch.einsum("bse,bgsk->gek", x, ev), "w_sum": torch.einsum("bsf,bhsl->hfl", g, ap),
+                      "f_sum": torch.einsum("bse,bhsc->hec", x, ec)}
+        self._add(increments, b, weight, "captured value sketch")
+
+    def means(self) -> SketchValueMoments:
+        """The Nyström root of each C̄_j and the factors of N̄_V in float64 (C per instance, N per weight, as
+        `ValueStats.means`); raises NonFiniteStatistics on NaN/inf, ValueError when empty."""
+        w = self._checked_weight()
+        (kv, e_in, _), (h, e_out, l) = self.y_sum.shape, self.w_sum.shape
+        group = h // kv
+        left, right = nystrom(self.y_sum.double() / w, (self.w_sum.double() / w).reshape(kv, group * e_out, l),
+                              self.tests["psi"].double())
+        # The core's round-off comes from the sums' precision and grows with the size summed over.
+        cut = e_in * torch.finfo(self.f_sum.dtype).eps
+        c_root = nystrom_psd(self.f_sum.double() / self.instances.double(), self.tests["omega_c"].double(), cut)
+        return SketchValueMoments(c_root, Factored(left, right.reshape(h, e_out, right.shape[-1])))
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> SketchValueStats:
+        size, seed = cls._saved_size(state)
+        (kv, e_in, _), (h, e_out, _), y = state["y_sum"].shape, state["w_sum"].shape, state["y_sum"]
+        out = cls(h, kv, e_in, e_out, size, seed, dtype=y.dtype, device=y.device)
+        out.load_state_dict(state)
+        return out
+
+
+def _check_sketchable(method: str, size_by: str | None) -> None:
+    check_choice("method under a sketch", method, (*SKETCH_DIRECTIONS, *BASELINES))
+    if method in BASELINES:
+        check_choice("size_by under a sketch", sizing_method(method, size_by), SKETCH_DIRECTIONS)
+
+
+class SketchedForm:
+    """What the sketched query/key growths share: the direction, bottleneck, gains and first-order terms from the
+    factors of SketchMoments (module docstring), in the conventions of `GroupedGrowth` (per group of query heads
+    sharing a key head; one head per group for a plain form). Mixed in before FormGrowth or GroupedGrowth, which
+    turn the pairs into columns."""
+
+    moments: SketchMoments
+
+    def __init__(self, w_q: Tensor, w_k: Tensor, log_tau: Tensor, moments: SketchMoments, method: str = "natural",
+                 **kwargs):
+        _check_sketchable(method, kwargs.get("size_by"))
+        super().__init__(w_q, w_k, log_tau, moments, method, **kwargs)
+
+    @property
+    def pairs(self) -> int:
+        """The bottleneck pairs per group this sketch prices: min(e′, r), r its rank."""
+        return self.bottleneck(self.sizing_method)[1].shape[-1]
+
+    def _per_query_head(self, w: Tensor) -> Tensor:
+        return w.repeat_interleave(self.n_head // self.n_kv_head, 0)
+
+    def direction(self, method: str) -> Factored:
+        """Normalised ΔM_j = left_j right_gᵀ as thin factors left (H, e′, r), right (KV, e′, r), scaled as
+        `solvers.direction` scales ΔM: its score energy Σ_j tr((left_jᵀC̄left_j)(right_gᵀC̄right_g)) made M's."""
+        if method not in self._directions:
+            left, right = self.moments.n
+            if method == "natural":
+                inverse = psd_ridge_inverse(self.moments.c, self.ridge, self.rcond)
+                # (inverse @ f) as (fᵀ inverse)ᵀ: the inverse is symmetric, and a 2-D right operand is not expanded
+                # to one copy per head.
+                left, right = (left.mT @ inverse).mT, (right.mT @ inverse).mT
+            c, tau_q = self.moments.c, self.log_tau.exp()[:, None, None] * self.w_q
+            target = factored_score_energy(tau_q, self._per_query_head(self.w_k), c)
+            current = factored_score_energy(left, self._per_query_head(right), c)
+            self._directions[method] = Factored(-left * energy_scale(current, target), right)
+        return self._directions[method]
+
+    def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per group, in the truncation's coordinates: u (KV, g·e′, r), σ (KV, r) descending, v (KV, e′, r) with
+        canonical signs, and ‖ΔM‖² (KV,): `GroupedGrowth.bottleneck`'s (I − P_stacked)[ΔM_j(I − P_K)]_j with
+        ΔM_j = A_jBᵀ, i.e. the thin SVD of (I − P_stacked)[A_j]_j and (I − P_K)B."""
+        if method not in self._bottlenecks:
+            left, right = (self._cols(f, 0) for f in self.direction(method))
+            kv, e, r = self.n_kv_head, self.e_in, left.shape[-1]
+            group = self.n_head // kv
+            basis_k = column_basis(self._cols(self.w_k, 0))
+            right_out = right - basis_k @ (basis_k.mT @ right)
+            tau_q = self.log_tau.exp()[:, None, None] * self._cols(self.w_q, 0)
+            basis_q = column_basis(tau_q.reshape(kv, group * e, -1))
+            stacked = left.reshape(kv, group * e, r)
+            u, s, v = thin_svd(stacked - basis_q @ (basis_q.mT @ stacked), right_out)
+            u, v = canonical_signs(u, v)
+            energy = ((left.mT @ left) * self._per_query_head(right.mT @ right)).sum((-2, -1))
+            self._bottlenecks[method] = u, s, v, energy.reshape(kv, group).sum(-1)
+        return self._bottlenecks[method]
+
+    def column_gains(self, n: Factored | None = None) -> Tensor:
+        """−σ_j Σ_{h∈g} u_{j,h}ᵀN̂_h v_j per group (KV, r), in the order the pairs are appended, against this form's N̂
+        or another's factors (held out)."""
+        u, s, v, _ = self.bottleneck(self.sizing_method)
+        left, right = self.moments.n if n is None else n
+        u_heads = self._cols(u.reshape(self.n_head, self.e_in, -1), 1)
+        along_right = self._per_query_head(right.mT @ self._cols(v, 1))  # (H, r, pairs)
+        per_head = ((u_heads.mT @ left) * along_right.mT).sum(-1)
+        return -s * per_head.reshape(self.n_kv_head, -1, per_head.shape[-1]).sum(1)
+
+    def _score_inner(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:
+        """⟨N̂, τ W_Q W_Kᵀ⟩ summed over heads = Σ_j τ_j tr((L_jᵀW_Q,j)(W_K,gᵀR_g)), for w_q (H, e′, c), w_k (KV, e′, c)."""
+        left, right = self.moments.n
+        return float((tau[:, None, None] * (left.mT @ w_q) * self._per_query_head(right.mT @ w_k)).sum())
+
+    def grow(self, alpha: float, d_new: int, **kwargs):
+        if self.method not in BASELINES and d_new - self.d_head > self.pairs:
+            raise ValueError(f"d_new={d_new} needs {d_new - self.d_head} bottleneck pairs per head, and a sketch of "
+                             f"rank {self.pairs} prices at most {self.pairs}: grow fewer columns, or sketch with a "
+                             "larger k")
+        return super().grow(alpha, d_new, **kwargs)
+
+
+class SketchedFormGrowth(SketchedForm, FormGrowth):
+    """`FormGrowth` of a plain form (one key head per query head, no rotary columns) from SketchMoments: append and
+    replace. A replace refactors M + αΔM = [τW_Q | αA][W_K | B]ᵀ, of rank ≤ d + r, by the same thin SVD."""
+
+    def _replaced_pairs(self, method: str, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+        left, right = self.direction(method)
+        tau_q = self.log_tau.exp()[:, None, None] * self.w_q
+        u, s, v = thin_svd(self._cols(torch.cat([tau_q, alpha * left], -1), 0),
+                           self._cols(torch.cat([self.w_k, right], -1), 0))
+        u, v = canonical_signs(u, v)
+        return u, s, v
+
+    def _zero_fan_in(self, method: str, order: Tensor, tau: Tensor) -> Tensor:
+        # A sketch holds r bottleneck pairs; a replace of a rank-deficient M can ask for more zero fan-in columns than
+        # that, and those repeat the last pair (zero K columns, so the function is unchanged either way).
+        return super()._zero_fan_in(method, order.clamp_max(self.pairs - 1), tau)
+
+    def _first_order(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:
+        return -(self._score_inner(tau, w_q, w_k) - self._score_inner(self.log_tau.exp(), self.w_q, self.w_k))
+
+
+class SketchedGroupedGrowth(SketchedForm, GroupedGrowth):
+    """`GroupedGrowth` (keys shared by GQA groups, or rotary leading columns; append only) from SketchMoments."""
+
+    def _first_order(self, tau: Tensor, new_q: Tensor, new_k: Tensor) -> float:
+        return -self._score_inner(tau, new_q, new_k)
+
+
+def sketched_growth_for(form, moments: SketchMoments, method: str = "natural",
+                        **kwargs) -> SketchedFormGrowth | SketchedGroupedGrowth:
+    """The sketched growth of a query/key form, chosen as `grouped.growth_for` chooses the full one."""
+    if not is_grouped(form):
+        return SketchedFormGrowth(form.w_q, form.w_k, form.log_tau, moments, method, **kwargs)
+    return SketchedGroupedGrowth(form.w_q, form.w_k, form.log_tau, moments, method, rotary=form.rotary, **kwargs)
+
+
+class SketchedValueGrowth(ValueGrowth):
+    """`ValueGrowth` from SketchValueMoments: ΔW_j = A_jX_jᵀ as thin factors, the bottleneck's least-squares residual
+    stacked over a group as one thin product (`bottleneck`), Ĉ_j from its Nyström root."""
+
+    moments: SketchValueMoments
+
+    def __init__(self, w_v: Tensor, w_o: Tensor, moments: SketchValueMoments, method: str = "natural", **kwargs):
+        _check_sketchable(method, kwargs.get("size_by"))
+        super().__init__(w_v, w_o, moments, method, **kwargs)
+
+    @property
+    def pairs(self) -> int:
+        """The bottleneck pairs per group this sketch prices: min(e′, g·e, g·r), r its rank."""
+        return self.bottleneck(self.sizing_method)[1].shape[-1]
+
+    def direction(self, method: str) -> Factored:
+        """Normalised ΔW_j = left_j right_jᵀ, left (H, e′, r), right (H, e, r): gradient −N̂_V,j, natural
+        −(Ĉ_j + ρ_jI)⁻¹N̂_V,j (Woodbury; no ridge: Ĉ_j⁺), scaled as `value_direction` scales: Σ_j tr(ΔW_jᵀĈ_jΔW_j)
+        made Σ_j tr(W_M,jᵀĈ_jW_M,j), both as traces of r × r (d × d) matrices through Ĉ_j's root."""
+        if method not in self._directions:
+            q, right = self.moments.n
+            left = self.per_head(q)
+            if method == "natural":
+                left = nystrom_solve(self.moments.c_root, left, self.ridge, self.rcond)
+            root = self.moments.c_root
+            root_v, root_left = root.mT @ self.per_head(self.w_v), root.mT @ left
+            target = ((root_v.mT @ root_v) * (self.w_o @ self.w_o.mT)).sum()
+            current = ((root_left.mT @ root_left) * (right.mT @ right)).sum()
+            self._directions[method] = Factored(-left * energy_scale(current, target), right)
+        return self._directions[method]
+
+    def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per group: u (KV, e′, m), σ (KV, m), w (KV, g·e, m) with canonical signs, m = min(e′, g·r), and ‖ΔW‖² (KV,).
+
+        `ValueGrowth.bottleneck`'s residual R_j = (I − P_V)ΔW_j − C_gW_O,j with the common change
+        C_g = Σ_i (I − P_V)A_i K_i, K_i = X_iᵀW_O,iᵀ(Σ_j W_O,jW_O,jᵀ)⁺ (r × d), is Σ_i (I − P_V)A_i(δ_ij X_jᵀ − K_iW_O,j):
+        side by side over the group, left = [(I − P_V)A_i]_i (e′ × g·r) times the transpose of
+        right = blockdiag(X_j) − [W_O,jᵀ]_j [K_iᵀ]_i (g·e × g·r)."""
+        if method not in self._bottlenecks:
+            a, x = self.direction(method)
+            kv, g, e_in, e_out, r = self.n_kv_head, self.group, self.e_in, self.e_out, a.shape[-1]
+            basis_v = self.per_head(column_basis(self.w_v))
+            outside = a - basis_v @ (basis_v.mT @ a)
+            gram = (self.w_o @ self.w_o.mT).reshape(kv, g, self.d_v, self.d_v).sum(1)
+            k_heads = x.mT @ self.w_o.mT @ self.per_head(psd_pinv(gram, self.rcond))  # K_j (H, r, d)
+            left = outside.reshape(kv, g, e_in, r).permute(0, 2, 1, 3).reshape(kv, e_in, g * r)
+            blocks = x.reshape(kv, g, e_out, 1, r) * torch.eye(g, dtype=x.dtype, device=x.device)[:, None, :, None]
+            w_o_rows = self.w_o.mT.reshape(kv, g * e_out, self.d_v)
+            k_cols = k_heads.mT.reshape(kv, g, self.d_v, r).permute(0, 2, 1, 3).reshape(kv, self.d_v, g * r)
+            u, s, w = thin_svd(left, blocks.reshape(kv, g * e_out, g * r) - w_o_rows @ k_cols)
+            u, w = canonical_signs(u, w)
+            energy = ((a.mT @ a) * (x.mT @ x)).sum((-2, -1)).reshape(kv, g).sum(-1)
+            self._bottlenecks[method] = u, s, w, energy
+        return self._bottlenecks[method]
+
+    def column_gains(self, n: Factored | None = None) -> Tensor:
+        """−σ_k Σ_{j∈g} u_kᵀN̂_V,j w_k,j per group (KV, m), against this map's N̂_V or another's factors (held out)."""
+        u, s, w, _ = self.bottleneck(self.sizing_method)
+        q, x = self.moments.n if n is None else n
+        per_head = ((self.per_head(u.mT @ q)) * (self._rows_per_head(w).mT @ x)).sum(-1)
+        return -s * per_head.reshape(self.n_kv_head, self.group, -1).sum(1)
+
+    def _first_order(self, new_v: Tensor, new_o: Tensor) -> float:
+        q, x = self.moments.n
+        return -float((self.per_head(q.mT @ new_v) * (new_o @ x).mT).sum())
+
+    def grow(self, alpha: float, d_new: int, **kwargs):
+        if self.method not in BASELINES and d_new - self.d_v > self.pairs:
+            raise ValueError(f"d_new={d_new} needs {d_new - self.d_v} bottleneck pairs per value head, and this "
+                             f"sketch prices at most {self.pairs}: grow fewer columns, or sketch with a larger k")
+        return super().grow(alpha, d_new, **kwargs)
