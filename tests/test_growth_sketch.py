@@ -5,6 +5,7 @@ the sums merge as the full ones do; nothing of size e′ × e′ per head is for
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -229,11 +230,14 @@ def allocation_layers(sketched: bool, seed=0):
         w_q, w_k, log_tau = form_weights(h, h, e, d, gen)
         signal = low_rank_n(h, e, 1, 3, c, gen) * (1 + layer)
         halves = []
-        for half in range(2):
+        for _ in range(2):
             n = signal + 0.3 * low_rank_n(h, e, 1, 1, c, gen)
-            moments = form_sketch(n, c, h, SketchSize.of(6), seed=100 + layer).means() if sketched else Moments(c, n, None)
-            growth = SketchedFormGrowth if sketched else FormGrowth
-            halves.append([growth(w_q, w_k, log_tau, moments, "natural", rcond=RCOND)])
+            if sketched:  # one layer's halves share their test matrices, as a window's do
+                moments = form_sketch(n, c, h, SketchSize.of(6), 100 + layer).means()
+                growth = SketchedFormGrowth(w_q, w_k, log_tau, moments, "natural", rcond=RCOND)
+            else:
+                growth = FormGrowth(w_q, w_k, log_tau, Moments(c, n, None), "natural", rcond=RCOND)
+            halves.append([growth])
         layers.append(halves)
     return layers
 
@@ -320,8 +324,8 @@ def test_no_dense_per_head_matrix():
     stats.w_sum += torch.randn(stats.w_sum.shape, generator=gen, dtype=F64)
     stats.instances += 1
     stats.weight += 1
-    form = FormWeights(*form_weights(h, kv, e, d, gen))
-    form.rotary = 0
+    w_q, w_k, log_tau = form_weights(h, kv, e, d, gen)
+    form = SimpleNamespace(w_q=w_q, w_k=w_k, log_tau=log_tau, rotary=0)
     values = ValueWeights(torch.randn(kv, e, d, generator=gen, dtype=F64), torch.randn(h, d, e - 1, generator=gen,
                                                                                       dtype=F64))
     value_stats = SketchValueStats(h, kv, e, e - 1, size, 0, dtype=F64)
@@ -335,7 +339,7 @@ def test_no_dense_per_head_matrix():
     assert recorded.largest < kv * e * e  # less than a dense matrix per key head, let alone per query head
 
 
-def random_capture(b, h, kv, s, e, gen):
+def random_capture(b, h, s, e, gen):
     """A captured step of a form: inputs, score gradients G (b, H, s, s) of a causal map."""
     x = torch.randn(b, s, e, generator=gen, dtype=F64)
     g = torch.randn(b, h, s, s, generator=gen, dtype=F64).tril()
@@ -347,7 +351,7 @@ def test_sketch_sums_are_the_sketch_of_the_explicit_statistics():
     b, h, kv, s, e, e_out = 2, 4, 2, 7, 6, 5
     group = h // kv
     stats = SketchFormStats(h, kv, e, SketchSize.of(3), 11, dtype=F64)
-    x, g = random_capture(b, h, kv, s, e, gen)
+    x, g = random_capture(b, h, s, e, gen)
     omega, psi = stats.tests["omega"], stats.tests["psi"]
     gt_psi = torch.einsum("bhts,bhtl->bhsl", g, torch.einsum("bse,hel->bhsl", x, psi))
     stats.update(x, g @ (x @ omega).unsqueeze(1), gt_psi.reshape(b, kv, group, s, -1).sum(2), weight=0.5)
@@ -427,7 +431,8 @@ def test_test_matrices_come_from_the_seed_alone():
     a, b = TestMatrices.draw(3, shapes), TestMatrices.draw(3, shapes, dtype=F64)
     torch.manual_seed(0)  # the global generator plays no part
     c = TestMatrices.draw(3, shapes)
-    assert a.checksum == b.checksum == c.checksum and torch.equal(a["psi"], c["psi"]) and a["psi"].dtype == torch.float32
+    assert a.checksum == b.checksum == c.checksum and torch.equal(a["psi"], c["psi"])
+    assert a["psi"].dtype == torch.float32
     torch.testing.assert_close(b["psi"].float(), a["psi"], rtol=0, atol=0)
     assert TestMatrices.draw(4, shapes).checksum != a.checksum
     swapped = TestMatrices.draw(3, {"psi": (2, 5, 4), "omega": (5, 3)})

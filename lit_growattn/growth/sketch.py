@@ -211,8 +211,7 @@ class SketchSums(Sums):
 
     def load_state_dict(self, state: dict) -> None:
         saved, drawn = state.get("sketch"), self._sketch_state()
-        if saved is None or {k: v for k, v in saved.items() if k != "checksum"} != {
-                k: v for k, v in drawn.items() if k != "checksum"}:
+        if saved is None or {**saved, "checksum": None} != {**drawn, "checksum": None}:
             raise ValueError(f"the saved sketch {saved} is not this one's {drawn}")
         if saved["checksum"] != drawn["checksum"]:
             raise ValueError("the sketch's test matrices drawn now differ from the window's (torch changed its "
@@ -261,7 +260,7 @@ class SketchFormStats(SketchSums):
         self._follow(xa)
         x, gy, gw = (t.detach().to(self.c_sum) for t in (xa, g_omega, gt_psi))
         b, s, e = x.shape
-        expected = (b, *self.y_sum.shape[:1], s, self.size.k), (b, *self.w_sum.shape[:1], s, self.size.l)
+        expected = (b, self.y_sum.shape[0], s, self.size.k), (b, self.w_sum.shape[0], s, self.size.l)
         if (tuple(gy.shape), tuple(gw.shape)) != expected:
             raise ValueError(f"captured G X′Ω {tuple(gy.shape)} and GᵀX′Ψ {tuple(gw.shape)}, expected {expected}")
         flat = x.reshape(b * s, e)
@@ -430,7 +429,8 @@ class SketchedForm:
         return -s * per_head.reshape(self.n_kv_head, -1, per_head.shape[-1]).sum(1)
 
     def _score_inner(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:
-        """⟨N̂, τ W_Q W_Kᵀ⟩ summed over heads = Σ_j τ_j tr((L_jᵀW_Q,j)(W_K,gᵀR_g)), for w_q (H, e′, c), w_k (KV, e′, c)."""
+        """⟨N̂, τ W_Q W_Kᵀ⟩ summed over heads = Σ_j τ_j tr((L_jᵀW_Q,j)(W_K,gᵀR_g)), for w_q (H, e′, c) and
+        w_k (KV, e′, c)."""
         left, right = self.moments.n
         return float((tau[:, None, None] * (left.mT @ w_q) * self._per_query_head(right.mT @ w_k)).sum())
 
@@ -513,9 +513,9 @@ class SketchedValueGrowth(ValueGrowth):
         """Per group: u (KV, e′, m), σ (KV, m), w (KV, g·e, m) with canonical signs, m = min(e′, g·r), and ‖ΔW‖² (KV,).
 
         `ValueGrowth.bottleneck`'s residual R_j = (I − P_V)ΔW_j − C_gW_O,j with the common change
-        C_g = Σ_i (I − P_V)A_i K_i, K_i = X_iᵀW_O,iᵀ(Σ_j W_O,jW_O,jᵀ)⁺ (r × d), is Σ_i (I − P_V)A_i(δ_ij X_jᵀ − K_iW_O,j):
-        side by side over the group, left = [(I − P_V)A_i]_i (e′ × g·r) times the transpose of
-        right = blockdiag(X_j) − [W_O,jᵀ]_j [K_iᵀ]_i (g·e × g·r)."""
+        C_g = Σ_i (I − P_V)A_i K_i, K_i = X_iᵀW_O,iᵀ(Σ_j W_O,jW_O,jᵀ)⁺ (r × d), is
+        Σ_i (I − P_V)A_i(δ_ij X_jᵀ − K_iW_O,j): side by side over the group, left = [(I − P_V)A_i]_i (e′ × g·r)
+        times the transpose of right = blockdiag(X_j) − [W_O,jᵀ]_j [K_iᵀ]_i (g·e × g·r)."""
         if method not in self._bottlenecks:
             a, x = self.direction(method)
             kv, g, e_in, e_out, r = self.n_kv_head, self.group, self.e_in, self.e_out, a.shape[-1]

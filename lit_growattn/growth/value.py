@@ -9,8 +9,8 @@ so growing d is growing a factored linear map, not a bilinear form.
 Statistics, per sequence i with G_Y,i = ∂L/∂Y_i of the mean loss, summed and averaged as `stats.FormStats` does:
     C_j = Σ_i P_ijᵀ P_ij (H, e′, e′),   N_j = Σ_i P_ijᵀ G_Y,i (H, e′, e) = ∂L/∂W_M,j.
 Directions: `natural` ΔW_j = −C̄_j⁺ N̄_j, the Gauss–Newton step of min Σ_i ‖P_ij ΔW + η G_Y,i‖² (one-sided: the
-output is linear in W_M, so its space needs no preconditioner), or with a ridge −(C̄_j + ρ_jI)⁻¹N̄_j, ρ_j = ridge × C̄_j's
-mean eigenvalue; `gradient` ΔW_j = −N̄_j. Each is scaled so that
+output is linear in W_M, so its space needs no preconditioner), or with a ridge −(C̄_j + ρ_jI)⁻¹N̄_j, ρ_j = ridge ×
+C̄_j's mean eigenvalue; `gradient` ΔW_j = −N̄_j. Each is scaled so that
 α = 1 moves the output by its own RMS, head by head: Σ_j tr(ΔW_jᵀ C̄_j ΔW_j) = Σ_j tr(W_M,jᵀ C̄_j W_M,j).
 Bottleneck: a first-order change of the factors, δW_V W_O,j + W_V δW_O,j with δW_V shared by a group, reaches
 only part of ΔW; new rank comes from the rest, R_j = (I − P_V)(ΔW_j − A W_O,j) with A the group's least-squares
