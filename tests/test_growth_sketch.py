@@ -58,26 +58,27 @@ def low_rank_n(h, e, group, rank, c, gen):
     return a @ b.repeat_interleave(group, 0).mT
 
 
-def form_sketch(n, c, kv, size, seed=0) -> SketchFormStats:
-    """The sums of a sketch whose window had C̄ = c and N̄ = n (one instance of weight 1)."""
+def form_sketch(n, c, kv, size, seed=0, dtype=F64) -> SketchFormStats:
+    """The sums (in dtype) of a sketch whose window had C̄ = c and N̄ = n (one instance of weight 1)."""
     h, e, _ = n.shape
-    stats = SketchFormStats(h, kv, e, size, seed, dtype=F64)
-    omega, psi = stats.tests["omega"], stats.tests["psi"]
-    stats.c_sum += c
-    stats.y_sum += n @ omega
-    stats.w_sum += (n.mT @ psi).reshape(kv, h // kv, e, size.l).sum(1)
+    stats = SketchFormStats(h, kv, e, size, seed, dtype=dtype)
+    omega, psi = stats.tests["omega"].double(), stats.tests["psi"].double()
+    stats.c_sum += c.to(dtype)
+    stats.y_sum += (n @ omega).to(dtype)
+    stats.w_sum += (n.mT @ psi).reshape(kv, h // kv, e, size.l).sum(1).to(dtype)
     stats.instances += 1
     stats.weight += 1
     return stats
 
 
-def value_sketch(n_v, c_v, kv, size, seed=0) -> SketchValueStats:
-    """The sums of a value sketch whose window had C̄_j = c_v and N̄_V,j = n_v."""
+def value_sketch(n_v, c_v, kv, size, seed=0, dtype=F64) -> SketchValueStats:
+    """The sums (in dtype) of a value sketch whose window had C̄_j = c_v and N̄_V,j = n_v."""
     h, e_in, e_out = n_v.shape
-    stats = SketchValueStats(h, kv, e_in, e_out, size, seed, dtype=F64)
-    stats.y_sum += (n_v @ stats.tests["omega"]).reshape(kv, h // kv, e_in, size.k).sum(1)
-    stats.w_sum += n_v.mT @ stats.tests["psi"]
-    stats.f_sum += c_v @ stats.tests["omega_c"]
+    stats = SketchValueStats(h, kv, e_in, e_out, size, seed, dtype=dtype)
+    tests = {name: t.double() for name, t in stats.tests.matrices.items()}
+    stats.y_sum += (n_v @ tests["omega"]).reshape(kv, h // kv, e_in, size.k).sum(1).to(dtype)
+    stats.w_sum += (n_v.mT @ tests["psi"]).to(dtype)
+    stats.f_sum += (c_v @ tests["omega_c"]).to(dtype)
     stats.instances += 1
     stats.weight += 1
     return stats
@@ -209,6 +210,24 @@ def test_sketch_of_full_size_is_exact_for_any_statistics():
     close(values.c_root @ values.c_root.mT, c_v, 1e-9)
 
 
+@pytest.mark.parametrize("method, ridge", METHODS, ids=METHOD_IDS)
+@pytest.mark.parametrize("side", ["qk", "value"])
+def test_float32_sums_grow_as_float64_sums_to_their_precision(side, method, ridge):
+    # The default sums are float32; the growth runs in float64 on them. Their round-off (eps 1.2e-7) reaches the pairs
+    # amplified at most by the pseudo-inverse on the inputs' range (conditioning below 1e4 here), and the Nyström
+    # core's cut follows the sums' dtype.
+    full, sketched = qk_pair(2, method, ridge) if side == "qk" else value_pair(2, method, ridge)
+    single = (form_sketch(full.moments.n, full.moments.c, 2, SketchSize.of(6), dtype=torch.float32) if side == "qk"
+              else value_sketch(full.moments.n, full.moments.c, 2, SketchSize(6, 9, 8), dtype=torch.float32))
+    assert single.y_sum.dtype == torch.float32
+    weights = (sketched.w_q, sketched.w_k, sketched.log_tau) if side == "qk" else (sketched.w_v, sketched.w_o)
+    again = type(sketched)(*weights, single.means(), method, rcond=RCOND, ridge=ridge,
+                           **({"rotary": 0} if side == "qk" else {}))
+    rtol = 1e4 * torch.finfo(torch.float32).eps
+    close(again.bottleneck(method)[1][:, :3], sketched.bottleneck(method)[1][:, :3], rtol)
+    close(again.column_gains()[:, :3], sketched.column_gains()[:, :3], rtol)
+
+
 def test_nystrom_core_cut_at_round_off_keeps_an_ill_conditioned_covariance():
     # The core ΩᵀCΩ has cond ≈ cond(C)·cond(Ω)²: cut at the growth's rcond (1e-6) it would lose the small eigenvalues.
     gen = torch.Generator().manual_seed(2)
@@ -218,6 +237,19 @@ def test_nystrom_core_cut_at_round_off_keeps_an_ill_conditioned_covariance():
     root = nystrom_psd(c @ omega, omega, 10 * torch.finfo(F64).eps)
     close(root @ root.mT, c, 1e-6)
     assert float((nystrom_psd(c @ omega, omega, RCOND) @ nystrom_psd(c @ omega, omega, RCOND).mT - c).norm()) > 1e-7
+
+
+def test_nystrom_core_of_float32_sums_is_cut_at_their_round_off():
+    # A covariance of rank 3 sketched with k_c = 12 leaves nine core eigenvalues at the sums' round-off; kept (a cut
+    # at float64's round-off), the small positive ones among them scale float32 noise up into Ĉ.
+    eps = torch.finfo(torch.float32).eps
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        base = torch.randn(1, 20, 3, generator=gen, dtype=F64)
+        c_v = base @ base.mT
+        stats = value_sketch(torch.zeros(1, 20, 4, dtype=F64), c_v, 1, SketchSize(2, 3, 12), seed, torch.float32)
+        root = stats.means().c_root
+        close(root @ root.mT, c_v, eps)
 
 
 def allocation_layers(sketched: bool, seed=0):
