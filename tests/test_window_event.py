@@ -772,3 +772,13 @@ def test_kept_batch_losses_are_each_candidates_mean_over_every_kept_batch_with_t
                               candidates)
     assert means.tolist() == [2.5, 3.5, 12.5]
     assert module.training and form.w_q is weights.w_q  # the mode and the forms as they were
+
+
+def test_a_rated_loss_averages_one_value_per_token_of_each_kept_batch():
+    from lit_growattn.callback.trainer_ops import loss_terms
+
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    # (ids, labels): the largest integer tensor counts; a float input does not; a batch without one counts 1.
+    assert loss_terms([(ids, ids), (ids[:2], ids[:2])]) == 64 + 32
+    assert loss_terms([{"input": torch.randn(4, 16, 8), "labels": ids[:, :3]}]) == 12
+    assert loss_terms([torch.randn(4, 16)]) == 1 and loss_terms([]) == 0
