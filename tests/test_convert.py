@@ -2,6 +2,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import needs_transformers
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_growattn.commands.convert import convert_checkpoint, main
@@ -520,3 +521,65 @@ def test_a_failure_while_writing_a_shrunk_checkpoint_leaves_nothing_behind(byte_
     with pytest.raises(OSError, match="No space left on device"):
         convert_checkpoint(src, tmp_path / "small.ckpt", to="mha", kv_budget=3)
     assert list(tmp_path.iterdir()) == [] and src.read_bytes() == before
+
+
+def test_a_hugging_face_folder_shrinks_to_a_budget_and_loads_back(tmp_path, capsys, monkeypatch):
+    """A Llama (4 query heads on 2 KV heads) grown by 4 NoPE columns behind its 8 rotary ones: shrunk by the
+    activations, the written folder loads (after `import lit_growattn.hf`) as the model shrunk in memory, with the
+    rotary columns as they were and the tokenizer copied; one that never grew shrinks its V cache only."""
+    needs_transformers()
+    import lit_growattn.hf  # noqa: F401  (registers the grown model types)
+    from hf_helpers import load, same_model, saved_tiny_model, saved_tokenizer
+
+    from lit_growattn.commands import shrink
+    from lit_growattn.commands.export import copy_tokenizer
+    from lit_growattn.hf.export import save_export
+    from lit_growattn.hf.module import HFCausalLM
+
+    text = "def shrink(model, budget):\n    return model.narrower(budget)\n"
+    plain = saved_tiny_model("llama", tmp_path / "llama", vocab=300)
+    saved_tokenizer(plain, [text] * 20, vocab_size=300)
+    calibration = tmp_path / "train.txt"
+    calibration.write_text(text * 30)
+    with pytest.raises(ValueError) as error:
+        main(["--pretrained", plain, "--to", "mha", "--kv_budget", "4", "--out", str(tmp_path / "x")])
+    assert str(error.value) == (f"the query/key columns of {plain} are all rotary (RoPE rotates them by position, so "
+                                "they are not one bilinear form of X′ and cannot be truncated): --sides value shrinks "
+                                "its V cache; the K cache shrinks only by NoPE columns appended by growth")
+    values, _ = shrink.shrink_pretrained(plain, tmp_path / "values", shrink.Budget(4, "value"))
+    assert values.value_sizes() == [4, 4] and values.head_sizes() == [8, 8]
+    same_model(load(tmp_path / "values"), values.model.eval())
+
+    module = HFCausalLM(pretrained=plain)
+    g = torch.Generator().manual_seed(0)
+    for _, _, form in module.growable_forms():
+        grow = lambda w: torch.cat([w.detach(), 0.3 * torch.randn(*w.shape[:2], 4, generator=g)], -1)  # noqa: E731
+        form.set_weights(grow(form.w_q), grow(form.w_k), form.log_tau.detach())
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    save_export(module.model, grown)
+    copy_tokenizer(plain, grown)
+    budget = shrink.Budget(8, calibration=calibration, sequences=6, length=16)
+    shrunk, _ = shrink.shrink_pretrained(grown, tmp_path / "small", budget)
+    loaded = load(tmp_path / "small")
+    same_model(loaded, shrunk.model.eval())
+    assert (tmp_path / "small" / "tokenizer.json").read_bytes() == (grown / "tokenizer.json").read_bytes()
+    sizes = shrunk.head_sizes() + shrunk.value_sizes()
+    assert min(shrunk.head_sizes()) >= 8 and sum(sizes) / 4 <= 8 < sum(sizes) / 4 + 1 / 4 and sizes != [12, 12, 8, 8]
+    for (_, _, before), (_, _, after) in zip(module.growable_forms(), shrunk.growable_forms()):
+        assert torch.equal(after.w_q[..., :8], before.w_q[..., :8]) and torch.equal(after.w_k[..., :8], before.w_k[..., :8])
+    # The command writes the same folder and says so; a failure while writing leaves nothing behind.
+    main(["--pretrained", str(grown), "--to", "mha", "--kv_budget", "8", "--calibration", str(calibration),
+          "--calibration_sequences", "6", "--calibration_length", "16", "--out", str(tmp_path / "cli")])
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {tmp_path / 'cli'} (model type growattn_llama, tokenizer files tokenizer.json, "
+                              f"tokenizer_config.json): d_head {shrunk.head_sizes()} (mean ")
+    assert f"allocation by activation-whitened energy on 96 tokens of {calibration} (kept " in printed
+    torch.testing.assert_close(load(tmp_path / "cli").state_dict(), loaded.state_dict(), rtol=0, atol=0)
+
+    def full_disk(model, folder):
+        raise OSError("No space left on device")
+    monkeypatch.setattr("lit_growattn.hf.export.save_export", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        shrink.shrink_pretrained(grown, tmp_path / "never", budget)
+    assert not [p for p in tmp_path.iterdir() if "never" in p.name]
