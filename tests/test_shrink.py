@@ -460,6 +460,13 @@ def test_allocation_never_exceeds_the_budget_and_holds_rotary_columns(seed):
     for budget in range(6, 2 * 12 + 1):
         qk = [ShrinkItem(i, "d_head", 2, 1, 4, tuple(form_energy(*f[0]).tolist())) for i, f in enumerate(forms)]
         assert allocate_sizes(qk, budget) == allocate_ranks(forms, budget)
+    # With each layer's input covariance, by the whitened energies.
+    cs = [covariance(full_rank_inputs(e=4, seed=i)) for i in range(3)]
+    whitened = [ShrinkItem(i, "d_head", 2, 1, 4, tuple(form_energy(*f[0], c=c).tolist()))
+                for i, (f, c) in enumerate(zip(forms, cs))]
+    chosen = {budget: allocate_ranks(forms, budget, covariances=cs) for budget in range(6, 25)}
+    assert chosen == {budget: allocate_sizes(whitened, budget) for budget in chosen}
+    assert chosen != {budget: allocate_ranks(forms, budget) for budget in chosen}  # the covariances matter
 
 
 def test_a_model_shrinks_to_a_mean_head_size_as_allocate_ranks_chooses():

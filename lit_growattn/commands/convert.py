@@ -94,8 +94,7 @@ def converted(src_path: str | Path, to: str, seed: int, d_head: int | list[int] 
     if to not in TARGETS:
         raise ValueError(f"can convert mha to {', '.join(TARGETS)}, not {to!r}")
     if budget is not None and (d_head is not None or d_v is not None):
-        raise ValueError(f"give the sizes ({'--d_head/--d_v' if budget.cli else 'd_head/d_v'}) or a budget "
-                         f"({budget.name('kv_budget')}), not both")
+        raise ValueError("give the sizes (d_head/d_v) or a budget (kv_budget), not both")
     if (to == "mha") != (d_head is not None or d_v is not None or budget is not None):
         raise ValueError("give d_head, d_v or kv_budget exactly when shrinking (to='mha'): the other targets keep the "
                          "head sizes")

@@ -92,8 +92,7 @@ def shrink_module(module, budget: Budget, what: str, tokenizer: str | None, leng
                   vocab_size: int) -> str:
     """Shrinks the units of `budget.sides` of a GrowableModule in place to the budget and records its head sizes;
     returns what was done, for the result line. `what` names the model in messages; `lengths`: the default
-    calibration length and the longest the model takes."""
-    budget.check()
+    calibration length and the longest the model takes. `budget` is checked (`Budget.check`)."""
     sides = SIDES[budget.sides]
     units = [named for named in growable_units(module) if named.form.side in sides]
     forms = [form for _, _, form in units if form.side == "d_head"]

@@ -41,10 +41,10 @@ from lit_growattn.growth.unit import HeadSize
 Units = Sequence[tuple[int, str, object]]  # (layer, name, query/key form or value map), as contract.NamedForm
 
 
-def _form_svd(w_q: Tensor, w_k: Tensor, log_tau: Tensor, c: Tensor | None, rotary: int, rcond: float,
-              vectors: bool = True):
-    """The SVD of each group's stacked whitened NoPE forms [R M_j R]_j (KV, g·e′, e′), R = C̄^½ (I without c), with
-    the temperatures τ (H,) and R⁻¹ (None without c); only the singular values when not `vectors`."""
+def _whitened_forms(w_q: Tensor, w_k: Tensor, log_tau: Tensor, c: Tensor | None, rotary: int,
+                    rcond: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Each group's stacked whitened NoPE forms [R M_j R]_j (KV, g·e′, e′), R = C̄^½ (I without c), with the
+    temperatures τ (H,) and R⁻¹ (None without c)."""
     h, kv = w_q.shape[0], w_k.shape[0]
     if h % kv:
         raise ValueError(f"{h} query heads cannot share {kv} key heads evenly")
@@ -54,10 +54,7 @@ def _form_svd(w_q: Tensor, w_k: Tensor, log_tau: Tensor, c: Tensor | None, rotar
     roots = None if c is None else psd_sqrt(c.to(m.device), rcond)
     if roots is not None:
         m = roots[0] @ m @ roots[0]
-    stacked = m.reshape(kv, -1, m.shape[-1])
-    if not vectors:
-        return torch.linalg.svdvals(stacked)
-    return (*torch.linalg.svd(stacked, full_matrices=False), tau, None if roots is None else roots[1])
+    return m.reshape(kv, -1, m.shape[-1]), tau, None if roots is None else roots[1]
 
 
 def shrink_form(w_q: Tensor, w_k: Tensor, log_tau: Tensor, d_new: int, c: Tensor | None = None, rotary: int = 0,
@@ -74,7 +71,8 @@ def shrink_form(w_q: Tensor, w_k: Tensor, log_tau: Tensor, d_new: int, c: Tensor
         what = f" ({rotary} of them rotary)" if rotary else ""
         raise ValueError(f"can shrink a head size of {d}{what} to a size between {least} and {d}, not {d_new}")
     kv, r = w_k.shape[0], d_new - rotary
-    u, s, vh, tau, back = _form_svd(w_q, w_k, log_tau, c, rotary, rcond)
+    stacked, tau, back = _whitened_forms(w_q, w_k, log_tau, c, rotary, rcond)
+    u, s, vh = torch.linalg.svd(stacked, full_matrices=False)
     tau_group = tau.reshape(kv, -1).mean(-1)  # (KV,)
     q_scale = (tau_group.repeat_interleave(h // kv) / tau)[:, None, None]  # τ̄/τ_j: 1 with one head per group
     kept = s[:, :r]
@@ -99,25 +97,22 @@ def form_energy(w_q: Tensor, w_k: Tensor, log_tau: Tensor, c: Tensor | None = No
                 rcond: float = 1e-6) -> Tensor:
     """(d − rotary,) float64: what each NoPE column keeps, σ_k² of the whitened stacked forms summed over the groups,
     k = 0 … d − rotary − 1 (shrink_form to rotary + r keeps the first r)."""
-    s = _form_svd(w_q, w_k, log_tau, c, rotary, rcond, vectors=False)
+    s = torch.linalg.svdvals(_whitened_forms(w_q, w_k, log_tau, c, rotary, rcond)[0])
     return s[:, : w_q.shape[-1] - rotary].square().sum(0)
 
 
-def _value_svd(w_v: Tensor, w_o: Tensor, c: Tensor | None, rcond: float, vectors: bool = True):
-    """The SVD of each group's whitened maps R[W_M,j]_j (KV, e′, g·e), R = C̄_g^½ (I without c), with R⁻¹ (None
-    without c); only the singular values when not `vectors`."""
+def _whitened_maps(w_v: Tensor, w_o: Tensor, c: Tensor | None, rcond: float) -> tuple[Tensor, Tensor | None]:
+    """Each group's whitened maps R[W_M,j]_j (KV, e′, g·e), R = C̄_g^½ (I without c), with R⁻¹ (None without c)."""
     kv, _, d = w_v.shape
     h, e_out = w_o.shape[0], w_o.shape[2]
     if h % kv:
         raise ValueError(f"{h} query heads cannot share {kv} value heads evenly")
     outputs = w_o.detach().double().reshape(kv, h // kv, d, e_out).transpose(1, 2).reshape(kv, d, -1)
     b = w_v.detach().double() @ outputs
-    roots = None if c is None else psd_sqrt(c.to(b.device).double().reshape(kv, h // kv, *c.shape[1:]).mean(1), rcond)
-    if roots is not None:
-        b = roots[0] @ b
-    if not vectors:
-        return torch.linalg.svdvals(b)
-    return (*torch.linalg.svd(b, full_matrices=False), None if roots is None else roots[1])
+    if c is None:
+        return b, None
+    root, back = psd_sqrt(c.to(b.device).double().reshape(kv, h // kv, *c.shape[1:]).mean(1), rcond)
+    return root @ b, back
 
 
 def shrink_values(w_v: Tensor, w_o: Tensor, d_new: int, c: Tensor | None = None,
@@ -132,7 +127,8 @@ def shrink_values(w_v: Tensor, w_o: Tensor, d_new: int, c: Tensor | None = None,
     h, e_out = w_o.shape[0], w_o.shape[2]
     if not 1 <= d_new <= d:
         raise ValueError(f"can shrink a value head size of {d} to a size between 1 and {d}, not {d_new}")
-    u, s, wh, back = _value_svd(w_v, w_o, c, rcond)
+    maps, back = _whitened_maps(w_v, w_o, c, rcond)
+    u, s, wh = torch.linalg.svd(maps, full_matrices=False)
     kept = s[:, :d_new]
     live = kept > VANISH * s[:, :1]
     root = kept.sqrt().unsqueeze(1)
@@ -150,7 +146,7 @@ def shrink_values(w_v: Tensor, w_o: Tensor, d_new: int, c: Tensor | None = None,
 
 def value_energy(w_v: Tensor, w_o: Tensor, c: Tensor | None = None, rcond: float = 1e-6) -> Tensor:
     """(d_v,) float64: what each value column keeps, σ_k² of the whitened maps summed over the groups."""
-    return _value_svd(w_v, w_o, c, rcond, vectors=False)[:, : w_v.shape[-1]].square().sum(0)
+    return torch.linalg.svdvals(_whitened_maps(w_v, w_o, c, rcond)[0])[:, : w_v.shape[-1]].square().sum(0)
 
 
 @dataclass(frozen=True)
