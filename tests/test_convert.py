@@ -453,7 +453,8 @@ def test_the_command_shrinks_to_a_budget_by_the_activations_and_says_what_it_kep
     main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--sides", "value", "--out", str(tmp_path / "v.ckpt")])
     printed = capsys.readouterr().out
     assert "values per token (budget 3); allocation by weight SVD energy (kept " in printed
-    assert " % of the value output energy; give --calibration FILE to weigh it by the activations); fine-tune" in printed
+    assert (" % of the value output energy; give --calibration FILE to weigh it by the activations); fine-tune"
+            in printed)
     assert "d_head" not in printed.split(":")[1]
 
 
@@ -567,7 +568,8 @@ def test_a_hugging_face_folder_shrinks_to_a_budget_and_loads_back(tmp_path, caps
     sizes = shrunk.head_sizes() + shrunk.value_sizes()
     assert min(shrunk.head_sizes()) >= 8 and sum(sizes) / 4 <= 8 < sum(sizes) / 4 + 1 / 4 and sizes != [12, 12, 8, 8]
     for (_, _, before), (_, _, after) in zip(module.growable_forms(), shrunk.growable_forms()):
-        assert torch.equal(after.w_q[..., :8], before.w_q[..., :8]) and torch.equal(after.w_k[..., :8], before.w_k[..., :8])
+        for name in ("w_q", "w_k"):
+            assert torch.equal(getattr(after, name)[..., :8], getattr(before, name)[..., :8])
     # The command writes the same folder and says so; a failure while writing leaves nothing behind.
     main(["--pretrained", str(grown), "--to", "mha", "--kv_budget", "8", "--calibration", str(calibration),
           "--calibration_sequences", "6", "--calibration_length", "16", "--out", str(tmp_path / "cli")])

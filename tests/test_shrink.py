@@ -303,7 +303,8 @@ def test_whitened_shrink_is_exact_when_rank_fits():
         assert torch.equal(new_q[..., :2], w_q[..., :2]) and torch.equal(new_k[..., :2], w_k[:1, :, :2])
         if d_new == 5:
             m = grouped_bilinear(w_q[..., 2:], w_k[:1, :, 2:], log_tau)
-            torch.testing.assert_close(grouped_bilinear(new_q[..., 2:], new_k[..., 2:], log_tau), m, rtol=0, atol=tol(m))
+            nope = grouped_bilinear(new_q[..., 2:], new_k[..., 2:], log_tau)
+            torch.testing.assert_close(nope, m, rtol=0, atol=tol(m))
     with pytest.raises(ValueError) as error:
         shrink_form(w_q, w_k[:1], log_tau, 1, c, rotary=2)
     assert str(error.value) == "can shrink a head size of 5 (2 of them rotary) to a size between 2 and 5, not 1"
@@ -361,7 +362,7 @@ def test_an_identity_covariance_gives_the_weight_svd():
         torch.testing.assert_close(aligned(plain[1], whitened[1]), plain[1], rtol=0, atol=1e-12)
         torch.testing.assert_close(whitened[2], plain[2], rtol=1e-12, atol=1e-12)
     g = torch.Generator().manual_seed(8)
-    w_v, w_o = torch.randn(2, 7, 4, generator=g, dtype=torch.float64), torch.randn(4, 4, 5, generator=g, dtype=torch.float64)
+    w_v, w_o = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 7, 4), (4, 4, 5)))
     c = torch.eye(7, dtype=torch.float64).expand(4, 7, 7)
     plain, whitened = shrink_values(w_v, w_o, 2), shrink_values(w_v, w_o, 2, c)
     torch.testing.assert_close(aligned(plain[0], whitened[0]), plain[0], rtol=0, atol=1e-12)
@@ -393,7 +394,7 @@ def test_a_gqa_group_shares_its_key_and_its_value():
     assert error < score_error(m, grouped_bilinear(own_q, averaged, log_tau), x).sum()
     # The value side: two query heads read one value head, which the shrunk map still shares.
     g = torch.Generator().manual_seed(11)
-    w_v, w_o = torch.randn(2, 9, 3, generator=g, dtype=torch.float64), torch.randn(4, 3, 5, generator=g, dtype=torch.float64)
+    w_v, w_o = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 9, 3), (4, 3, 5)))
     heads = torch.randn(4, 30, 9, generator=g, dtype=torch.float64)  # P_j per head
     c_heads = heads.mT @ heads / 30
     new_v, new_o, _ = shrink_values(w_v, w_o, 3, c_heads)
@@ -404,7 +405,7 @@ def test_a_gqa_group_shares_its_key_and_its_value():
 
 def test_value_whitening_uses_each_heads_attention_mixed_inputs():
     g = torch.Generator().manual_seed(12)
-    w_v, w_o = torch.randn(3, 7, 4, generator=g, dtype=torch.float64), torch.randn(3, 4, 6, generator=g, dtype=torch.float64)
+    w_v, w_o = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((3, 7, 4), (3, 4, 6)))
     heads = torch.randn(3, 25, 7, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, 7, dtype=torch.float64)
     c = heads.mT @ heads / 25  # C̄_j of P_j = A_j X′, one per head
     w_m = w_v @ w_o
@@ -414,9 +415,10 @@ def test_value_whitening_uses_each_heads_attention_mixed_inputs():
         torch.testing.assert_close(error, 25 * discarded, rtol=1e-9, atol=0)  # one-sided: n, not n²
         plain_v, plain_o, _ = shrink_values(w_v, w_o, r)
         assert (error < (heads @ (w_m - plain_v @ plain_o)).square().sum((-2, -1))).all()
+        eye = torch.eye(6, dtype=torch.float64)
         for head in range(3):
-            eye = torch.eye(6, dtype=torch.float64)
-            assert float(error[head]) <= best_factored_by_search(heads[head] @ w_m[head], heads[head], eye, r) * (1 + 1e-9)
+            searched = best_factored_by_search(heads[head] @ w_m[head], heads[head], eye, r)
+            assert float(error[head]) <= searched * (1 + 1e-9)
     new_v, new_o, discarded = shrink_values(w_v, w_o, 4, c)
     torch.testing.assert_close(new_v @ new_o, w_m, rtol=0, atol=1e-10 * float(w_m.abs().max()))
     w_o[0, 1:] = 0  # head 0 has rank 1: shrunk to 3, two pairs vanish and become zero fan-in
@@ -449,7 +451,8 @@ def test_allocation_never_exceeds_the_budget_and_holds_rotary_columns(seed):
         assert spent <= budget and all(i.held <= s <= i.width for i, s in zip(items, sizes))
         assert all(s == i.width or budget - spent < i.cost for i, s in zip(items, sizes))  # nothing more fits
         # The sides are compared by their shares of each side's energy: scaling one side's changes nothing.
-        louder = [dataclasses.replace(i, gains=tuple(1e3 * g for g in i.gains)) if i.side == "d_v" else i for i in items]
+        louder = [dataclasses.replace(i, gains=tuple(1e3 * g for g in i.gains)) if i.side == "d_v" else i
+                  for i in items]
         assert allocate_sizes(louder, budget) == sizes
     with pytest.raises(ValueError) as error:
         allocate_sizes(items, least - 1)

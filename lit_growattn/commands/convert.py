@@ -67,8 +67,8 @@ def convert_checkpoint(
     to="mha" shrinks every layer's query/key head size to d_head and/or its value head size to d_v (each one int,
     or one per layer), or, with kv_budget, to the sizes a mean head size kv_budget over the cache heads of `sides`
     (both | query_key | value) allows: chosen by the weights' SVD energy, or by the activations on the text file
-    `calibration` (its first calibration_sequences windows of calibration_length tokens, default block_size, read
-    with `tokenizer`, default raw bytes; computed on `device`), `commands/shrink.py`. Otherwise variant_args go to
+    `calibration` (calibration_sequences windows of calibration_length tokens, default block_size, read with
+    `tokenizer`, default raw bytes; computed on `device`), `commands/shrink.py`. Otherwise variant_args go to
     the new attention (`rank`, `d2_ratio` for lowrank_dint) and the second map is initialised from `seed`, without
     touching the global RNG.
 
@@ -140,11 +140,16 @@ def save_weights(module: GrowAttentionLM, path: Path) -> None:
     )
 
 
-def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int] | None,
-            d_v: int | list[int] | None) -> GrowAttentionLM:
-    with torch.random.fork_rng(devices=[]):
+def _loaded(hparams: dict, state: dict) -> GrowAttentionLM:
+    with torch.random.fork_rng(devices=[]):  # building a module draws from the global RNG
         module = GrowAttentionLM(**hparams)
     module.load_state_dict(state)
+    return module
+
+
+def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int] | None,
+            d_v: int | list[int] | None) -> GrowAttentionLM:
+    module = _loaded(hparams, state)
     for name, sizes, current in (("d_head", d_head, module.head_sizes()), ("d_v", d_v, module.value_sizes())):
         sizes = sizes if isinstance(sizes, list) or sizes is None else [sizes] * hparams["n_layer"]
         if sizes is not None and len(sizes) != hparams["n_layer"]:
@@ -167,9 +172,7 @@ def _shrunk(src_path, hparams: dict, state: dict, d_head: int | list[int] | None
 
 
 def _shrunk_to_budget(src_path, hparams: dict, state: dict, budget: Budget) -> tuple[GrowAttentionLM, str]:
-    with torch.random.fork_rng(devices=[]):
-        module = GrowAttentionLM(**hparams)
-    module.load_state_dict(state)
+    module = _loaded(hparams, state)
     # A GPT checkpoint records no tokenizer: raw bytes unless one is given.
     if budget.calibration is not None and budget.tokenizer is None and module.cfg.vocab_size != 256:
         raise ValueError(f"{src_path} has a vocabulary of {module.cfg.vocab_size} tokens, not the 256 of raw bytes: "

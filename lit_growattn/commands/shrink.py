@@ -5,8 +5,9 @@ head size B over its KV cache (`growth.shrink.shrink_to_budget`), for this proje
 Without a calibration text the sizes and factors are the weights' truncated SVD; with one, the activations weigh
 both: the covariances of every form's inputs and every value head's attention-mixed inputs on that text
 (`callback.calibration`), which should be the training distribution (its training split). The text is read with
-the model's tokenizer (raw bytes when the model records none) and cut into `sequences` windows of `length + 1`
-tokens evenly spaced from its start, so a conversion is reproducible without a seed.
+the tokenizer given (else raw bytes for a GPT, which records none, and a folder's own for `--pretrained`) and cut
+into `sequences` windows of `length + 1` tokens evenly spaced from its start, so a conversion is reproducible
+without a seed.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ PRETRAINED_LENGTH = 512  # a Hugging Face model's calibration windows (at most i
 @dataclass(frozen=True)
 class Budget:
     """What `--kv_budget` asks for: the mean head size over the cache heads of `sides`, and the calibration text
-    (None: the weights alone) with its tokenizer (None: the model's), windows and window length (None: the model's
-    block size). `cli`: the messages name the command's options (`--sides`), else the Python arguments (`sides`)."""
+    (None: the weights alone) with its tokenizer (None: raw bytes for a GPT, a folder's own), windows, window length
+    (None: the model's block size) and the device it runs on. `cli`: the messages name the command's options (`--sides`), else the Python arguments (`sides`)."""
 
     kv_budget: float
     sides: str = "both"
@@ -60,8 +61,8 @@ class Budget:
             raise FileNotFoundError(f"{self.name('calibration')} {self.calibration} is not a file: give a text of "
                                     "the model's training distribution (its training split)")
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
-            raise FileNotFoundError(f"{self.name('tokenizer')} {self.tokenizer} does not exist: give the tokenizer.json "
-                                    "(or its folder) the model was trained with")
+            raise FileNotFoundError(f"{self.name('tokenizer')} {self.tokenizer} does not exist: give the "
+                                    "tokenizer.json (or its folder) the model was trained with")
 
 
 def calibration_tokens(path: str | os.PathLike, tokenizer: str | None) -> Tensor:
