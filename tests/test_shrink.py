@@ -10,7 +10,8 @@ import torch
 
 from lit_growattn.growth.factorize import FAN_IN_FLOOR
 from lit_growattn.growth.shrink import (
-    ShrinkItem, allocate_ranks, allocate_sizes, form_energy, shrink_form, shrink_to_budget, shrink_values,
+    BudgetShrink, ShrinkItem, allocate_ranks, allocate_sizes, budget_values, form_energy, shrink_form, shrink_items,
+    shrink_to_budget, shrink_values, value_energy,
 )
 from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
@@ -401,6 +402,59 @@ def test_a_gqa_group_shares_its_key_and_its_value():
     assert new_v.shape == (2, 9, 3) and new_o.shape == (4, 3, 5)
     w_m = w_v.repeat_interleave(2, 0) @ w_o
     torch.testing.assert_close(new_v.repeat_interleave(2, 0) @ new_o, w_m, rtol=0, atol=1e-10 * float(w_m.abs().max()))
+
+
+def test_a_gqa_value_group_is_whitened_by_the_mean_of_its_heads_covariances():
+    """Below full rank, a group of query heads sharing a value head is weighed by the mean of their C̄_j: the same
+    shrink as with each C̄_j replaced by that mean, whose error on it is `discarded`."""
+    g = torch.Generator().manual_seed(13)
+    w_v, w_o = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 6, 4), (6, 4, 5)))
+    heads = torch.randn(6, 30, 6, generator=g, dtype=torch.float64) * torch.logspace(-1, 1, 6, dtype=torch.float64)
+    c = heads.mT @ heads / 30  # one C̄_j per query head, different within each group of 3
+    group_mean = c.reshape(2, 3, 6, 6).mean(1).repeat_interleave(3, 0)
+    new_v, new_o, discarded = shrink_values(w_v, w_o, 2, c)
+    same = shrink_values(w_v, w_o, 2, group_mean)
+    for found, expected in zip((new_v, new_o, discarded), same):
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-12)
+    e = w_v.repeat_interleave(3, 0) @ w_o - new_v.repeat_interleave(3, 0) @ new_o  # (H, e′, e)
+    error = (e.mT @ group_mean @ e).diagonal(dim1=-2, dim2=-1).sum(-1)  # tr(Eᵀ C̄_g E) per head
+    torch.testing.assert_close(error, discarded, rtol=1e-9, atol=0)
+    assert not torch.allclose(shrink_values(w_v, w_o, 2, c[[0, 0, 0, 3, 3, 3]])[2], discarded)  # the mean matters
+
+
+def test_the_kept_share_is_the_energy_of_the_kept_columns():
+    items = [ShrinkItem(0, "d_v", 1, 1, 3, (4.0, 2.0, 1.0)), ShrinkItem(1, "d_v", 2, 1, 2, (3.0, 0.5)),
+             ShrinkItem(0, "d_head", 2, 1, 2, (1.0, 1.0))]
+    shrunk = BudgetShrink(items, [2, 1, 1])
+    assert shrunk.kept_share("d_v") == 9 / 10.5 and shrunk.kept_share("d_head") == 0.5
+    # On a model: 1 − the discarded energy over the whole.
+    g = torch.Generator().manual_seed(14)
+    w_v, w_o = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((2, 6, 4), (2, 4, 5)))
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=5, d_head=4, d_v=4, bias=True)).double()
+    (_, _, values), = model.named_value_maps()
+    values.set_weights(w_v, w_o)
+    energy = value_energy(values.w_v, values.w_o)
+    shrunk = shrink_to_budget(list(model.named_value_maps()), 2)
+    discarded = shrink_values(w_v, w_o, 2)[2]
+    assert shrunk.sizes == [2]
+    torch.testing.assert_close(shrunk.kept_share("d_v"), float(1 - discarded.sum() / energy.sum()), rtol=1e-12, atol=0)
+
+
+def test_a_budget_allows_the_cache_values_its_decimal_does():
+    """4.1 × 30 is 122.99999999999999 in floats: the budget still buys its 123rd value."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=5, n_head=3, n_embd=12, d_head=8, d_v=8, bias=True)).double()
+    units = [*model.named_qk_forms(), *model.named_value_maps()]
+    items = shrink_items(units)
+    assert [i.cost for i in items] == [3] * 10 and budget_values(4.1, items) == 123
+    assert budget_values(4, items) == 120 and budget_values(4.099, items) == 122
+    shrunk = shrink_to_budget(units, 4.1)
+    assert shrunk.values_per_token() == 123 and sum(model.head_sizes() + model.value_sizes()) == 41
+    for bad in (math.nan, math.inf, 0.0, -2.0):
+        with pytest.raises(ValueError) as error:
+            shrink_to_budget(units, bad)
+        assert str(error.value) == (f"a budget of {bad:g} is not a mean head size: give a finite number of columns "
+                                    "above 0")
 
 
 def test_value_whitening_uses_each_heads_attention_mixed_inputs():

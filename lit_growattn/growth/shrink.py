@@ -27,8 +27,10 @@ model's units, from a mean head size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -36,6 +38,7 @@ from torch import Tensor
 from lit_growattn.growth.allocation import buy_columns
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH
 from lit_growattn.growth.linalg import psd_sqrt
+from lit_growattn.growth.sides import column_costs
 from lit_growattn.growth.unit import HeadSize
 
 Units = Sequence[tuple[int, str, object]]  # (layer, name, query/key form or value map), as contract.NamedForm
@@ -57,6 +60,27 @@ def _whitened_forms(w_q: Tensor, w_k: Tensor, log_tau: Tensor, c: Tensor | None,
     return m.reshape(kv, -1, m.shape[-1]), tau, None if roots is None else roots[1]
 
 
+@dataclass(frozen=True)
+class _SVD:
+    """U Σ Vᵀ of a unit's whitened matrices per group, leading pairs only, with R⁻¹ (None without C̄) and, for a
+    form, its temperatures τ: what shrinking to any size takes (`shrink_to_budget` rates and shrinks from one)."""
+
+    u: Tensor
+    s: Tensor
+    vh: Tensor
+    back: Tensor | None
+    tau: Tensor | None = None
+
+
+def _form_svd(w_q: Tensor, w_k: Tensor, log_tau: Tensor, c: Tensor | None, rotary: int, rcond: float) -> _SVD:
+    """The SVD of each group's stacked whitened NoPE forms, its leading d − rotary pairs (the most a form of d − rotary
+    NoPE columns has: the others are round-off), with τ and R⁻¹."""
+    stacked, tau, back = _whitened_forms(w_q, w_k, log_tau, c, rotary, rcond)
+    u, s, vh = torch.linalg.svd(stacked, full_matrices=False)
+    k = w_q.shape[-1] - rotary
+    return _SVD(u[..., :k], s[:, :k], vh[:, :k], back, tau)
+
+
 def shrink_form(w_q: Tensor, w_k: Tensor, log_tau: Tensor, d_new: int, c: Tensor | None = None, rotary: int = 0,
                 rcond: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
     """The closest head-size-d_new form to τ W_Q W_Kᵀ per head (module docstring).
@@ -65,14 +89,21 @@ def shrink_form(w_q: Tensor, w_k: Tensor, log_tau: Tensor, d_new: int, c: Tensor
     the weights alone; rotary: the leading rotary columns, kept as they are. → w_q′ (H, e′, d_new), w_k′ (KV, e′,
     d_new) in the input dtype, and the discarded energy ‖R(M_j − M′_j)R‖²_F per query head (H,), float64. τ is kept.
     """
-    h, e_in, d = w_q.shape
-    least = max(rotary, 1)
-    if not least <= d_new <= d:
+    _check_form_size(w_q.shape[-1], d_new, rotary)
+    return _truncated_form(w_q, w_k, _form_svd(w_q, w_k, log_tau, c, rotary, rcond), d_new, rotary)
+
+
+def _check_form_size(d: int, d_new: int, rotary: int) -> None:
+    if not max(rotary, 1) <= d_new <= d:
         what = f" ({rotary} of them rotary)" if rotary else ""
-        raise ValueError(f"can shrink a head size of {d}{what} to a size between {least} and {d}, not {d_new}")
+        raise ValueError(f"can shrink a head size of {d}{what} to a size between {max(rotary, 1)} and {d}, not {d_new}")
+
+
+def _truncated_form(w_q: Tensor, w_k: Tensor, svd: _SVD, d_new: int, rotary: int) -> tuple[Tensor, Tensor, Tensor]:
+    """shrink_form's result from the form's `_form_svd`."""
+    h, e_in, _ = w_q.shape
     kv, r = w_k.shape[0], d_new - rotary
-    stacked, tau, back = _whitened_forms(w_q, w_k, log_tau, c, rotary, rcond)
-    u, s, vh = torch.linalg.svd(stacked, full_matrices=False)
+    u, s, vh, back, tau = svd.u, svd.s, svd.vh, svd.back, svd.tau
     tau_group = tau.reshape(kv, -1).mean(-1)  # (KV,)
     q_scale = (tau_group.repeat_interleave(h // kv) / tau)[:, None, None]  # τ̄/τ_j: 1 with one head per group
     kept = s[:, :r]
@@ -97,8 +128,7 @@ def form_energy(w_q: Tensor, w_k: Tensor, log_tau: Tensor, c: Tensor | None = No
                 rcond: float = 1e-6) -> Tensor:
     """(d − rotary,) float64: what each NoPE column keeps, σ_k² of the whitened stacked forms summed over the groups,
     k = 0 … d − rotary − 1 (shrink_form to rotary + r keeps the first r)."""
-    s = torch.linalg.svdvals(_whitened_forms(w_q, w_k, log_tau, c, rotary, rcond)[0])
-    return s[:, : w_q.shape[-1] - rotary].square().sum(0)
+    return _form_svd(w_q, w_k, log_tau, c, rotary, rcond).s.square().sum(0)
 
 
 def _whitened_maps(w_v: Tensor, w_o: Tensor, c: Tensor | None, rcond: float) -> tuple[Tensor, Tensor | None]:
@@ -115,6 +145,14 @@ def _whitened_maps(w_v: Tensor, w_o: Tensor, c: Tensor | None, rcond: float) -> 
     return root @ b, back
 
 
+def _value_svd(w_v: Tensor, w_o: Tensor, c: Tensor | None, rcond: float) -> _SVD:
+    """The SVD of each group's whitened maps, its leading d_v pairs (the most a map of d_v columns has), with R⁻¹."""
+    maps, back = _whitened_maps(w_v, w_o, c, rcond)
+    u, s, wh = torch.linalg.svd(maps, full_matrices=False)
+    d = w_v.shape[-1]
+    return _SVD(u[..., :d], s[:, :d], wh[:, :d], back)
+
+
 def shrink_values(w_v: Tensor, w_o: Tensor, d_new: int, c: Tensor | None = None,
                   rcond: float = 1e-6) -> tuple[Tensor, Tensor, Tensor]:
     """The closest value-head-size-d_new map to each head's W_M = W_V W_O (module docstring).
@@ -123,12 +161,20 @@ def shrink_values(w_v: Tensor, w_o: Tensor, d_new: int, c: Tensor | None = None,
     weights alone → w_v′ (KV, e′, d_new), w_o′ (H, d_new, e) in the input dtype, and the discarded energy
     ‖R(W_M,j − W_M,j′)‖²_F per query head (H,), float64.
     """
-    kv, _, d = w_v.shape
-    h, e_out = w_o.shape[0], w_o.shape[2]
+    _check_value_size(w_v.shape[-1], d_new)
+    return _truncated_values(w_v, w_o, _value_svd(w_v, w_o, c, rcond), d_new)
+
+
+def _check_value_size(d: int, d_new: int) -> None:
     if not 1 <= d_new <= d:
         raise ValueError(f"can shrink a value head size of {d} to a size between 1 and {d}, not {d_new}")
-    maps, back = _whitened_maps(w_v, w_o, c, rcond)
-    u, s, wh = torch.linalg.svd(maps, full_matrices=False)
+
+
+def _truncated_values(w_v: Tensor, w_o: Tensor, svd: _SVD, d_new: int) -> tuple[Tensor, Tensor, Tensor]:
+    """shrink_values' result from the map's `_value_svd`."""
+    kv = w_v.shape[0]
+    h, e_out = w_o.shape[0], w_o.shape[2]
+    u, s, wh, back = svd.u, svd.s, svd.vh, svd.back
     kept = s[:, :d_new]
     live = kept > VANISH * s[:, :1]
     root = kept.sqrt().unsqueeze(1)
@@ -146,7 +192,7 @@ def shrink_values(w_v: Tensor, w_o: Tensor, d_new: int, c: Tensor | None = None,
 
 def value_energy(w_v: Tensor, w_o: Tensor, c: Tensor | None = None, rcond: float = 1e-6) -> Tensor:
     """(d_v,) float64: what each value column keeps, σ_k² of the whitened maps summed over the groups."""
-    return torch.linalg.svdvals(_whitened_maps(w_v, w_o, c, rcond)[0])[:, : w_v.shape[-1]].square().sum(0)
+    return _value_svd(w_v, w_o, c, rcond).s.square().sum(0)
 
 
 @dataclass(frozen=True)
@@ -211,13 +257,13 @@ def _rotary(unit) -> int:
 
 
 def shrink_items(units: Units) -> list[ShrinkItem]:
-    """One unrated item per (layer, side) of the units, in their order."""
-    items: dict[tuple[int, HeadSize], ShrinkItem] = {}
+    """One unrated item per (layer, side) of the units, in their order: its cost is `column_costs`' (growth's)."""
+    units = list(units)
+    first: dict[tuple[int, HeadSize], object] = {}
     for layer, _, unit in units:
-        key = layer, unit.side
-        cost = unit.column_cost + (items[key].cost if key in items else 0)
-        items[key] = ShrinkItem(layer, unit.side, cost, _rotary(unit) or 1, unit.width)
-    return list(items.values())
+        first.setdefault((layer, unit.side), unit)
+    return [ShrinkItem(layer, side, cost, _rotary(first[layer, side]) or 1, first[layer, side].width)
+            for (layer, side), cost in column_costs((layer, unit) for layer, _, unit in units).items()]
 
 
 def mean_size(items: Sequence[ShrinkItem], sizes: Sequence[int]) -> float:
@@ -227,7 +273,9 @@ def mean_size(items: Sequence[ShrinkItem], sizes: Sequence[int]) -> float:
 
 def check_budget(items: Sequence[ShrinkItem], budget: float) -> None:
     """Refuses a mean head size `budget` the items cannot be shrunk to: below what they keep whatever, or not
-    below where they are."""
+    below where they are, or one that is not a finite positive number."""
+    if not (math.isfinite(budget) and budget > 0):
+        raise ValueError(f"a budget of {budget:g} is not a mean head size: give a finite number of columns above 0")
     least = mean_size(items, [i.held for i in items])
     if budget < least:
         rotary = sorted({i.held for i in items if i.side == "d_head" and i.held > 1})
@@ -266,32 +314,42 @@ class BudgetShrink:
         return sum(sum(i.gains[:s]) for i, s in pairs) / total if total > 0 else 1.0
 
 
+def budget_values(budget: float, items: Sequence[ShrinkItem]) -> int:
+    """The cache values per token a mean head size `budget` allows the items: ⌊budget × Σ cost⌋, taken on the
+    decimal the budget is written as (4.1 × 30 is 123, where the float product is 122.99999999999999)."""
+    return math.floor(Fraction(repr(float(budget))) * sum(i.cost for i in items))
+
+
 def shrink_to_budget(units: Units, budget: float, covariances: Mapping[str, Tensor] | None = None,
                      rcond: float = 1e-6) -> BudgetShrink:
     """Shrinks the units (query/key forms and value maps, in place through their `set_weights`) to a mean head size
     `budget` over their cache heads: sizes by `allocate_sizes`, each unit by `shrink_form`/`shrink_values`, both
-    weighted by the unit's C̄ in `covariances` (by name; None: the weights' own energy)."""
+    weighted by the unit's C̄ in `covariances` (by name; None: the weights' own energy). Each unit's whitening and
+    SVD are computed once, for both its energies and its shrink."""
     items = shrink_items(units)
     check_budget(items, budget)
     c_of = lambda name: None if covariances is None else covariances[name]  # noqa: E731
+    svds: list[_SVD] = []
     gains: dict[tuple[int, HeadSize], Tensor] = {}
     for layer, name, unit in units:
         key = layer, unit.side
         if unit.side == "d_head":
-            energy = form_energy(unit.w_q, unit.w_k, unit.log_tau, c_of(name), _rotary(unit), rcond)
+            svds.append(_form_svd(unit.w_q, unit.w_k, unit.log_tau, c_of(name), _rotary(unit), rcond))
+            energy = svds[-1].s.square().sum(0)
             energy = torch.cat([energy.new_zeros(_rotary(unit)), energy])
         else:
-            energy = value_energy(unit.w_v, unit.w_o, c_of(name), rcond)
+            svds.append(_value_svd(unit.w_v, unit.w_o, c_of(name), rcond))
+            energy = svds[-1].s.square().sum(0)
         gains[key] = gains[key] + energy if key in gains else energy
     items = [replace(i, gains=tuple(gains[i.layer, i.side].tolist())) for i in items]
-    sizes = allocate_sizes(items, budget * sum(i.cost for i in items))
+    sizes = allocate_sizes(items, budget_values(budget, items))
     size_of = {(i.layer, i.side): s for i, s in zip(items, sizes)}
-    for layer, name, unit in units:
+    for (layer, _, unit), svd in zip(units, svds):
         size = size_of[layer, unit.side]
         if unit.side == "d_head":
-            w_q, w_k, _ = shrink_form(unit.w_q, unit.w_k, unit.log_tau, size, c_of(name), _rotary(unit), rcond)
+            w_q, w_k, _ = _truncated_form(unit.w_q, unit.w_k, svd, size, _rotary(unit))
             unit.set_weights(w_q, w_k, unit.log_tau)
         else:
-            w_v, w_o, _ = shrink_values(unit.w_v, unit.w_o, size, c_of(name), rcond)
+            w_v, w_o, _ = _truncated_values(unit.w_v, unit.w_o, svd, size)
             unit.set_weights(w_v, w_o)
     return BudgetShrink(items, sizes)
