@@ -129,3 +129,23 @@ def test_calibration_of_a_hugging_face_model_with_gqa_and_rotary_columns(tmp_pat
         expected[value_name] = torch.einsum("nhse,nhsf->hef", p, p) / x.shape[0]
     # Eager attention softmaxes in float32 (the explicit capture in float64): its weights are the coarser ones.
     assert_moments_equal(found, expected, rtol=10 * torch.finfo(torch.float32).eps)
+
+
+def test_calibration_takes_fewer_layers_per_pass_where_their_sums_would_not_fit():
+    """Half the free memory holds every layer's kept covariances (float64) and one pass's window sums (float32, a
+    growth window's: C̄ and N per form, C and N per value map); the rest decides the layers per pass."""
+    from lit_growattn.callback.calibration import calibration_layers_per_pass
+    from lit_growattn.contract import growable_units
+
+    module = GrowAttentionLM(vocab_size=32, block_size=10, n_layer=3, n_head=2, n_embd=8, d_head=3, d_v=4, bias=True)
+    units = growable_units(module)
+    e, h, e_out = 9, 2, 8  # e′ = n_embd + 1 (bias)
+    window = 4 * (e * e * (1 + h) + h * e * (e + e_out))  # per layer
+    kept = 3 * 8 * (e * e + h * e * e)  # every layer's
+    assert calibration_layers_per_pass(units, None) is None  # the free memory unknown: one pass
+    assert calibration_layers_per_pass(units, 2 * (kept + 3 * window)) is None
+    assert calibration_layers_per_pass(units, 2 * (kept + 3 * window) - 1) == 2
+    assert calibration_layers_per_pass(units, 2 * (kept + 2 * window) - 1) == 1
+    assert calibration_layers_per_pass(units, 1) == 1  # never fewer than one: it may still fit
+    values = [named for named in units if named.form.side == "d_v"]
+    assert calibration_layers_per_pass(values, 2 * (3 * 8 * h * e * e + 4 * 4 * h * e * (e + e_out))) is None

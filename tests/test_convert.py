@@ -507,6 +507,73 @@ def test_a_budget_is_refused_before_any_work_naming_the_problem_and_the_fix(mha_
         main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text), "--out", str(text)])
     assert str(error.value) == (f"--out {text} is the calibration text --calibration ({text}), which is read to write "
                                 "it: it is never overwritten, not even with --overwrite; give --out a path outside it")
+    tokenizer = tmp_path / "tok" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    tokenizer.write_text("{}")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text), "--tokenizer",
+              str(tokenizer), "--out", str(tokenizer), "--overwrite"])
+    assert str(error.value) == (f"--out {tokenizer} is the tokenizer --tokenizer ({tokenizer}), which is read to write "
+                                "it: it is never overwritten, not even with --overwrite; give --out a path outside it")
+    with pytest.raises(ValueError, match="is the tokenizer"):
+        convert_checkpoint(src, tokenizer, to="mha", kv_budget=3, calibration=text, tokenizer=tokenizer,
+                           overwrite=True)
+    assert tokenizer.read_text() == "{}"
+    # The Python arguments go together as the command's options do.
+    assert refused(d_v=2, sides="value") == "sides chooses what kv_budget shrinks"
+    assert refused(kv_budget=3, calibration_sequences=8, device="cpu") == (
+        "calibration_sequences, device go with calibration: give the text to calibrate on, or leave them out")
+    assert refused(kv_budget=3, tokenizer=tokenizer) == ("tokenizer goes with calibration: give the text to calibrate "
+                                                         "on, or leave them out")
+    # A device the calibration cannot run on.
+    assert refused(kv_budget=3, calibration=text, device="gpu") == ("device gpu is not a device name: give cpu, or a "
+                                                                    "device this machine has (e.g. cuda:0)")
+    absent = refused(kv_budget=3, calibration=text, device="cuda:99")
+    assert absent.startswith("device cuda:99 is not available here (") and absent.endswith(
+        "): give cpu, or a device this machine has (e.g. cuda:0)")
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "0", "-2"])
+def test_a_budget_that_is_no_mean_head_size_or_a_missing_device_is_refused_before_the_model_is_read(
+        byte_ckpt, tmp_path, monkeypatch, budget):
+    def unread(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the refusal")
+    monkeypatch.setattr("lit_growattn.commands.convert.read_checkpoint", unread)
+    src, text = byte_ckpt
+    out = tmp_path / "x.ckpt"
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", f"--kv_budget={budget}", "--out", str(out)])
+    assert str(error.value) == (f"--kv_budget {float(budget):g} is not a mean head size: give a finite number of "
+                                "columns above 0, the mean head size over the cache heads to shrink to (e.g. 4)")
+    with pytest.raises(ValueError) as error:
+        convert_checkpoint(src, out, to="mha", kv_budget=float(budget), calibration=text)
+    assert str(error.value).startswith(f"kv_budget {float(budget):g} is not a mean head size: ")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text), "--device", "cuda:99",
+              "--out", str(out)])
+    assert str(error.value).startswith("--device cuda:99 is not available here (")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text),
+              "--calibration_sequences", "0", "--out", str(out)])
+    assert str(error.value) == "--calibration_sequences must be at least 1, not 0"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_calibration_passes_over_fewer_layers_where_the_memory_is_short(byte_ckpt, tmp_path, capsys,
+                                                                          monkeypatch):
+    """Free memory for one layer's sums at a time: two passes, the same model, and the line says so."""
+    src, text = byte_ckpt
+    argv = ["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text),
+            "--calibration_sequences", "8"]
+    main([*argv, "--out", str(tmp_path / "one_pass.ckpt")])
+    assert "per pass" not in capsys.readouterr().out
+    monkeypatch.setattr("lit_growattn.commands.shrink.free_memory", lambda device: 1)
+    main([*argv, "--out", str(tmp_path / "passes.ckpt")])
+    printed = capsys.readouterr().out
+    assert f"allocation by activation-whitened energy on 128 tokens of {text}, 1 layer per pass to fit cpu's memory " \
+           "(kept " in printed
+    torch.testing.assert_close(GrowAttentionLM.load_from_checkpoint(tmp_path / "passes.ckpt").state_dict(),
+                               GrowAttentionLM.load_from_checkpoint(tmp_path / "one_pass.ckpt").state_dict())
 
 
 def test_a_failure_while_writing_a_shrunk_checkpoint_leaves_nothing_behind(byte_ckpt, tmp_path, monkeypatch):
@@ -570,6 +637,15 @@ def test_a_hugging_face_folder_shrinks_to_a_budget_and_loads_back(tmp_path, caps
     for (_, _, before), (_, _, after) in zip(module.growable_forms(), shrunk.growable_forms()):
         for name in ("w_q", "w_k"):
             assert torch.equal(getattr(after, name)[..., :8], getattr(before, name)[..., :8])
+    # Down to the 8 rotary columns, with the values at 8: the original widths, so the folder is a Llama again (its
+    # config and class, which hold q_proj/k_proj/v_proj/o_proj), loaded by transformers alone as the shrunk model.
+    native, line = shrink.shrink_pretrained(grown, tmp_path / "native", shrink.Budget(8, "query_key"))
+    assert native.head_sizes() == native.value_sizes() == [8, 8] and "(model type llama, " in line
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
+    assert type(reloaded).__name__ == "LlamaForCausalLM" and "qk_head_sizes" not in reloaded.config.to_dict()
+    same_model(reloaded, native.model.eval())
     # The command writes the same folder and says so; a failure while writing leaves nothing behind.
     main(["--pretrained", str(grown), "--to", "mha", "--kv_budget", "8", "--calibration", str(calibration),
           "--calibration_sequences", "6", "--calibration_length", "16", "--out", str(tmp_path / "cli")])
@@ -577,6 +653,7 @@ def test_a_hugging_face_folder_shrinks_to_a_budget_and_loads_back(tmp_path, caps
     assert printed.startswith(f"wrote {tmp_path / 'cli'} (model type growattn_llama, tokenizer files tokenizer.json, "
                               f"tokenizer_config.json): d_head {shrunk.head_sizes()} (mean ")
     assert f"allocation by activation-whitened energy on 96 tokens of {calibration} (kept " in printed
+    assert "% of the NoPE score energy (the rotary columns are kept whole), " in printed  # the rotary ones: never cut
     torch.testing.assert_close(load(tmp_path / "cli").state_dict(), loaded.state_dict(), rtol=0, atol=0)
 
     def full_disk(model, folder):
@@ -585,3 +662,34 @@ def test_a_hugging_face_folder_shrinks_to_a_budget_and_loads_back(tmp_path, caps
     with pytest.raises(OSError, match="No space left on device"):
         shrink.shrink_pretrained(grown, tmp_path / "never", budget)
     assert not [p for p in tmp_path.iterdir() if "never" in p.name]
+
+
+def test_a_shrunk_folder_keeps_any_tokenizer_files_and_the_dtype_its_weights_were_stored_in(tmp_path):
+    """A folder whose tokenizer has no tokenizer.json (sentencepiece's tokenizer.model, or vocab.json + merges.txt)
+    gets those files; a bfloat16 folder is written in bfloat16, the model shrunk in float32 and then cast."""
+    needs_transformers()
+    from hf_helpers import load, saved_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from lit_growattn.commands import shrink
+    from lit_growattn.hf.module import HFCausalLM
+
+    bf16 = tmp_path / "bf16"
+    load(saved_tiny_model("llama", tmp_path / "llama")).to(torch.bfloat16).save_pretrained(bf16)
+    (bf16 / "vocab.json").write_text("{}")
+    (bf16 / "merges.txt").write_text("#version: 0.2\n")
+    shrunk, line = shrink.shrink_pretrained(bf16, tmp_path / "small", shrink.Budget(4, "value"))
+    assert "(model type growattn_llama, tokenizer files vocab.json, merges.txt): d_v [4, 4] (mean 4)" in line
+    assert (tmp_path / "small" / "merges.txt").read_text() == "#version: 0.2\n"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "small", dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {p.dtype for p in shrunk.parameters()} == {torch.bfloat16}
+    torch.testing.assert_close(loaded.state_dict(), shrunk.model.state_dict(), rtol=0, atol=0)
+    reference = HFCausalLM(pretrained=str(bf16))  # float32: shrunk in float32, then cast
+    shrink.shrink_module(reference, shrink.Budget(4, "value"), "", None, (64, 64), 96)
+    torch.testing.assert_close(shrunk.model.state_dict(), reference.to(torch.bfloat16).model.state_dict(),
+                               rtol=0, atol=0)
+    sentencepiece = tmp_path / "sp"
+    load(saved_tiny_model("llama", sentencepiece))
+    (sentencepiece / "tokenizer.model").write_bytes(b"\x0a\x00")
+    _, line = shrink.shrink_pretrained(sentencepiece, tmp_path / "sp_small", shrink.Budget(4, "value"))
+    assert "tokenizer files tokenizer.model)" in line and (tmp_path / "sp_small" / "tokenizer.model").is_file()

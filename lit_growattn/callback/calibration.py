@@ -16,6 +16,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lit_growattn import growth
+from lit_growattn.callback.memory import form_bytes
 from lit_growattn.callback.settings import Capture
 from lit_growattn.callback.window import StatsWindow, capture_mode, fold_captured
 from lit_growattn.contract import growable_units
@@ -67,3 +68,21 @@ def calibration_moments(module, batches: Iterable, sides: set[HeadSize], capture
         for p, flag in requires:
             p.requires_grad_(flag)
     return moments
+
+
+def calibration_layers_per_pass(units, free_bytes: int | None) -> int | None:
+    """`calibration_moments`' layers_per_pass for the units (`contract.growable_units`) when `free_bytes` are free on
+    the device after the model (None: unknown): the covariances kept of every layer (float64: e′² per form, h·e′² per
+    value map) plus the window's sums of k layers (float32, `callback.memory.form_bytes`: a growth window's) within
+    half of it, None when every layer fits in one pass, and at least 1. Passes over fewer layers give the same
+    covariances; they only cost time (a forward and backward pass over the batches each)."""
+    window: dict[int, int] = {}
+    kept = 0
+    for layer, _, unit in units:
+        window[layer] = window.get(layer, 0) + form_bytes(unit, "gradient")
+        kept += 8 * unit.e_in ** 2 * (unit.n_head if unit.side == "d_v" else 1)
+    if free_bytes is None or not window:
+        return None
+    room = free_bytes / 2 - kept
+    fits = int(room // max(window.values())) if room > 0 else 0
+    return None if fits >= len(window) else max(fits, 1)

@@ -54,32 +54,44 @@ def convert_checkpoint(
     overwrite: bool = False,
     *,
     kv_budget: float | None = None,
-    sides: str = "both",
+    sides: str | None = None,
     calibration: str | Path | None = None,
-    calibration_sequences: int = 256,
+    calibration_sequences: int | None = None,
     calibration_length: int | None = None,
     tokenizer: str | None = None,
-    device: str = "cpu",
+    device: str | None = None,
     **variant_args,
 ) -> GrowAttentionLM:
     """Converts the `mha` checkpoint at src_path and saves it at dst_path; returns the converted module.
 
     to="mha" shrinks every layer's query/key head size to d_head and/or its value head size to d_v (each one int,
     or one per layer), or, with kv_budget, to the sizes a mean head size kv_budget over the cache heads of `sides`
-    (both | query_key | value) allows: chosen by the weights' SVD energy, or by the activations on the text file
-    `calibration` (calibration_sequences windows of calibration_length tokens, default block_size, read with
-    `tokenizer`, default raw bytes; computed on `device`), `commands/shrink.py`. Otherwise variant_args go to
+    (both, the default | query_key | value) allows: chosen by the weights' SVD energy, or by the activations on the
+    text file `calibration` (calibration_sequences windows, default 256, of calibration_length tokens, default
+    block_size, read with `tokenizer`, default raw bytes; computed on `device`, default cpu), `commands/shrink.py`;
+    sides goes with kv_budget and the calibration_* settings with calibration, as on the command line. Otherwise
+    variant_args go to
     the new attention (`rank`, `d2_ratio` for lowrank_dint) and the second map is initialised from `seed`, without
     touching the global RNG.
 
     dst_path is written whole or not at all (`lit_growattn.training.writing`): never onto src_path, and in place
     of an existing file only with overwrite=True.
     """
-    budget = None if kv_budget is None else Budget(kv_budget, sides, calibration, calibration_sequences,
-                                                       calibration_length, tokenizer, device)
     if kv_budget is None and calibration is not None:
         raise ValueError("calibration weighs the allocation of kv_budget; with d_head/d_v the sizes are given")
-    read = {"the checkpoint src_path": src_path, "the calibration text": calibration}
+    if kv_budget is None and sides is not None:
+        raise ValueError("sides chooses what kv_budget shrinks")
+    calibration_settings = {"calibration_sequences": calibration_sequences, "calibration_length": calibration_length,
+                            "tokenizer": tokenizer, "device": device}
+    if calibration is None and (given := [name for name, v in calibration_settings.items() if v is not None]):
+        raise ValueError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with calibration: give the text "
+                         "to calibrate on, or leave them out")
+    budget = None if kv_budget is None else Budget(
+        kv_budget, sides or "both", calibration, 256 if calibration_sequences is None else calibration_sequences,
+        calibration_length, tokenizer, device or "cpu")
+    if budget is not None:
+        budget.check()
+    read = {"the checkpoint src_path": src_path, "the calibration text": calibration, "the tokenizer": tokenizer}
     dst_path = check_output(dst_path, "file", read, overwrite, option="dst_path")
     module, _ = converted(src_path, to, seed, d_head, d_v, budget, **variant_args)
     with new_file(dst_path, overwrite, option="dst_path") as partial:
@@ -235,12 +247,16 @@ def main(argv: list[str] | None = None) -> None:
     if (args.to == "mha") != (sized or args.kv_budget is not None):
         parser.error("--d_head, --d_v or --kv_budget is required for --to mha (shrinking) and belongs to it alone")
     budget = None if args.kv_budget is None else Budget(
-        args.kv_budget, args.sides or "both", args.calibration, args.calibration_sequences or 256,
-        args.calibration_length, args.tokenizer, args.device or "cpu", cli=True)
+        args.kv_budget, args.sides or "both", args.calibration,
+        256 if args.calibration_sequences is None else args.calibration_sequences, args.calibration_length,
+        args.tokenizer, args.device or "cpu", cli=True)
+    if budget is not None:
+        budget.check()  # before anything is read or written
     if args.pretrained is not None:
         _convert_pretrained(parser, args, variant_args, budget)
         return
-    read = {"the checkpoint --ckpt": args.ckpt, "the calibration text --calibration": args.calibration}
+    read = {"the checkpoint --ckpt": args.ckpt, "the calibration text --calibration": args.calibration,
+            "the tokenizer --tokenizer": args.tokenizer}
     out = check_output(args.out, "file", read, args.overwrite)
     config_path = out.with_suffix(".yaml")
     if config_path == out:
