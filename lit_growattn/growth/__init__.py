@@ -17,7 +17,8 @@ unit       GrowableUnit: what a growable unit (query/key form or value map) offe
 sides      what the callback does with either side: column costs, restore, sums from a checkpoint; growth_for, a
            type table.
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
-shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
+shrink     the closest form or value map of a smaller head size (truncated SVD, whitened by the activations'
+           covariance when given), GQA groups stacked, rotary columns kept; per-layer sizes under a KV budget.
 linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
 """
 
