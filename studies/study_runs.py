@@ -156,20 +156,15 @@ def sizes(d_head: list[int]) -> str:
     return f"--model.init_args.d_head=[{', '.join(map(str, d_head))}]"
 
 
-def shrink_to_sizes(d_head: list[int]) -> Callable[[Path, Path], list[int]]:
-    """A `fine_tune_shrunk` shrink: truncated SVD of the weights to the given head sizes."""
+def shrink_query_keys(budget: float, calibration: Path | None = None,
+                      sequences: int = 256) -> Callable[[Path, Path], list[int]]:
+    """A `fine_tune_shrunk` shrink: the query/key sides to a mean head size `budget` (convert --kv_budget), sizes
+    and factors by the weights' SVD energy, or with `calibration` by the activations on `sequences` windows of that
+    text file (--calibration)."""
     def shrink(trained: Path, to: Path) -> list[int]:
-        convert_checkpoint(trained, to, to="mha", d_head=d_head, overwrite=True)
-        return d_head
-    return shrink
-
-
-def shrink_to_budget(budget: float, calibration: Path, sequences: int) -> Callable[[Path, Path], list[int]]:
-    """A `fine_tune_shrunk` shrink: the query/key sides to a mean head size `budget`, sizes and factors by the
-    activations on `sequences` windows of the text file `calibration` (convert --kv_budget --calibration)."""
-    def shrink(trained: Path, to: Path) -> list[int]:
-        module = convert_checkpoint(trained, to, to="mha", kv_budget=budget, sides="query_key",
-                                    calibration=calibration, calibration_sequences=sequences, overwrite=True)
+        module = convert_checkpoint(trained, to, to="mha", kv_budget=budget, sides="query_key", overwrite=True,
+                                    **({"calibration": calibration, "calibration_sequences": sequences}
+                                       if calibration is not None else {}))
         return module.head_sizes()
     return shrink
 

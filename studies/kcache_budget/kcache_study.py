@@ -5,7 +5,8 @@
     grown b                             AutoSchedule with budget b, from d_head 1 (configs/text_auto.yaml)
     static at the allocator's widths b  from scratch at the widths grown b ended at (same seed): path or allocation?
     post-hoc b                          static 16 for 2/3 of the steps, shrunk per layer to the budget by SVD energy
-                                        (growth.shrink.allocate_ranks, Palu/Eigen-style), fine-tuned for the rest
+                                        (convert --kv_budget b, the sizes of growth.shrink.allocate_ranks;
+                                        Palu/Eigen-style), fine-tuned for the rest
     activation-aware post-hoc b         the same, shrunk by the activations instead (convert --kv_budget b
                                         --calibration on 1024 windows of the corpus's training split: sizes and
                                         factors from the SVD of C̄^½ M C̄^½)
@@ -38,10 +39,8 @@ STUDIES = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(STUDIES))  # study_runs, shared with the other studies
 
 from study_runs import (TEXT_SETTING, fine_tune_shrunk, k_cache_bytes, read_results, run, save,  # noqa: E402
-                        shrink_to_budget, shrink_to_sizes, sizes, train_to_shrink)
+                        shrink_query_keys, sizes, train_to_shrink)
 
-from lit_growattn.growth.shrink import allocate_ranks  # noqa: E402
-from lit_growattn.module import GrowAttentionLM  # noqa: E402
 
 CONFIG = "configs/text_auto.yaml"  # static rows drop its growth callback and set d_head (as the capacity study)
 FULL = 16  # the ceiling's head size, and the width the post-hoc rows start from
@@ -78,14 +77,6 @@ def compact(result: dict) -> dict:
             # The last check's scalars (its decision inputs left out): what it says of the budget, such as unspent.
             "last_check": {k: v for k, v in result["events"][-1].items() if isinstance(v, (int, float, str, bool))}
             if result["events"] else None}
-
-
-def allocated(trained: Path, budget: int) -> list[int]:
-    """The post-hoc widths: the trained static model's per-layer sizes at a mean head size of `budget` (key heads
-    weighted), by SVD energy per cache value."""
-    model = GrowAttentionLM.load_from_checkpoint(trained, map_location="cpu").model
-    layers = [[(f.w_q, f.w_k, f.log_tau) for f in forms] for forms in model.qk_forms()]
-    return allocate_ranks(layers, budget * sum(f.n_kv_head for forms in model.qk_forms() for f in forms))
 
 
 def missing_inputs(names: list[str], stored: list[dict], seed: int) -> list[str]:
@@ -137,8 +128,8 @@ def run_grid(args, results: dict, inputs: list[dict], work: Path) -> None:
             else:  # the post-hoc rows, as long in all as the uniform static row of their budget
                 steps = stored(f"uniform static {b}")["step"]
                 first = first or train_to_shrink(CONFIG, seeded, steps, trained, logs)
-                shrink = (shrink_to_sizes(allocated(trained, int(b))) if kind == "post-hoc" else
-                          shrink_to_budget(int(b), training_split(args.text, work), CALIBRATION_SEQUENCES))
+                shrink = (shrink_query_keys(int(b)) if kind == "post-hoc" else
+                          shrink_query_keys(int(b), training_split(args.text, work), CALIBRATION_SEQUENCES))
                 result = fine_tune_shrunk(CONFIG, seeded, first, trained, shrink, steps, work, logs)
             done.setdefault(name, {})[str(seed)] = compact(result)
             save(results, args.out)
