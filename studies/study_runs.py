@@ -9,6 +9,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
@@ -155,6 +156,19 @@ def sizes(d_head: list[int]) -> str:
     return f"--model.init_args.d_head=[{', '.join(map(str, d_head))}]"
 
 
+def shrink_query_keys(budget: float, calibration: Path | None = None,
+                      sequences: int = 256) -> Callable[[Path, Path], list[int]]:
+    """A `fine_tune_shrunk` shrink: the query/key sides to a mean head size `budget` (convert --kv_budget), sizes
+    and factors by the weights' SVD energy, or with `calibration` by the activations on `sequences` windows of that
+    text file (--calibration)."""
+    def shrink(trained: Path, to: Path) -> list[int]:
+        module = convert_checkpoint(trained, to, to="mha", kv_budget=budget, sides="query_key", overwrite=True,
+                                    **({"calibration": calibration, "calibration_sequences": sequences}
+                                       if calibration is not None else {}))
+        return module.head_sizes()
+    return shrink
+
+
 def train_to_shrink(config: str, common: list[str], steps: int, trained: Path, logs: str) -> dict:
     """The shrunk peer's first phase: static d_head 16 for SHRINK_SHARE of `steps`, its checkpoint written to
     `trained` (several sizes can be shrunk from it)."""
@@ -163,13 +177,16 @@ def train_to_shrink(config: str, common: list[str], steps: int, trained: Path, l
                save=trained)
 
 
-def fine_tune_shrunk(config: str, common: list[str], first: dict, trained: Path, d_head: list[int], steps: int,
-                     work: Path, logs: str) -> dict:
-    """The shrunk peer's second phase: `trained` (first phase `first`) shrunk by truncated SVD to `d_head` and
-    fine-tuned for the rest of `steps`; FLOPs, curve and seconds of both phases together."""
+def fine_tune_shrunk(config: str, common: list[str], first: dict, trained: Path,
+                     shrink: Callable[[Path, Path], list[int]], steps: int, work: Path, logs: str) -> dict:
+    """The shrunk peer's second phase: `trained` (first phase `first`) shrunk by `shrink(trained, to)`, which writes
+    the shrunk checkpoint and returns its d_head per layer, and fine-tuned for the rest of `steps`; FLOPs, curve and
+    seconds of both phases together (the shrink's seconds in time["shrink_s"])."""
     at = first["final"]["step"]
-    shrunk = work / "shrunk.ckpt"
-    convert_checkpoint(trained, shrunk, to="mha", d_head=d_head, overwrite=True)  # one scratch file per cell
+    shrunk = work / "shrunk.ckpt"  # one scratch file per cell
+    start = time.perf_counter()
+    d_head = shrink(trained, shrunk)
+    shrink_s = time.perf_counter() - start
     second = run(config, [*common, sizes(d_head), f"--model.init_args.init_from={shrunk}",
                           f"--trainer.max_steps={steps - at}",
                           f"--model.init_args.warmup_steps={FINE_TUNE_WARMUP}"], logs, grow=False)
@@ -184,7 +201,7 @@ def fine_tune_shrunk(config: str, common: list[str], first: dict, trained: Path,
         "curve": first["curve"] + shifted,
         "events": [{"event": f"shrink at step {at}", "step": at, "d_head_before": first["final"]["d_head"],
                     "d_head": d_head}],
-        "time": {"static 16": first["time"], "fine-tune": second["time"]},  # step times per phase
+        "time": {"static 16": first["time"], "fine-tune": second["time"], "shrink_s": shrink_s},  # per phase
     }
 
 

@@ -88,3 +88,19 @@ def test_low_rank_dint_takes_a_rank_up_to_its_input_size_and_names_the_bound(bia
     for rank, d2_ratio in [(0, 0.5), (2, 0.0), (2, -1.0)]:
         with pytest.raises(ValueError, match=f"needs rank ≥ 1 and d2_ratio > 0, got rank={rank}, d2_ratio={d2_ratio}$"):
             LowRankDintAttention(cfg, 0, rank=rank, d2_ratio=d2_ratio)
+
+
+def test_bad_attention_names_and_widths_are_refused_with_the_whole_message():
+    from lit_growattn.attention.registry import ATTENTIONS, attention_class
+    from lit_growattn.attention.sdpa import causal_attention
+
+    with pytest.raises(ValueError) as error:
+        attention_class("nope")
+    assert str(error.value) == (
+        f"unknown attention 'nope'; registered attentions: {', '.join(sorted(ATTENTIONS))} (a new variant registers "
+        "with lit_growattn.attention.register_attention; from the command line, import its module with "
+        "`extensions: [module]`)")
+    q, k = torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 5, 4)  # (b, h, s, d): widths 3 and 4, 5 positions
+    with pytest.raises(ValueError) as error:
+        causal_attention(q, k, torch.zeros(1, 2, 5, 4))
+    assert str(error.value) == "queries and keys must have the same width, got 3 and 4"

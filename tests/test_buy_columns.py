@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lit_growattn.growth.allocation import Offer, allocate, buy_columns
-from lit_growattn.growth.shrink import _energy_per_column, allocate_ranks
+from lit_growattn.growth.shrink import allocate_ranks, form_energy
 
 
 def test_buys_the_largest_gain_per_cost_while_the_budget_lasts():
@@ -73,8 +73,9 @@ def old_allocate(offers, allowance):
 
 
 def old_allocate_ranks(layers, budget):
-    """allocate_ranks as it was before buy_columns (growth/shrink.py at 5432392), less its refusal."""
-    gains = [sum(_energy_per_column(*form) for form in forms) for forms in layers]
+    """allocate_ranks as it was before buy_columns (growth/shrink.py at 5432392), less its refusal, with today's
+    rating of a column (`form_energy`: the query heads of a GQA group stacked, no longer one by one)."""
+    gains = [sum(form_energy(*form) for form in forms) for forms in layers]
     costs = [sum(w_k.shape[0] for _, w_k, _ in forms) for forms in layers]
     spent = sum(costs)
     ranks = [1] * len(layers)

@@ -2,6 +2,7 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from conftest import needs_transformers
 from torch.utils.data import DataLoader, TensorDataset
 
 from lit_growattn.commands.convert import convert_checkpoint, main
@@ -164,11 +165,21 @@ PROG = "python -m lit_growattn convert"
     (["--ckpt", "a.ckpt", "--to", "lowrank_dint", "--out", "b.ckpt"], "--rank is required for lowrank_dint"),
     (["--ckpt", "a.ckpt", "--to", "dint", "--rank", "2", "--out", "b.ckpt"], "--rank and --d2_ratio belong to lowrank_dint"),
     (["--ckpt", "a.ckpt", "--to", "dint", "--d_head", "2", "--out", "b.ckpt"],
-     "--d_head or --d_v is required for --to mha (shrinking) and belongs to it alone"),
+     "--d_head, --d_v or --kv_budget is required for --to mha (shrinking) and belongs to it alone"),
     (["--ckpt", "a.ckpt", "--to", "mha", "--out", "b.ckpt"],
-     "--d_head or --d_v is required for --to mha (shrinking) and belongs to it alone"),
+     "--d_head, --d_v or --kv_budget is required for --to mha (shrinking) and belongs to it alone"),
+    (["--ckpt", "a.ckpt", "--to", "dint", "--kv_budget", "2", "--out", "b.ckpt"],
+     "--d_head, --d_v or --kv_budget is required for --to mha (shrinking) and belongs to it alone"),
     (["--pretrained", "folder", "--to", "mha", "--d_head", "2", "--out", "b"],
-     "--pretrained converts to dint or lowrank_dint (shrinking is for --ckpt)"),
+     "--pretrained shrinks to a budget, --kv_budget (the sizes --d_head/--d_v are for --ckpt)"),
+    (["--ckpt", "a.ckpt", "--to", "mha", "--d_head", "2", "--kv_budget", "2", "--out", "b.ckpt"],
+     "give the sizes (--d_head/--d_v) or a budget (--kv_budget), not both"),
+    (["--ckpt", "a.ckpt", "--to", "mha", "--d_v", "2", "--calibration", "a.txt", "--out", "b.ckpt"],
+     "--calibration weighs the allocation of --kv_budget; with --d_head/--d_v the sizes are given"),
+    (["--ckpt", "a.ckpt", "--to", "mha", "--d_v", "2", "--sides", "value", "--out", "b.ckpt"],
+     "--sides chooses what --kv_budget shrinks"),
+    (["--ckpt", "a.ckpt", "--to", "mha", "--kv_budget", "2", "--calibration_length", "8", "--out", "b.ckpt"],
+     "--calibration_sequences, --calibration_length, --tokenizer, --device go with --calibration"),
     (["--to", "dint", "--out", "b.ckpt"], "one of the arguments --ckpt --pretrained is required"),
     (["--ckpt", "a.ckpt", "--to", "dint"], "the following arguments are required: --out"),
     (["--ckpt", "a.ckpt", "--to", "dint", "--seed", "one", "--out", "b.ckpt"], "argument --seed: invalid int value: 'one'"),
@@ -345,8 +356,8 @@ def test_shrinking_names_the_checkpoint_whose_layers_it_counts(mha_ckpt, tmp_pat
     assert str(error.value) == "layer 1 has head size 5; shrinking cannot widen it to 6 (grow it instead)"
     with pytest.raises(ValueError) as error:
         convert_checkpoint(src, tmp_path / "x.ckpt", to="lowrank_dint", rank=2, d_v=2)
-    assert str(error.value) == ("give d_head or d_v exactly when shrinking (to='mha'): the other targets keep the "
-                                "head sizes")
+    assert str(error.value) == ("give d_head, d_v or kv_budget exactly when shrinking (to='mha'): the other targets "
+                                "keep the head sizes")
 
 
 def test_dint_takes_each_layers_head_size_from_the_weights_when_the_hparams_lag(mha_ckpt, tmp_path):
@@ -364,3 +375,321 @@ def test_dint_takes_each_layers_head_size_from_the_weights_when_the_hparams_lag(
     inputs, _ = batch(1)
     with torch.no_grad():
         torch.testing.assert_close(dint.eval()(inputs), mha(inputs), atol=1e-6, rtol=0)
+
+
+# -- shrinking to a KV-cache budget (--kv_budget), by the weights or by the activations (--calibration) ------------
+
+@pytest.fixture(scope="module")
+def byte_ckpt(tmp_path_factory):
+    """A weights-only checkpoint of a byte-level mha model (vocabulary 256: raw bytes need no tokenizer), its layers
+    with d_head [3, 5] and d_v 8, and a calibration text."""
+    from lit_growattn.commands.convert import save_weights
+
+    torch.manual_seed(1)
+    module = GrowAttentionLM(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16, d_head=[3, 5], bias=True)
+    folder = tmp_path_factory.mktemp("bytes")
+    save_weights(module, folder / "bytes.ckpt")
+    text = folder / "train.txt"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60)))
+    return folder / "bytes.ckpt", text
+
+
+def cache_mean(module, sides=("d_head", "d_v")):
+    """The mean head size over the cache heads (2 per layer and side here: n_head = n_kv_head = 2)."""
+    sizes = [*(module.head_sizes() if "d_head" in sides else []), *(module.value_sizes() if "d_v" in sides else [])]
+    return sum(sizes) / len(sizes)
+
+
+def test_a_budget_without_calibration_is_the_weight_svd_shrink_of_today(mha_ckpt, tmp_path):
+    """The sizes are `allocate_ranks`' and the factors `shrink_form`'s / `shrink_values`' (weight SVD), bit for bit."""
+    from lit_growattn.growth.shrink import allocate_ranks
+
+    src, mha = mha_ckpt
+    shrunk = convert_checkpoint(src, tmp_path / "k.ckpt", to="mha", kv_budget=2.5, sides="query_key")
+    layers = [[(f.w_q, f.w_k, f.log_tau) for f in forms] for forms in mha.model.qk_forms()]
+    d_head = allocate_ranks(layers, 2.5 * 2 * 2)
+    assert shrunk.head_sizes() == d_head and sum(d_head) == 5 and shrunk.value_sizes() == [8, 8]
+    by_sizes = convert_checkpoint(src, tmp_path / "sized.ckpt", to="mha", d_head=d_head)
+    torch.testing.assert_close(shrunk.state_dict(), by_sizes.state_dict(), rtol=0, atol=0)
+    both = convert_checkpoint(src, tmp_path / "both.ckpt", to="mha", kv_budget=4)
+    assert cache_mean(both) <= 4 and cache_mean(both) > 4 - 1 / 4  # within the budget, less than a column left
+    assert both.value_sizes() != [8, 8] and both.head_sizes() != [3, 5]
+    by_sizes = convert_checkpoint(src, tmp_path / "sized2.ckpt", to="mha", d_head=both.head_sizes(),
+                                  d_v=both.value_sizes())
+    torch.testing.assert_close(both.state_dict(), by_sizes.state_dict(), rtol=0, atol=0)
+
+
+def test_the_command_shrinks_to_a_budget_by_the_activations_and_says_what_it_kept(byte_ckpt, tmp_path, capsys):
+    from lit_growattn.callback.calibration import calibration_moments
+    from lit_growattn.growth.shrink import shrink_to_budget
+
+    src, text = byte_ckpt
+    out = tmp_path / "small.ckpt"
+    main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text),
+          "--calibration_sequences", "20", "--calibration_length", "12", "--out", str(out)])
+    printed = capsys.readouterr().out
+    small = GrowAttentionLM.load_from_checkpoint(out)
+    assert cache_mean(small) <= 3 < cache_mean(small) + 1 / 4
+    config = yaml.safe_load(out.with_suffix(".yaml").read_text())["init_args"]
+    assert (config["d_head"], config["d_v"]) == (small.head_sizes(), small.value_sizes())
+    sizes = (f"d_head {small.head_sizes()} (mean {sum(small.head_sizes()) / 2:g}), d_v {small.value_sizes()} "
+             f"(mean {sum(small.value_sizes()) / 2:g}): {2 * sum(small.head_sizes() + small.value_sizes())} of 24 "
+             "values per token (budget 3)")
+    assert printed.startswith(f"wrote {out} and {out.with_suffix('.yaml')}: {sizes}; allocation by activation-whitened "
+                              f"energy on 240 tokens of {text} (kept ")
+    assert printed.endswith(f" % of the value output energy); fine-tune with\n  python -m lit_growattn fit --config "
+                            f"<your run config> --model {out.with_suffix('.yaml')}\n")
+    # What calibration gathers on the text's 20 evenly spaced windows of 13 bytes, shrunk to the budget: the same.
+    module = GrowAttentionLM.load_from_checkpoint(src)
+    tokens = torch.tensor(list(text.read_bytes()))
+    starts = [round(k * (len(tokens) - 13) / 19) for k in range(20)]
+    windows = torch.stack([tokens[s:s + 13] for s in starts])
+    moments = calibration_moments(module, [(w[:, :-1], w[:, 1:]) for w in windows.split(16)], {"d_head", "d_v"})
+    from lit_growattn.contract import growable_units
+
+    shrink_to_budget(growable_units(module), 3, moments)
+    torch.testing.assert_close(small.state_dict(), module.state_dict(), rtol=0, atol=0)
+    # Without --calibration the weights decide, and the line says how to weigh by the activations instead.
+    main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--sides", "value", "--out", str(tmp_path / "v.ckpt")])
+    printed = capsys.readouterr().out
+    assert "values per token (budget 3); allocation by weight SVD energy (kept " in printed
+    assert (" % of the value output energy; give --calibration FILE to weigh it by the activations); fine-tune"
+            in printed)
+    assert "d_head" not in printed.split(":")[1]
+
+
+def test_a_budget_is_refused_before_any_work_naming_the_problem_and_the_fix(mha_ckpt, byte_ckpt, tmp_path,
+                                                                           monkeypatch):
+    from lit_growattn.commands import shrink
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("calibration ran before the refusal")
+    monkeypatch.setattr(shrink, "calibration_moments", no_calibration)
+    src, text = byte_ckpt
+    out = tmp_path / "out" / "x.ckpt"
+
+    def refused(error_type=ValueError, **kwargs) -> str:
+        with pytest.raises(error_type) as error:
+            convert_checkpoint(src, out, to="mha", **kwargs)
+        assert not out.parent.exists()  # nothing written, not even a partial file
+        return str(error.value)
+
+    assert refused(kv_budget=0.5, calibration=text) == ("a budget of 0.5 is below what the model must keep: one "
+                                                        "column per layer and side (mean 1): give at least 1")
+    assert refused(kv_budget=6, calibration=text) == ("the model's caches are already at mean 6 ≤ 6: nothing to "
+                                                      "shrink (a budget never widens)")
+    assert refused(kv_budget=4, sides="query_key") == ("the model's caches are already at mean 4 ≤ 4: nothing to "
+                                                       "shrink (a budget never widens)")
+    assert refused(kv_budget=3, d_v=2) == "give the sizes (d_head/d_v) or a budget (kv_budget), not both"
+    assert refused(d_v=2, calibration=text) == ("calibration weighs the allocation of kv_budget; with d_head/d_v the "
+                                                "sizes are given")
+    assert refused(kv_budget=3, sides="keys") == "sides='keys': choose both, query_key, value"
+    assert refused(kv_budget=3, calibration=text, calibration_sequences=0) == ("calibration_sequences must be at "
+                                                                               "least 1, not 0")
+    assert refused(FileNotFoundError, kv_budget=3, calibration=tmp_path / "none.txt") == (
+        f"calibration {tmp_path / 'none.txt'} is not a file: give a text of the model's training distribution (its "
+        "training split)")
+    assert refused(kv_budget=3, calibration=text, calibration_length=17) == (
+        f"calibration_length 17 exceeds the 16 positions {src} takes: give at most 16")
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    assert refused(kv_budget=3, calibration=short) == (f"{short} holds 9 tokens, fewer than one window of 17: give a "
+                                                       "longer file or a smaller calibration_length")
+    assert refused(FileNotFoundError, kv_budget=3, calibration=text, tokenizer=tmp_path / "tokenizer.json") == (
+        f"tokenizer {tmp_path / 'tokenizer.json'} does not exist: give the tokenizer.json (or its folder) the model "
+        "was trained with")
+    with pytest.raises(ValueError) as error:  # a vocabulary that raw bytes do not fit, and no tokenizer given
+        convert_checkpoint(mha_ckpt[0], out, to="mha", kv_budget=3, calibration=text)
+    assert str(error.value) == (f"{mha_ckpt[0]} has a vocabulary of 32 tokens, not the 256 of raw bytes: give "
+                                "tokenizer, the tokenizer.json (or its folder) the model was trained with, to read the "
+                                "calibration text")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text), "--out", str(text)])
+    assert str(error.value) == (f"--out {text} is the calibration text --calibration ({text}), which is read to write "
+                                "it: it is never overwritten, not even with --overwrite; give --out a path outside it")
+    tokenizer = tmp_path / "tok" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    tokenizer.write_text("{}")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text), "--tokenizer",
+              str(tokenizer), "--out", str(tokenizer), "--overwrite"])
+    assert str(error.value) == (f"--out {tokenizer} is the tokenizer --tokenizer ({tokenizer}), which is read to write "
+                                "it: it is never overwritten, not even with --overwrite; give --out a path outside it")
+    with pytest.raises(ValueError, match="is the tokenizer"):
+        convert_checkpoint(src, tokenizer, to="mha", kv_budget=3, calibration=text, tokenizer=tokenizer,
+                           overwrite=True)
+    assert tokenizer.read_text() == "{}"
+    # The Python arguments go together as the command's options do.
+    assert refused(d_v=2, sides="value") == "sides chooses what kv_budget shrinks"
+    assert refused(kv_budget=3, calibration_sequences=8, device="cpu") == (
+        "calibration_sequences, device go with calibration: give the text to calibrate on, or leave them out")
+    assert refused(kv_budget=3, tokenizer=tokenizer) == ("tokenizer goes with calibration: give the text to calibrate "
+                                                         "on, or leave them out")
+    # A device the calibration cannot run on.
+    assert refused(kv_budget=3, calibration=text, device="gpu") == ("device gpu is not a device name: give cpu, or a "
+                                                                    "device this machine has (e.g. cuda:0)")
+    absent = refused(kv_budget=3, calibration=text, device="cuda:99")
+    assert absent.startswith("device cuda:99 is not available here (") and absent.endswith(
+        "): give cpu, or a device this machine has (e.g. cuda:0)")
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "-inf", "0", "-2"])
+def test_a_budget_that_is_no_mean_head_size_or_a_missing_device_is_refused_before_the_model_is_read(
+        byte_ckpt, tmp_path, monkeypatch, budget):
+    def unread(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the refusal")
+    monkeypatch.setattr("lit_growattn.commands.convert.read_checkpoint", unread)
+    src, text = byte_ckpt
+    out = tmp_path / "x.ckpt"
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", f"--kv_budget={budget}", "--out", str(out)])
+    assert str(error.value) == (f"--kv_budget {float(budget):g} is not a mean head size: give a finite number of "
+                                "columns above 0, the mean head size over the cache heads to shrink to (e.g. 4)")
+    with pytest.raises(ValueError) as error:
+        convert_checkpoint(src, out, to="mha", kv_budget=float(budget), calibration=text)
+    assert str(error.value).startswith(f"kv_budget {float(budget):g} is not a mean head size: ")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text), "--device", "cuda:99",
+              "--out", str(out)])
+    assert str(error.value).startswith("--device cuda:99 is not available here (")
+    with pytest.raises(ValueError) as error:
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text),
+              "--calibration_sequences", "0", "--out", str(out)])
+    assert str(error.value) == "--calibration_sequences must be at least 1, not 0"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_calibration_passes_over_fewer_layers_where_the_memory_is_short(byte_ckpt, tmp_path, capsys,
+                                                                          monkeypatch):
+    """Free memory for one layer's sums at a time: two passes, the same model, and the line says so."""
+    src, text = byte_ckpt
+    argv = ["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text),
+            "--calibration_sequences", "8"]
+    main([*argv, "--out", str(tmp_path / "one_pass.ckpt")])
+    assert "per pass" not in capsys.readouterr().out
+    monkeypatch.setattr("lit_growattn.commands.shrink.free_memory", lambda device: 1)
+    main([*argv, "--out", str(tmp_path / "passes.ckpt")])
+    printed = capsys.readouterr().out
+    assert f"allocation by activation-whitened energy on 128 tokens of {text}, 1 layer per pass to fit cpu's memory " \
+           "(kept " in printed
+    torch.testing.assert_close(GrowAttentionLM.load_from_checkpoint(tmp_path / "passes.ckpt").state_dict(),
+                               GrowAttentionLM.load_from_checkpoint(tmp_path / "one_pass.ckpt").state_dict())
+
+
+def test_a_failure_while_writing_a_shrunk_checkpoint_leaves_nothing_behind(byte_ckpt, tmp_path, monkeypatch):
+    src, text = byte_ckpt
+    before = src.read_bytes()
+
+    def full_disk(module, path):
+        raise OSError("No space left on device")
+    monkeypatch.setattr("lit_growattn.commands.convert.save_weights", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        main(["--ckpt", str(src), "--to", "mha", "--kv_budget", "3", "--calibration", str(text),
+              "--calibration_sequences", "4", "--out", str(tmp_path / "small.ckpt")])
+    with pytest.raises(OSError, match="No space left on device"):
+        convert_checkpoint(src, tmp_path / "small.ckpt", to="mha", kv_budget=3)
+    assert list(tmp_path.iterdir()) == [] and src.read_bytes() == before
+
+
+def test_a_hugging_face_folder_shrinks_to_a_budget_and_loads_back(tmp_path, capsys, monkeypatch):
+    """A Llama (4 query heads on 2 KV heads) grown by 4 NoPE columns behind its 8 rotary ones: shrunk by the
+    activations, the written folder loads (after `import lit_growattn.hf`) as the model shrunk in memory, with the
+    rotary columns as they were and the tokenizer copied; one that never grew shrinks its V cache only."""
+    needs_transformers()
+    import lit_growattn.hf  # noqa: F401  (registers the grown model types)
+    from hf_helpers import load, same_model, saved_tiny_model, saved_tokenizer
+
+    from lit_growattn.commands import shrink
+    from lit_growattn.commands.export import copy_tokenizer
+    from lit_growattn.hf.export import save_export
+    from lit_growattn.hf.module import HFCausalLM
+
+    text = "def shrink(model, budget):\n    return model.narrower(budget)\n"
+    plain = saved_tiny_model("llama", tmp_path / "llama", vocab=300)
+    saved_tokenizer(plain, [text] * 20, vocab_size=300)
+    calibration = tmp_path / "train.txt"
+    calibration.write_text(text * 30)
+    with pytest.raises(ValueError) as error:
+        main(["--pretrained", plain, "--to", "mha", "--kv_budget", "4", "--out", str(tmp_path / "x")])
+    assert str(error.value) == (f"the query/key columns of {plain} are all rotary (RoPE rotates them by position, so "
+                                "they are not one bilinear form of X′ and cannot be truncated): --sides value shrinks "
+                                "its V cache; the K cache shrinks only by NoPE columns appended by growth")
+    values, _ = shrink.shrink_pretrained(plain, tmp_path / "values", shrink.Budget(4, "value"))
+    assert values.value_sizes() == [4, 4] and values.head_sizes() == [8, 8]
+    same_model(load(tmp_path / "values"), values.model.eval())
+
+    module = HFCausalLM(pretrained=plain)
+    g = torch.Generator().manual_seed(0)
+    for _, _, form in module.growable_forms():
+        grow = lambda w: torch.cat([w.detach(), 0.3 * torch.randn(*w.shape[:2], 4, generator=g)], -1)  # noqa: E731
+        form.set_weights(grow(form.w_q), grow(form.w_k), form.log_tau.detach())
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    save_export(module.model, grown)
+    copy_tokenizer(plain, grown)
+    budget = shrink.Budget(8, calibration=calibration, sequences=6, length=16)
+    shrunk, _ = shrink.shrink_pretrained(grown, tmp_path / "small", budget)
+    loaded = load(tmp_path / "small")
+    same_model(loaded, shrunk.model.eval())
+    assert (tmp_path / "small" / "tokenizer.json").read_bytes() == (grown / "tokenizer.json").read_bytes()
+    sizes = shrunk.head_sizes() + shrunk.value_sizes()
+    assert min(shrunk.head_sizes()) >= 8 and sum(sizes) / 4 <= 8 < sum(sizes) / 4 + 1 / 4 and sizes != [12, 12, 8, 8]
+    for (_, _, before), (_, _, after) in zip(module.growable_forms(), shrunk.growable_forms()):
+        for name in ("w_q", "w_k"):
+            assert torch.equal(getattr(after, name)[..., :8], getattr(before, name)[..., :8])
+    # Down to the 8 rotary columns, with the values at 8: the original widths, so the folder is a Llama again (its
+    # config and class, which hold q_proj/k_proj/v_proj/o_proj), loaded by transformers alone as the shrunk model.
+    native, line = shrink.shrink_pretrained(grown, tmp_path / "native", shrink.Budget(8, "query_key"))
+    assert native.head_sizes() == native.value_sizes() == [8, 8] and "(model type llama, " in line
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
+    assert type(reloaded).__name__ == "LlamaForCausalLM" and "qk_head_sizes" not in reloaded.config.to_dict()
+    same_model(reloaded, native.model.eval())
+    # The command writes the same folder and says so; a failure while writing leaves nothing behind.
+    main(["--pretrained", str(grown), "--to", "mha", "--kv_budget", "8", "--calibration", str(calibration),
+          "--calibration_sequences", "6", "--calibration_length", "16", "--out", str(tmp_path / "cli")])
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {tmp_path / 'cli'} (model type growattn_llama, tokenizer files tokenizer.json, "
+                              f"tokenizer_config.json): d_head {shrunk.head_sizes()} (mean ")
+    assert f"allocation by activation-whitened energy on 96 tokens of {calibration} (kept " in printed
+    assert "% of the NoPE score energy (the rotary columns are kept whole), " in printed  # the rotary ones: never cut
+    torch.testing.assert_close(load(tmp_path / "cli").state_dict(), loaded.state_dict(), rtol=0, atol=0)
+
+    def full_disk(model, folder):
+        raise OSError("No space left on device")
+    monkeypatch.setattr("lit_growattn.hf.export.save_export", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        shrink.shrink_pretrained(grown, tmp_path / "never", budget)
+    assert not [p for p in tmp_path.iterdir() if "never" in p.name]
+
+
+def test_a_shrunk_folder_keeps_any_tokenizer_files_and_the_dtype_its_weights_were_stored_in(tmp_path):
+    """A folder whose tokenizer has no tokenizer.json (sentencepiece's tokenizer.model, or vocab.json + merges.txt)
+    gets those files; a bfloat16 folder is written in bfloat16, the model shrunk in float32 and then cast."""
+    needs_transformers()
+    from hf_helpers import load, saved_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from lit_growattn.commands import shrink
+    from lit_growattn.hf.module import HFCausalLM
+
+    bf16 = tmp_path / "bf16"
+    load(saved_tiny_model("llama", tmp_path / "llama")).to(torch.bfloat16).save_pretrained(bf16)
+    (bf16 / "vocab.json").write_text("{}")
+    (bf16 / "merges.txt").write_text("#version: 0.2\n")
+    shrunk, line = shrink.shrink_pretrained(bf16, tmp_path / "small", shrink.Budget(4, "value"))
+    assert "(model type growattn_llama, tokenizer files vocab.json, merges.txt): d_v [4, 4] (mean 4)" in line
+    assert (tmp_path / "small" / "merges.txt").read_text() == "#version: 0.2\n"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "small", dtype="auto")
+    assert {p.dtype for p in loaded.parameters()} == {p.dtype for p in shrunk.parameters()} == {torch.bfloat16}
+    torch.testing.assert_close(loaded.state_dict(), shrunk.model.state_dict(), rtol=0, atol=0)
+    reference = HFCausalLM(pretrained=str(bf16))  # float32: shrunk in float32, then cast
+    shrink.shrink_module(reference, shrink.Budget(4, "value"), "", None, (64, 64), 96)
+    torch.testing.assert_close(shrunk.model.state_dict(), reference.to(torch.bfloat16).model.state_dict(),
+                               rtol=0, atol=0)
+    sentencepiece = tmp_path / "sp"
+    load(saved_tiny_model("llama", sentencepiece))
+    (sentencepiece / "tokenizer.model").write_bytes(b"\x0a\x00")
+    _, line = shrink.shrink_pretrained(sentencepiece, tmp_path / "sp_small", shrink.Budget(4, "value"))
+    assert "tokenizer files tokenizer.model)" in line and (tmp_path / "sp_small" / "tokenizer.model").is_file()

@@ -129,7 +129,8 @@ def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, mon
             "--override=--trainer.max_epochs=3",  # 12 steps of 64 sequences
             "--override=--trainer.callbacks.init_args.schedule.init_args.check_every=4",
             "--override=--trainer.callbacks.init_args.statistics.batches=2"]
-    rows = ["static 16", "uniform static", "post-hoc", "grown", "static at the allocator's widths"]
+    rows = ["static 16", "uniform static", "post-hoc", "grown", "static at the allocator's widths",
+            "activation-aware post-hoc"]
     command = ["--text", str(corpus), "--corpus", "tiny", "--model", "2layer", "--seeds", "0", "--budgets", "2",
                "--rows", *rows, "--out", str(out), *tiny]
     kcache_study.main(command)
@@ -140,6 +141,10 @@ def test_kcache_study_runs_its_rows_resumes_and_summarises(tmp_path, capsys, mon
     assert posthoc["growths"][0][0] == 8 and min(posthoc["d_head"]) >= 1  # shrunk after 2/3 of them
     assert posthoc["kcache_bytes"] == 4 * sum(posthoc["d_head"]) * 4 <= uniform["kcache_bytes"] == 4 * 4 * 4
     assert static["time"]["steps"] == 12 and static["time"]["statistics_share"] == 0.0
+    aware = cell["activation-aware post-hoc 2"]["0"]
+    # The same first phase as post-hoc (shared), then sizes by the activations, within the same budget.
+    assert aware["curve"][:2] == posthoc["curve"][:2] and aware["growths"][0][0] == 8 and aware["step"] == 12
+    assert sum(aware["d_head"]) <= 4 and aware["time"]["shrink_s"] > 0
     grown = cell["grown 2"]["0"]
     assert sum(grown["d_head"]) <= 4  # a mean head size of 2 over 2 layers
     assert cell["static at the allocator's widths 2"]["0"]["d_head"] == grown["d_head"]
@@ -291,3 +296,42 @@ def test_hf_both_sides_run_grows_a_tiny_llama_and_its_export_loads_the_same(tmp_
     exported = grown["export"]
     assert exported["qk_head_sizes"] == exported["v_head_sizes"] == [16, 16]
     assert exported["max_logit_difference"] < 1e-5 and exported["same_greedy_generation"]
+
+
+def test_the_spend_budget_summary_judges_its_criteria_and_checks_the_reused_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location("spend_summary", REPO / "studies" / "spend_budget" / "summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+
+    def run(loss, d_head, curve=(), growths=(), last=None, **time):
+        return {"loss": loss, "d_head": d_head, "kcache_bytes": 16 * sum(d_head), "curve": [list(p) for p in curve],
+                "growths": [list(g) for g in growths], "last_check": last and {"step": last},
+                "time": {"statistics_share": 0.02, **time}}
+
+    def write(path, rows):
+        path.write_text(json.dumps({"runs": {"2layer": {"pystdlib": rows}}}))
+
+    reused, new = tmp_path / "reused", tmp_path / "new"
+    reused.mkdir(), new.mkdir()
+    phase_one = [(150, 0.0, 2.0), (300, 0.0, 1.8), (500, 0.0, 1.7)]
+    write(reused / "results_2layer_pystdlib.json", {
+        "uniform static 2": {s: run(1.50 + 0.01 * i, [2, 2]) for i, s in enumerate("01")},
+        "post-hoc 2": {s: run(1.60, [3, 1], [*phase_one, (750, 0.0, 1.6)], [(500, [3, 1])]) for s in "01"},
+        "grown 2": {s: run(1.55, [2, 1], growths=[(100, [2, 1])], last=350) for s in "01"}})
+    write(new / "results_2layer_pystdlib.json", {
+        # seed 1 bought nothing before its last check, unlike the rule before: a reproduction check fails
+        "grown 2": {"0": run(1.52, [2, 2], growths=[(100, [2, 1]), (350, [2, 2])], last=350),
+                    "1": run(1.54, [2, 2], growths=[(350, [2, 2])], last=350)}})
+    write(new / "posthoc_2layer_pystdlib.json", {"activation-aware post-hoc 2": {
+        s: run(1.58 - 0.01 * i, [3, 1], [*phase_one, (750, 0.0, 1.58)], [(500, [3, 1])], shrink_s=2.0)
+        for i, s in enumerate("01")}})
+    capacity = tmp_path / "capacity.json"
+    capacity.write_text(json.dumps({"runs": {"2layer": {"pystdlib": {s: {"static d_head 16": 1.4} for s in "01"}}}}))
+    summary.main(["--results", str(new), "--reused", str(reused), "--capacity", str(capacity), "--out", str(tmp_path)])
+    shown = (tmp_path / "summary.md").read_text()
+    # grown − uniform: +1.33 % and +1.99 %, mean +1.66 % ± 0.33: above by more than 2 s.e.; both runs spent it all.
+    assert "| 2layer | pystdlib | 2 | 2, 2 | +1.66 % ± 0.33 > |" in shown and "| 2 of 2 |" in shown
+    assert "not judged (seeds run: 2, 2 of 6)" in shown  # 6 seeds were planned
+    assert "2layer pystdlib b2 seed 0: first phase equal" in shown
+    assert "seed 0: growths before step 350 equal" in shown and "seed 1: growths before step 350 DIFFER" in shown
+    assert (tmp_path / "loss_vs_kcache.png").stat().st_size > 0

@@ -14,7 +14,8 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lit_growattn.hf.dint import DintAttention, DintSettings, d2_ratio_for_init, document_running_mean  # noqa: E402
+from lit_growattn.hf.dint import (DintAttention, DintSettings, d2_ratio_for_init, document_running_mean,  # noqa: E402
+                                  document_starts)
 from lit_growattn.dint.models import convert_to_dint  # noqa: E402
 
 from hf_helpers import VOCAB, load, saved_tiny_model  # noqa: E402
@@ -161,6 +162,19 @@ def test_document_running_mean_matches_loop():
             torch.testing.assert_close(means[b, :, i], total / count, rtol=0, atol=1e-12)
         torch.testing.assert_close(last_sum[b], total, rtol=0, atol=1e-12)
         assert last_count[b] == count
+
+
+def test_a_document_starts_where_its_position_ids_restart_or_its_mask_shows_no_earlier_key():
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()[None, None]  # (b, 1, s, kv): no document boundary in it
+    restarts = torch.tensor([[0, 1, 2, 0, 1]])
+    expected = [[True, False, False, True, False]]
+    assert document_starts(1, 5, restarts, causal, "cpu").tolist() == expected  # either source is enough
+    packed = causal.clone()
+    packed[..., 3:, :3] = False  # the second document's rows see none of the first's keys
+    assert document_starts(1, 5, None, packed, "cpu").tolist() == expected
+    additive = torch.zeros(1, 1, 5, 5).masked_fill(~packed, float("-inf"))  # the float form of the same mask
+    assert document_starts(1, 5, torch.arange(5)[None], additive, "cpu").tolist() == expected
+
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

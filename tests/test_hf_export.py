@@ -61,6 +61,24 @@ def test_ungrown_model_exports_as_its_original_architecture(tmp_path, model_type
     same_model(model.eval(), loaded)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_a_grown_folder_whose_widths_end_native_exports_as_its_original_architecture(tmp_path, model_type):
+    """A growattn_<type> model shrunk back to its original widths writes the original config and class (its weights
+    are q_proj/k_proj/…, which a growattn_<type> config would load random)."""
+    model = _growable(tmp_path, model_type)
+    _perturb(model, grow_by=3)
+    assert export(model, tmp_path / "grown") == f"growattn_{model_type}"
+    grown = load(tmp_path / "grown")
+    with torch.no_grad():
+        for m in grown.modules():
+            if hasattr(m, "log_tau") and hasattr(m, "set_weights"):
+                m.set_weights(m.w_q[..., :-3], m.w_k[..., :-3], m.log_tau)
+    assert export(grown, tmp_path / "out") == model_type
+    loaded = load(tmp_path / "out")
+    assert not type(loaded).__name__.startswith("GrowAttn") and "qk_head_sizes" not in loaded.config.to_dict()
+    same_model(grown.eval(), loaded)
+
+
 def test_qwen3_with_per_head_temperatures_keeps_the_growable_form(tmp_path):
     # q_norm is scale-invariant: per-head temperatures have no place in the native Qwen3 attention.
     model = _growable(tmp_path, "qwen3")

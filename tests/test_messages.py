@@ -92,9 +92,9 @@ def test_converting_a_hugging_face_checkpoint_names_what_works(tmp_path, cli):
     what = f"{ckpt} is a checkpoint of a Hugging Face model (lit_growattn.hf.HFCausalLM)"
     done = cli("convert", "--ckpt", ckpt, "--to", "mha", "--d_v", "4", "--out", tmp_path / "small.ckpt")
     assert done.returncode != 0
-    assert done.stderr.splitlines()[0] == (f"error: ValueError: {what}, and shrinking (--to mha) is for this "
-                                           "project's GPT (GrowAttentionLM) only: nothing here shrinks a Hugging Face "
-                                           "model")
+    assert done.stderr.splitlines()[0] == (f"error: ValueError: {what}: export it (python -m lit_growattn export), "
+                                           "then shrink the exported folder with `python -m lit_growattn convert "
+                                           "--pretrained <folder> --to mha --kv_budget …`")
     done = cli("convert", "--ckpt", ckpt, "--to", "dint", "--out", tmp_path / "dint.ckpt")
     assert done.returncode != 0
     assert done.stderr.splitlines()[0] == (f"error: ValueError: {what}: export it (python -m lit_growattn export), "

@@ -193,6 +193,14 @@ def test_a_process_whose_own_losses_were_finite_raises_with_the_others():
         losses.observe(torch.tensor(1.0), lambda: "step 1", step_ends=True, any_process=another_process_diverged)
 
 
+
+def test_a_limit_of_one_non_finite_step_stops_at_the_first_and_zero_is_refused():
+    losses = NonFiniteLosses(1)
+    with pytest.raises(TrainingDiverged, match="non-finite for 1 consecutive steps"):
+        losses.observe(torch.tensor(float("nan")), lambda: "step 0", step_ends=True, any_process=lambda flag: flag)
+    with pytest.raises(ValueError, match="max_nonfinite_steps must be ≥ 1, got 0"):
+        NonFiniteLosses(0)
+
 # -- error reports and failed starts -------------------------------------------------------------
 
 def test_a_bad_value_is_reported_in_a_few_lines_with_the_projects_message(tmp_path, tiny_cli_args, capsys, monkeypatch):

@@ -4,6 +4,7 @@ old ones keep their average), an EMA run resumed after a growth equals the unint
 that cannot follow a growth (or `statistics.layers_per_event` above the growing layers) are refused at setup."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -183,7 +184,10 @@ def test_model_pruning_of_other_tensors_runs_through_a_growth(tmp_path):
     (lambda grow, _: [grow, LearningRateFinder()], "LearningRateFinder cannot be combined .* restores"),
     (lambda grow, module: [grow, ModelPruning("l1_unstructured", parameters_to_prune=[
         (module.model.blocks[1].attn.qk, "w_k"), (module.model.blocks[1].mlp.fc, "weight")])],
-     r"ModelPruning prunes \['model.blocks.1.attn.qk.w_k'\], which grow"),
+     re.escape("ModelPruning prunes ['model.blocks.1.attn.qk.w_k'], which grow: pruning re-parametrises a tensor (a "
+               "mask beside `<name>_orig`) and keeps a copy of its first values (lottery ticket), and neither follows "
+               "a growth. Leave the growing tensors (query/key: w_q, w_k, log_tau; values: w_v, w_o) out of "
+               "parameters_to_prune") + "$"),
     (lambda grow, _: [EMAWeightAveraging(), grow],
      "EMAWeightAveraging comes before GrowAttentionCallback .* put it after"),
 ], ids=["finetuning", "lr-finder", "pruning", "ema-first"])

@@ -3,6 +3,7 @@ the sums a window folds against FormStats fed directly, a resumed window against
 growth an event installs against the plan it was chosen from."""
 
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass
 
 import pytest
@@ -772,3 +773,32 @@ def test_kept_batch_losses_are_each_candidates_mean_over_every_kept_batch_with_t
                               candidates)
     assert means.tolist() == [2.5, 3.5, 12.5]
     assert module.training and form.w_q is weights.w_q  # the mode and the forms as they were
+
+
+def test_a_rated_loss_averages_one_value_per_token_of_each_kept_batch():
+    from lit_growattn.callback.trainer_ops import loss_terms
+
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    # (ids, labels): the largest integer tensor counts; a float input does not; a batch without one counts 1.
+    assert loss_terms([(ids, ids), (ids[:2], ids[:2])]) == 64 + 32
+    assert loss_terms([{"input": torch.randn(4, 16, 8), "labels": ids[:, :3]}]) == 12
+    assert loss_terms([torch.randn(4, 16)]) == 1 and loss_terms([]) == 0
+
+
+def test_every_automatic_schedule_chart_of_the_tensorboard_layout_shows_a_scalar_a_check_logs(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lit_growattn.callback.report import add_layout, event_metrics, summary_table
+
+    logger, layouts = TensorBoardLogger(str(tmp_path)), []
+    logger.experiment.add_custom_scalars = layouts.append
+    add_layout(SimpleNamespace(is_global_zero=True, logger=logger), n_layer=2)
+    charted = {tag for charts in layouts[0].values() for _, tags in charts.values() for tag in tags
+               if tag.startswith("growth/auto/")}
+    decision = {"columns": 0, "above_floor": 0, "filled": 0, "held_out": [0.1], "in_sample": [0.2], "cost": 4}
+    last_check = {"skipped": False, "allowance": 8.0, "fill_to": 4.0, "decisions": [
+        {**decision, "layer": layer, "side": side} for layer in range(2) for side in ("d_head", "d_v")]}
+    assert charted == set(event_metrics(last_check, {})) - {"growth/skipped"}
+    # The summary table's lines carry no trailing blanks (its cells are padded to their column's width).
+    table = summary_table([{**last_check, "event": "step 50", "step": 50, "epoch": 0}])
+    assert all(line == line.rstrip() for line in table.splitlines()) and "no growth" in table

@@ -99,7 +99,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
     ckpt = read_checkpoint(args.ckpt)
-    hparams = {k: v for k, v in ckpt.get("hyper_parameters", {}).items() if not k.startswith("_")}
+    hparams = dict(ckpt.get("hyper_parameters", {}))
     if "pretrained" not in hparams or "config" not in hparams:
         raise ValueError(f"{args.ckpt} is not a checkpoint of lit_growattn.hf.HFCausalLM (its hyperparameters have "
                          "no pretrained/config); for GrowAttentionLM checkpoints use `python -m lit_growattn convert`")

@@ -19,7 +19,8 @@ sides      what the callback does with either side: column costs, restore, sums 
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
 sketch     sketched statistics: e′·k numbers per head instead of e′² (range and co-range sketches, Nyström C_V), the
            test matrices drawn from a seed, and the growths of both sides from their thin factors.
-shrink     the closest form of a smaller head size (truncated SVD), and per-layer sizes under a K-cache budget.
+shrink     the closest form or value map of a smaller head size (truncated SVD, whitened by the activations'
+           covariance when given), GQA groups stacked, rotary columns kept; per-layer sizes under a KV budget.
 linalg     float64 helpers: pseudo-inverse, ridge inverse and roots with explicit cut-offs, bases, projections, the
            SVD of a thin product, canonical pair signs.
 """

@@ -4,7 +4,8 @@ loads back after `import lit_growattn.hf` (no remote code; `hf.loading` adds a R
 - Expressible natively (every layer at its rotary/original query/key width and its original value width, and for
   Qwen3 one temperature per layer, since its q_norm is scale-invariant): the original architecture, with τ_j/scaling
   folded into head j's query rows, so that the native `scaling` gives back τ_j, and W_V, W_O laid back into v_proj
-  and o_proj (GPT-2: c_attn's value part and c_proj). Any transformers install loads it.
+  and o_proj (GPT-2: c_attn's value part and c_proj). Any transformers install loads it. So is a model loaded from a
+  growattn_<type> folder whose widths ended native (e.g. shrunk back): its config is the original type's again.
 - Otherwise (grown): model_type `growattn_<type>` (e.g. growattn_llama), a registered subclass of the original
   config with `qk_head_sizes` (and `qk_rotary`, the rotary columns) and `v_head_sizes` per layer, whose model class
   builds the original model, makes its attention growable and sizes it. A growattn_<type> folder written before the
@@ -92,21 +93,37 @@ def save_export(model: nn.Module, folder: str | os.PathLike) -> str:
     """export's writing, into `folder` as it is: for a folder of the writing layer that gets more files (the
     `export` command adds the tokenizer)."""
     model = copy.deepcopy(model)
+    base_type = model.config.model_type.removeprefix(PREFIX)
+    settings = {k: v for k, v in model.config.to_dict().items()
+                if k not in ("model_type", "architectures", "transformers_version")}
     if natively_expressible(model):
         for name, attn in _growables(model):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, to_native(attn))
+        if model.config.model_type.startswith(PREFIX):
+            # Loaded from a growattn_<type> folder, and its widths ended native (shrunk back, or never grown): its
+            # attention modules are native now, so its config and class are too; the grown ones would look for
+            # w_q/w_k/value tensors the folder does not hold, and load them random.
+            config_cls, model.__class__ = base_classes(base_type)
+            model.config = config_cls(**{k: v for k, v in settings.items() if k not in GROWN_FIELDS})
     else:
-        base_type = model.config.model_type.removeprefix(PREFIX)
-        config_cls, model_cls = grown_classes(base_type)
-        settings = model.config.to_dict() | {"qk_head_sizes": [m.d_head for _, m in _growables(model)],
-                                             "qk_rotary": [m.rotary for _, m in _growables(model)],
-                                             "v_head_sizes": [m.value.d_v for _, m in _growables(model)]}
-        settings.pop("model_type", None)
-        model.config = config_cls(**{k: v for k, v in settings.items() if k not in ("architectures", "transformers_version")})
-        model.__class__ = model_cls
+        config_cls, model.__class__ = grown_classes(base_type)
+        model.config = config_cls(**settings | {"qk_head_sizes": [m.d_head for _, m in _growables(model)],
+                                                "qk_rotary": [m.rotary for _, m in _growables(model)],
+                                                "v_head_sizes": [m.value.d_v for _, m in _growables(model)]})
     model.save_pretrained(folder)
     return model.config.model_type
+
+
+GROWN_FIELDS = ("qk_head_sizes", "qk_rotary", "v_head_sizes")  # what a growattn_<type> config adds to its base's
+
+
+def base_classes(base_type: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of the native `base_type`, e.g. LlamaConfig, LlamaForCausalLM."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base_config = type(AutoConfig.for_model(base_type))
+    return base_config, AutoModelForCausalLM._model_mapping[base_config]
 
 
 _GROWN: dict[str, tuple[type, type]] = {}
@@ -115,10 +132,7 @@ _GROWN: dict[str, tuple[type, type]] = {}
 def grown_classes(base_type: str) -> tuple[type, type]:
     """(config class, model class) of grown models of `base_type`, e.g. GrowAttnLlamaConfig, GrowAttnLlamaForCausalLM."""
     if base_type not in _GROWN:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        base_config = type(AutoConfig.for_model(base_type))
-        base_model = AutoModelForCausalLM._model_mapping[base_config]
+        base_config, base_model = base_classes(base_type)
         stem = base_config.__name__.removesuffix("Config")
 
         def config_init(self, qk_head_sizes: list[int] | None = None, qk_rotary: list[int] | None = None,

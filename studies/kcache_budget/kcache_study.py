@@ -5,7 +5,11 @@
     grown b                             AutoSchedule with budget b, from d_head 1 (configs/text_auto.yaml)
     static at the allocator's widths b  from scratch at the widths grown b ended at (same seed): path or allocation?
     post-hoc b                          static 16 for 2/3 of the steps, shrunk per layer to the budget by SVD energy
-                                        (growth.shrink.allocate_ranks, Palu/Eigen-style), fine-tuned for the rest
+                                        (convert --kv_budget b, the sizes of growth.shrink.allocate_ranks;
+                                        Palu/Eigen-style), fine-tuned for the rest
+    activation-aware post-hoc b         the same, shrunk by the activations instead (convert --kv_budget b
+                                        --calibration on 1024 windows of the corpus's training split: sizes and
+                                        factors from the SVD of C̄^½ M C̄^½)
 
 and once per seed "static 16" (the ceiling). The results also hold "grown, no budget" (budget null: every column that
 cleared the noise floor), which `summary.py` still renders; it no longer runs, since AutoSchedule refuses budget null
@@ -34,18 +38,20 @@ from pathlib import Path
 STUDIES = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(STUDIES))  # study_runs, shared with the other studies
 
-from study_runs import (TEXT_SETTING, fine_tune_shrunk, k_cache_bytes, read_results, run, save, sizes,  # noqa: E402
-                        train_to_shrink)
+from study_runs import (TEXT_SETTING, fine_tune_shrunk, k_cache_bytes, read_results, run, save,  # noqa: E402
+                        shrink_query_keys, sizes, train_to_shrink)
 
-from lit_growattn.growth.shrink import allocate_ranks  # noqa: E402
-from lit_growattn.module import GrowAttentionLM  # noqa: E402
 
 CONFIG = "configs/text_auto.yaml"  # static rows drop its growth callback and set d_head (as the capacity study)
 FULL = 16  # the ceiling's head size, and the width the post-hoc rows start from
 MODELS = {"2layer": [], "8layer": ["--model.init_args.n_layer=8", "--model.init_args.optimizer.init_args.lr=0.001"]}
-KINDS = ["static 16", "uniform static", "grown", "static at the allocator's widths", "post-hoc"]
+KINDS = ["static 16", "uniform static", "grown", "static at the allocator's widths", "post-hoc",
+         "activation-aware post-hoc"]
 PER_BUDGET = KINDS[1:]
-NEEDS = {"static at the allocator's widths": "grown", "post-hoc": "uniform static"}  # the row whose result it takes
+NEEDS = {"static at the allocator's widths": "grown", "post-hoc": "uniform static",
+         "activation-aware post-hoc": "uniform static"}  # the row whose result it takes
+CALIBRATION_SEQUENCES = 1024  # × 64 bytes: the 65,536 tokens of one statistics window of a grown run
+VAL_FRACTION = 0.1  # the data module's default: the calibration text is the rest, the training split
 BUDGET = "--trainer.callbacks.init_args.schedule.init_args.budget"
 OUT = Path(__file__).resolve().parent / "results.json"
 WHAT = ("settings[model][corpus]: the overrides of its runs besides the corpus; runs[model][corpus][row][seed]: final "
@@ -73,14 +79,6 @@ def compact(result: dict) -> dict:
             if result["events"] else None}
 
 
-def allocated(trained: Path, budget: int) -> list[int]:
-    """The post-hoc widths: the trained static model's per-layer sizes at a mean head size of `budget` (key heads
-    weighted), by SVD energy per cache value."""
-    model = GrowAttentionLM.load_from_checkpoint(trained, map_location="cpu").model
-    layers = [[(f.w_q, f.w_k, f.log_tau) for f in forms] for forms in model.qk_forms()]
-    return allocate_ranks(layers, budget * sum(f.n_kv_head for forms in model.qk_forms() for f in forms))
-
-
 def missing_inputs(names: list[str], stored: list[dict], seed: int) -> list[str]:
     """Rows that need another row's result of the same seed that is neither stored (in --out or a --from file) nor
     run in this invocation."""
@@ -91,6 +89,15 @@ def missing_inputs(names: list[str], stored: list[dict], seed: int) -> list[str]
         if need and need not in names and not any(str(seed) in cell.get(need, {}) for cell in stored):
             out.append(f"{name!r} needs {need!r}")
     return out
+
+
+def training_split(text: str, work: Path) -> Path:
+    """The corpus's training split (its bytes before the held-out last VAL_FRACTION), as a file in `work`."""
+    data = Path(text).read_bytes()
+    split = work / "training_split.txt"
+    if not split.exists():
+        split.write_bytes(data[:len(data) - int(len(data) * VAL_FRACTION)])
+    return split
 
 
 def stored_run(cells: list[dict], row: str, seed: int) -> dict:
@@ -118,11 +125,12 @@ def run_grid(args, results: dict, inputs: list[dict], work: Path) -> None:
                 result = run(CONFIG, [*seeded, f"{BUDGET}={b}"], logs, grow=True)
             elif kind == "static at the allocator's widths":
                 result = run(CONFIG, [*seeded, sizes(stored(f"grown {b}")["d_head"])], logs, grow=False)
-            else:  # post-hoc, as long in all as the uniform static row of its budget
+            else:  # the post-hoc rows, as long in all as the uniform static row of their budget
                 steps = stored(f"uniform static {b}")["step"]
                 first = first or train_to_shrink(CONFIG, seeded, steps, trained, logs)
-                result = fine_tune_shrunk(CONFIG, seeded, first, trained, allocated(trained, int(b)), steps, work,
-                                          logs)
+                shrink = (shrink_query_keys(int(b)) if kind == "post-hoc" else
+                          shrink_query_keys(int(b), training_split(args.text, work), CALIBRATION_SEQUENCES))
+                result = fine_tune_shrunk(CONFIG, seeded, first, trained, shrink, steps, work, logs)
             done.setdefault(name, {})[str(seed)] = compact(result)
             save(results, args.out)
             record = done[name][str(seed)]
