@@ -5,6 +5,7 @@ the sums merge as the full ones do; nothing of size e′ × e′ per head is for
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -455,7 +456,88 @@ def test_sketch_sums_merge(side):
     with pytest.raises(ValueError, match="different test matrices"):
         whole + make(8)
     with pytest.raises(ValueError, match="torch changed its generator"):
-        stats_from_state_dict({**state, "sketch": {**state["sketch"], "checksum": state["sketch"]["checksum"] + 1}})
+        stats_from_state_dict({**state, "sketch": {**state["sketch"], "checksum": "0" * 64}})
+
+
+SIZE = SketchSize(3, 5, 3)
+
+
+def sketch_sums(side, seed=7, size=SIZE):
+    """Empty sums of a query/key form (4 heads over 2 key heads, e′ 6) or a value map (e 5) of that sketch."""
+    if side == "qk":
+        return SketchFormStats(4, 2, 6, size, seed, dtype=F64)
+    return SketchValueStats(4, 2, 6, 5, size, seed, dtype=F64)
+
+
+@pytest.mark.parametrize("setting, saved, seed, size", [
+    ("seed", 8, 8, SIZE), ("k", 4, 7, SketchSize(4, 5, 3)), ("l", 6, 7, SketchSize(3, 6, 3)),
+    ("k_c", 4, 7, SketchSize(3, 5, 4)),
+])
+@pytest.mark.parametrize("side", ["qk", "value"])
+def test_a_state_of_another_sketch_is_refused_naming_the_setting(side, setting, saved, seed, size):
+    # Sums of other test matrices are sums of other linear maps of N̄: adding them up would be meaningless.
+    here = sketch_sums(side)  # seed 7, SIZE (3, 5, 3)
+    current = {"seed": 7, "k": 3, "l": 5, "k_c": 3}[setting]
+    message = f"the saved sums are of another sketch ({setting} {saved}, here {current}): sums of other test matrices " \
+              "do not combine"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        here.load_state_dict(sketch_sums(side, seed, size).state_dict())
+    here.load_state_dict(sketch_sums(side).state_dict())  # the same settings restore
+
+
+def test_the_checksum_is_the_same_under_any_thread_count():
+    # A resume under torchrun runs other OMP threads. Over a million numbers a BLAS reduction (as a float checksum
+    # would be) splits its sum by thread and its last bits change; a hash of the bytes does not.
+    shapes = {"omega": (1000, 24), "psi": (28, 1000, 36)}
+    threads = torch.get_num_threads()
+    try:
+        checksums = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            checksums.append(TestMatrices.draw(0, shapes).checksum)
+    finally:
+        torch.set_num_threads(threads)
+    assert checksums[0] == checksums[1]
+    assert isinstance(checksums[0], str) and len(checksums[0]) == 64  # a sha256 in hex
+
+
+@pytest.mark.parametrize("side", ["qk", "value"])
+def test_means_divide_by_instances_and_weight_apart(side):
+    # C̄ is per instance (sequence), N̄ per weight (share of an optimizer step's loss); with k ≥ e′ the reconstruction
+    # is exact for any statistics, so each mean meets its own normaliser and a swap is off by instances / weight = 6.
+    gen = torch.Generator().manual_seed(9)
+    e, e_out, h, kv, instances, weight = 6, 5, 4, 2, 3, 0.5
+    size = SketchSize(e, e + 2, e)
+    base = torch.randn(h if side == "value" else 1, e, e, generator=gen, dtype=F64)
+    c_sum = base @ base.mT
+    n_sum = torch.randn(h, e, e_out if side == "value" else e, generator=gen, dtype=F64)
+    if side == "qk":
+        stats = form_sketch(n_sum, c_sum[0], kv, size)
+    else:
+        stats = value_sketch(n_sum, c_sum, kv, size)
+    stats.instances.fill_(instances)
+    stats.weight.fill_(weight)
+    means = stats.means()
+    tol = 1e3 * e * torch.finfo(F64).eps  # a Nyström reconstruction of a covariance with cond ≤ 1e3
+    if side == "qk":
+        close(means.c, c_sum[0] / instances, tol)
+        close(means.n.left @ means.n.right.repeat_interleave(h // kv, 0).mT, n_sum / weight, tol)
+    else:
+        close(means.c_root @ means.c_root.mT, c_sum / instances, tol)
+        close(means.n.left.repeat_interleave(h // kv, 0) @ means.n.right.mT, n_sum / weight, tol)
+
+
+@pytest.mark.parametrize("size, message", [
+    (lambda: SketchSize(0, 1, 1), "a sketch's k must be a positive int, got 0"),
+    (lambda: SketchSize(2, 3, 1.5), "a sketch's k_c must be a positive int, got 1.5"),
+    (lambda: SketchSize(2, True, 2), "a sketch's l must be a positive int, got True"),
+    (lambda: SketchSize.of(-1), "a sketch's k must be a positive int, got -1"),
+    (lambda: SketchSize(4, 3, 4), "a sketch's co-range needs l ≥ k columns for an exact reconstruction at rank ≤ k, "
+                                  "got l=3 < k=4"),
+], ids=["zero", "float", "bool", "of", "l-below-k"])
+def test_sketch_size_refuses_what_is_not_a_size(size, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        size()
 
 
 def test_test_matrices_come_from_the_seed_alone():

@@ -55,6 +55,7 @@ checksum that refuses a resume whose generator now draws other matrices.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -78,32 +79,39 @@ SKETCH_DIRECTIONS = ("natural", "gradient")
 
 @dataclass(frozen=True)
 class SketchSize:
-    """k: range columns per head (the most pairs an event can price), l: co-range columns (l > k, so that the
-    Nyström core is over-determined), k_c: the value side's Nyström columns for C_V."""
+    """k: range columns per head (the most pairs an event can price), l: co-range columns (l ≥ k, so that the
+    Nyström core ΨᵀQ has full column rank), k_c: the value side's Nyström columns for C_V."""
 
     k: int
     l: int
     k_c: int
 
+    def __post_init__(self):
+        for name in ("k", "l", "k_c"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"a sketch's {name} must be a positive int, got {value!r}")
+        if self.l < self.k:
+            raise ValueError(f"a sketch's co-range needs l ≥ k columns for an exact reconstruction at rank ≤ k, got "
+                             f"l={self.l} < k={self.k}")
+
     @classmethod
     def of(cls, k: int) -> SketchSize:
         """The sizes for k: l = ⌈3k/2⌉ (enough over k that ΨᵀQ is well conditioned), k_c = k."""
-        if k < 1:
-            raise ValueError(f"a sketch needs k ≥ 1 columns, got {k}")
         return cls(k, math.ceil(3 * k / 2), k)
 
 
 @dataclass(frozen=True)
 class TestMatrices:
     """The Gaussian test matrices of one unit's sketch (name → tensor), drawn from `seed`: in float64 on the CPU,
-    whatever the device, then cast, so every rank and every resume draws the same ones. checksum: of the float64
-    draws, to notice a torch whose generator draws others."""
+    whatever the device, then cast, so every rank and every resume draws the same ones. checksum: the sha256 of the
+    float64 draws, to notice a torch whose generator draws others."""
 
     __test__ = False  # not a pytest class, whatever its name
 
     seed: int
     matrices: dict[str, Tensor]
-    checksum: float
+    checksum: str
 
     @classmethod
     def draw(cls, seed: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.float32,
@@ -113,11 +121,14 @@ class TestMatrices:
         return cls(seed, {name: t.to(dtype=dtype, device=device) for name, t in drawn.items()}, cls.checksum_of(drawn))
 
     @staticmethod
-    def checksum_of(matrices: dict[str, Tensor]) -> float:
-        """A float64 fingerprint of the matrices, weighted by position: a generator that draws the same numbers in
-        another order (as a vectorised kernel may) changes it too."""
-        return sum(float(t.double().flatten() @ torch.linspace(1, 2, t.numel(), dtype=torch.float64))
-                   for t in matrices.values())
+    def checksum_of(matrices: dict[str, Tensor]) -> str:
+        """The sha256 (hex) of the bytes of float64 CPU matrices, in order. A hash of the bytes, not a float sum: a BLAS
+        reduction's last bits depend on the thread count, and a resume under torchrun (other OMP threads) must find
+        the same checksum."""
+        digest = hashlib.sha256()
+        for t in matrices.values():
+            digest.update(t.contiguous().numpy())
+        return digest.hexdigest()
 
     def __getitem__(self, name: str) -> Tensor:
         return self.matrices[name]
@@ -210,9 +221,12 @@ class SketchSums(Sums):
         return {**super().state_dict(), "sketch": self._sketch_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        saved, drawn = state.get("sketch"), self._sketch_state()
-        if saved is None or {**saved, "checksum": None} != {**drawn, "checksum": None}:
-            raise ValueError(f"the saved sketch {saved} is not this one's {drawn}")
+        saved, drawn = state.get("sketch", {}), self._sketch_state()
+        other = [f"{name} {saved.get(name)}, here {drawn[name]}" for name in ("seed", "k", "l", "k_c")
+                 if saved.get(name) != drawn[name]]
+        if other:
+            raise ValueError(f"the saved sums are of another sketch ({'; '.join(other)}): sums of other test matrices "
+                             "do not combine")
         if saved["checksum"] != drawn["checksum"]:
             raise ValueError("the sketch's test matrices drawn now differ from the window's (torch changed its "
                              "generator?): resume from a checkpoint outside the window")
