@@ -20,7 +20,7 @@ from lit_growattn.growth import (
 from lit_growattn.growth.allocation import allocate, offer
 from lit_growattn.growth.factorize import FAN_IN_FLOOR
 from lit_growattn.growth.linalg import canonical_signs, psd_pinv, thin_svd
-from lit_growattn.growth.sketch import nystrom_psd, nystrom_solve
+from lit_growattn.growth.sketch import Factored, SketchMoments, nystrom_psd, nystrom_solve
 from lit_growattn.growth.solvers import direction, register_direction, DIRECTIONS
 from lit_growattn.growth.stats import Moments
 
@@ -321,13 +321,64 @@ def test_zero_fan_in_beyond_rank(group):
 
 
 def test_a_sketched_replace_of_a_rank_deficient_form_fills_with_zero_fan_in_pairs():
-    # M of rank 2 < d = 3 at α = 0: a replace to d + 6 needs 7 zero fan-in columns and the sketch holds 6 pairs.
+    # M of rank 2 < d = 3 at α = 0: a replace to d + 6 needs 7 zero fan-in columns and the sketch holds 6 pairs; the
+    # seventh comes from an orthonormal completion, as the full path's pairs of σ ≈ 0 would, not a repeated pair.
     _, sketched = qk_pair(1, "gradient", None)
     sketched.w_k[:, :, 0] = 0
     grown = sketched.grow(0.0, 3 + 6, mode="replace")
     m = lambda g: g.log_tau.exp()[:, None, None] * g.w_q @ g.w_k.mT  # noqa: E731
     close(m(grown), m(sketched), 1e-12)
-    assert int((grown.w_k.norm(dim=1) == 0).sum()) == 4 * 7
+    zero_k = grown.w_k.norm(dim=1) == 0  # (H, d_new)
+    assert int(zero_k.sum()) == 4 * 7
+    fan_in = grown.w_q.mT[zero_k].reshape(4, 7, -1)
+    directions = fan_in / fan_in.norm(dim=-1, keepdim=True)
+    eye = torch.eye(7, dtype=F64).expand(4, 7, 7)
+    # Orthonormal to the round-off of QRs of e′ = 24 rows.
+    close(directions @ directions.mT, eye, 24 * torch.finfo(F64).eps * 10)
+
+
+@pytest.mark.parametrize("truncation", ["euclidean", "whitened"])
+def test_a_sketched_replace_does_not_depend_on_the_factors_basis(truncation):
+    # The same M and N̂ from other factors: the form's columns in another order and sign (W_QP, W_KP, P a signed
+    # permutation) and N̂'s factors in another basis (LO, RO, O orthogonal). The replace's thin QRs then see other
+    # bases and the SVD of their core returns each pair with either sign, which the canonical signs undo. (A sign flip
+    # of whole factors alone would pass Householder QRs unchanged: it cannot show a missing canonicalisation.)
+    _, sketched = qk_pair(1, "natural", None, truncation)
+    gen = torch.Generator().manual_seed(12)
+    signed = torch.eye(3, dtype=F64)[[2, 0, 1]] * torch.tensor([1.0, -1.0, -1.0], dtype=F64)
+    rotation = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=F64)).Q
+    (left, right), c = sketched.moments.n, sketched.moments.c
+    other = SketchedFormGrowth(sketched.w_q @ signed, sketched.w_k @ signed, sketched.log_tau,
+                               SketchMoments(c, Factored(left @ rotation, right @ rotation)), "natural",
+                               truncation=truncation, rcond=RCOND)
+    grown, again = sketched.grow(0.5, 3 + 4, mode="replace"), other.grow(0.5, 3 + 4, mode="replace")
+    close(again.w_q, grown.w_q)
+    close(again.w_k, grown.w_k)
+
+
+def test_both_sides_refuse_more_columns_than_the_sketch_prices():
+    for sketched in (qk_pair(1, "gradient", None)[1], value_pair(2, "gradient", None)[1]):
+        pairs, width = sketched.pairs, sketched.width
+        message = (f"d_new={width + pairs + 1} needs {pairs + 1} bottleneck pairs per head, and this sketch prices at "
+                   f"most {pairs}: grow fewer columns, or sketch with a larger k")
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            sketched.grow(0.5, width + pairs + 1)
+        assert sketched.grow(0.5, width + pairs).width == width + pairs
+
+
+@pytest.mark.parametrize("group, rotary", [(1, 0), (2, 0), (2, 2)])
+def test_the_first_order_hook_takes_the_grown_form_in_every_query_key_growth(group, rotary):
+    # One meaning (FormGrowth._first_order): the grown form's whole weights, whichever growth, full or sketched.
+    full, sketched = qk_pair(group, "natural", None, rotary=rotary)
+    per_head = lambda w: w.repeat_interleave(group, 0)  # noqa: E731
+    for growth in (full, sketched):
+        grown = growth.grow(0.5, 3 + 4, temperature="rescale")
+        tau = grown.log_tau.exp()
+        change = (tau[:, None, None] * grown.w_q @ per_head(grown.w_k).mT
+                  - growth.log_tau.exp()[:, None, None] * growth.w_q @ per_head(growth.w_k).mT)
+        expected = -float((full.moments.n * change).sum())
+        close(growth._first_order(tau, grown.w_q, grown.w_k), expected)
+        close(grown.predicted_decrease, expected)
 
 
 class LargestAllocation(TorchDispatchMode):

@@ -85,6 +85,14 @@ def sizing_method(method: str, size_by: str | None, name: str = "size_by") -> st
     return size_by
 
 
+def zero_fan_in_columns(u: Tensor, s: Tensor, order: Tensor, tau: Tensor) -> Tensor:
+    """Q columns u_j(σ_j/τ′)^½ (h, e′, k) of the pairs j = order (h, k) of u (h, e′, m), s (h, m), σ_j at least the
+    floor, in working coordinates: zero fan-in columns, whose K columns are zero."""
+    sigma = s.gather(-1, order).clamp_min(FAN_IN_FLOOR * s[:, :1])
+    cols = u.gather(-1, order.unsqueeze(1).expand(-1, u.shape[1], -1))
+    return cols * (sigma / tau[:, None]).sqrt().unsqueeze(1)
+
+
 class FormGrowth(FormShape):
     """The α-independent part of growing one form, computed once and reused for every step-size candidate.
 
@@ -220,7 +228,10 @@ class FormGrowth(FormShape):
         )
 
     def _first_order(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:
-        """−⟨N̄, M′ − M⟩ summed over heads for the grown form M′ = τ′ W_Q′ W_K′ᵀ (tau = τ′, w_q, w_k in float64)."""
+        """The predicted decrease −⟨N̄, M′ − M⟩, summed over heads, of the grown form M′_j = τ′_j W_Q,j′ W_K,g(j)′ᵀ: tau
+        = τ′ (H,), w_q (H, e′, d′) and w_k (KV, e′, d′) are the grown form's whole weights in float64 (KV = H here),
+        whatever the mode. The one meaning of this hook for every query/key growth, full or sketched (`GroupedGrowth`,
+        `sketch.SketchedForm`): each computes ⟨N̄, ·⟩ from what its statistics hold."""
         m_new = tau[:, None, None] * w_q @ w_k.mT
         return -float((self.moments.n * (m_new - self.m)).sum())
 
@@ -253,11 +264,8 @@ class FormGrowth(FormShape):
         return self._cols(new_q, 1), self._cols(v[:, :, :p] * root, 1), discarded, sigma
 
     def _zero_fan_in(self, method: str, order: Tensor, tau: Tensor) -> Tensor:
-        """Q columns u_j(σ_j/τ′)^½ (h, e′, k) of the bottleneck pairs j = order (h, k), in working coordinates."""
-        u, s, _, _ = self.bottleneck(method)
-        sigma = s.gather(-1, order).clamp_min(FAN_IN_FLOOR * s[:, :1])
-        cols = u.gather(-1, order.unsqueeze(1).expand(-1, self.e_in, -1))
-        return cols * (sigma / tau[:, None]).sqrt().unsqueeze(1)
+        """Q columns of the bottleneck pairs j = order (h, k) as zero fan-in (`zero_fan_in_columns`)."""
+        return zero_fan_in_columns(*self.bottleneck(method)[:2], order, tau)
 
     def _random_pairs(self, method: str, p: int, c: float, generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Baselines: N(0, σ²) columns, σ the RMS of the head's (rescaled) old columns; `zero` has zero K columns."""

@@ -178,12 +178,13 @@ class GroupedGrowth(FormShape):
         old = Carry((slice(None), slice(None), slice(0, d)), 1 / c, 1 / c**2)
         return Growth(w_q=w_q.to(self.dtype), w_k=w_k.to(self.dtype), log_tau=log_tau.to(self.dtype),
                       carries={"w_q": old, "w_k": old, "log_tau": Carry((slice(None),))},
-                      predicted_decrease=self._first_order(tau, new_q, new_k), discarded_energy=discarded,
+                      predicted_decrease=self._first_order(tau, w_q, w_k), discarded_energy=discarded,
                       spectrum=spectrum, alpha=alpha, method=method)
 
-    def _first_order(self, tau: Tensor, new_q: Tensor, new_k: Tensor) -> float:
-        """−⟨N̄, M′ − M⟩ summed over heads for appended columns new_q (H, e′, p), new_k (KV, e′, p) at τ′ = tau: the
-        old part is unchanged (also under rescale), so M_j′ − M_j = τ′_j Q_new,j K_new,gᵀ."""
+    def _first_order(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:  # see FormGrowth._first_order
+        # An append leaves the old columns' part of M as it was (also under rescale, τ′c² = τ): M_j′ − M_j is
+        # τ′_j Q_new,j K_new,gᵀ, the appended columns alone, which spares the cancellation of two large inner products.
+        new_q, new_k = w_q[..., self.d_head:], w_k[..., self.d_head:]
         change = tau[:, None, None] * new_q @ self.keys_per_head(new_k).mT
         return -float((self.moments.n * change).sum())
 

@@ -82,6 +82,14 @@ def thin_svd(left: Tensor, right: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return q_left @ u, s, q_right @ vh.mT
 
 
+def orthonormal_completion(u: Tensor, extra: int) -> Tensor:
+    """`extra` orthonormal columns (…, m, extra) orthogonal to the orthonormal columns of u (…, m, k), k + extra ≤ m:
+    the next columns of the Householder QR of u, so without the m × m complete basis."""
+    reflectors, tau = torch.geqrf(u)
+    padded = torch.cat([reflectors, reflectors.new_zeros(*u.shape[:-1], extra)], -1)
+    return torch.linalg.householder_product(padded, tau)[..., u.shape[-1]:]
+
+
 def canonical_signs(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """Singular pairs (columns of u (…, m, k) and v (…, n, k)) with each pair's sign made canonical: the largest
     entry of u positive. A pair and its negation give the same matrix; fixing the sign makes two computations of one

@@ -64,10 +64,10 @@ import torch
 from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, check_choice
-from lit_growattn.growth.factorize import FormGrowth, sizing_method
+from lit_growattn.growth.factorize import FormGrowth, sizing_method, zero_fan_in_columns
 from lit_growattn.growth.grouped import GroupedGrowth, is_grouped
 from lit_growattn.growth.linalg import (
-    canonical_signs, column_basis, factored_score_energy, psd_pinv, psd_ridge_inverse, thin_svd,
+    canonical_signs, column_basis, factored_score_energy, orthonormal_completion, psd_pinv, psd_ridge_inverse, thin_svd,
 )
 from lit_growattn.growth.solvers import energy_scale
 from lit_growattn.growth.stats import Sums
@@ -376,7 +376,25 @@ def _check_sketchable(method: str, size_by: str | None) -> None:
         check_choice("size_by under a sketch", sizing_method(method, size_by), SKETCH_DIRECTIONS)
 
 
-class SketchedForm:
+class SketchedGrowth:
+    """What the sketched growths of both sides share: a sketch prices at most its bottleneck's pairs per group and
+    event (pairs beyond its rank it cannot see), so a growth by more columns is refused, not filled blindly. Mixed in
+    before the full growth class, whose `grow` it guards."""
+
+    @property
+    def pairs(self) -> int:
+        """The bottleneck pairs per group this sketch holds: its thin bottleneck's columns (query/key min(e′, k),
+        value min(e′, g·e, g·k))."""
+        return self.bottleneck(self.sizing_method)[1].shape[-1]
+
+    def grow(self, alpha: float, d_new: int, **kwargs):
+        if self.method not in BASELINES and d_new - self.width > self.pairs:
+            raise ValueError(f"d_new={d_new} needs {d_new - self.width} bottleneck pairs per head, and this sketch "
+                             f"prices at most {self.pairs}: grow fewer columns, or sketch with a larger k")
+        return super().grow(alpha, d_new, **kwargs)
+
+
+class SketchedForm(SketchedGrowth):
     """What the sketched query/key growths share: the direction, bottleneck, gains and first-order terms from the
     factors of SketchMoments (module docstring), in the conventions of `GroupedGrowth` (per group of query heads
     sharing a key head; one head per group for a plain form). Mixed in before FormGrowth or GroupedGrowth, which
@@ -388,11 +406,6 @@ class SketchedForm:
                  **kwargs):
         _check_sketchable(method, kwargs.get("size_by"))
         super().__init__(w_q, w_k, log_tau, moments, method, **kwargs)
-
-    @property
-    def pairs(self) -> int:
-        """The bottleneck pairs per group this sketch prices: min(e′, r), r its rank."""
-        return self.bottleneck(self.sizing_method)[1].shape[-1]
 
     def _per_query_head(self, w: Tensor) -> Tensor:
         return w.repeat_interleave(self.n_head // self.n_kv_head, 0)
@@ -448,13 +461,6 @@ class SketchedForm:
         left, right = self.moments.n
         return float((tau[:, None, None] * (left.mT @ w_q) * self._per_query_head(right.mT @ w_k)).sum())
 
-    def grow(self, alpha: float, d_new: int, **kwargs):
-        if self.method not in BASELINES and d_new - self.d_head > self.pairs:
-            raise ValueError(f"d_new={d_new} needs {d_new - self.d_head} bottleneck pairs per head, and a sketch of "
-                             f"rank {self.pairs} prices at most {self.pairs}: grow fewer columns, or sketch with a "
-                             "larger k")
-        return super().grow(alpha, d_new, **kwargs)
-
 
 class SketchedFormGrowth(SketchedForm, FormGrowth):
     """`FormGrowth` of a plain form (one key head per query head, no rotary columns) from SketchMoments: append and
@@ -469,9 +475,15 @@ class SketchedFormGrowth(SketchedForm, FormGrowth):
         return u, s, v
 
     def _zero_fan_in(self, method: str, order: Tensor, tau: Tensor) -> Tensor:
-        # A sketch holds r bottleneck pairs; a replace of a rank-deficient M can ask for more zero fan-in columns than
-        # that, and those repeat the last pair (zero K columns, so the function is unchanged either way).
-        return super()._zero_fan_in(method, order.clamp_max(self.pairs - 1), tau)
+        u, s, _, _ = self.bottleneck(method)
+        extra = int(order.max()) + 1 - s.shape[-1]
+        if extra > 0:
+            # A replace of a rank-deficient M can need more zero fan-in columns than the sketch has pairs. The full
+            # path takes its pairs of σ ≈ 0 there, orthonormal directions outside the others: so does the completion
+            # (σ = 0, at the floor), where repeating a pair would install the same column twice.
+            u = torch.cat([u, orthonormal_completion(u, extra)], -1)
+            s = torch.cat([s, s.new_zeros(s.shape[0], extra)], -1)
+        return zero_fan_in_columns(u, s, order, tau)
 
     def _first_order(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:
         return -(self._score_inner(tau, w_q, w_k) - self._score_inner(self.log_tau.exp(), self.w_q, self.w_k))
@@ -480,8 +492,9 @@ class SketchedFormGrowth(SketchedForm, FormGrowth):
 class SketchedGroupedGrowth(SketchedForm, GroupedGrowth):
     """`GroupedGrowth` (keys shared by GQA groups, or rotary leading columns; append only) from SketchMoments."""
 
-    def _first_order(self, tau: Tensor, new_q: Tensor, new_k: Tensor) -> float:
-        return -self._score_inner(tau, new_q, new_k)
+    def _first_order(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:
+        # Append only: the appended columns alone, as GroupedGrowth._first_order.
+        return -self._score_inner(tau, w_q[..., self.d_head:], w_k[..., self.d_head:])
 
 
 def sketched_growth_for(form, moments: SketchMoments, method: str = "natural",
@@ -492,7 +505,7 @@ def sketched_growth_for(form, moments: SketchMoments, method: str = "natural",
     return SketchedGroupedGrowth(form.w_q, form.w_k, form.log_tau, moments, method, rotary=form.rotary, **kwargs)
 
 
-class SketchedValueGrowth(ValueGrowth):
+class SketchedValueGrowth(SketchedGrowth, ValueGrowth):
     """`ValueGrowth` from SketchValueMoments: ΔW_j = A_jX_jᵀ as thin factors, the bottleneck's least-squares residual
     stacked over a group as one thin product (`bottleneck`), Ĉ_j from its Nyström root."""
 
@@ -501,11 +514,6 @@ class SketchedValueGrowth(ValueGrowth):
     def __init__(self, w_v: Tensor, w_o: Tensor, moments: SketchValueMoments, method: str = "natural", **kwargs):
         _check_sketchable(method, kwargs.get("size_by"))
         super().__init__(w_v, w_o, moments, method, **kwargs)
-
-    @property
-    def pairs(self) -> int:
-        """The bottleneck pairs per group this sketch prices: min(e′, g·e, g·r), r its rank."""
-        return self.bottleneck(self.sizing_method)[1].shape[-1]
 
     def direction(self, method: str) -> Factored:
         """Normalised ΔW_j = left_j right_jᵀ, left (H, e′, r), right (H, e, r): gradient −N̂_V,j, natural
@@ -557,9 +565,3 @@ class SketchedValueGrowth(ValueGrowth):
     def _first_order(self, new_v: Tensor, new_o: Tensor) -> float:
         q, x = self.moments.n
         return -float((self.per_head(q.mT @ new_v) * (new_o @ x).mT).sum())
-
-    def grow(self, alpha: float, d_new: int, **kwargs):
-        if self.method not in BASELINES and d_new - self.d_v > self.pairs:
-            raise ValueError(f"d_new={d_new} needs {d_new - self.d_v} bottleneck pairs per value head, and this "
-                             f"sketch prices at most {self.pairs}: grow fewer columns, or sketch with a larger k")
-        return super().grow(alpha, d_new, **kwargs)
