@@ -1,6 +1,7 @@
-"""Sketched growth statistics (growth/sketch.py), float64 against the full path: when each group's statistics have
-rank ≤ k the sketched growth is the full one (columns up to each pair's sign, gains, predicted decrease, allocation);
-the sums merge as the full ones do; nothing of size e′ × e′ per head is formed; the ridge of the natural direction."""
+"""Sketched growth statistics and growths (growth/sketch.py, growth/sketched.py), float64 against the full path: when
+each group's statistics have rank ≤ k the sketched growth is the full one (columns up to each pair's sign, gains,
+predicted decrease, allocation); the sums merge as the full ones do, and a loss scale divides out of the parts it
+multiplies; nothing of size e′ × e′ per head is formed; the ridge of the natural direction."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lit_growattn.growth import (
-    FormGrowth, FormWeights, GroupedGrowth, GrowthPlan, SketchedFormGrowth, SketchedGroupedGrowth, SketchedValueGrowth,
-    SketchFormStats, SketchSize, SketchValueStats, TestMatrices, ValueGrowth, ValueWeights, flatten_stats,
-    stats_from_state_dict, unflatten_stats,
+    FormGrowth, FormStats, FormWeights, GroupedGrowth, GrowthPlan, SketchedFormGrowth, SketchedGroupedGrowth,
+    SketchedValueGrowth, SketchFormStats, SketchSize, SketchValueStats, TestMatrices, ValueGrowth, ValueStats,
+    ValueWeights, flatten_stats, stats_from_state_dict, unflatten_stats,
 )
 from lit_growattn.growth.allocation import allocate, offer
 from lit_growattn.growth.factorize import FAN_IN_FLOOR
@@ -529,8 +530,8 @@ def test_a_state_of_another_sketch_is_refused_naming_the_setting(side, setting, 
     # Sums of other test matrices are sums of other linear maps of N̄: adding them up would be meaningless.
     here = sketch_sums(side)  # seed 7, SIZE (3, 5, 3)
     current = {"seed": 7, "k": 3, "l": 5, "k_c": 3}[setting]
-    message = f"the saved sums are of another sketch ({setting} {saved}, here {current}): sums of other test matrices " \
-              "do not combine"
+    message = (f"the saved sums are of another sketch ({setting} {saved}, here {current}): sums of other test "
+               "matrices do not combine")
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         here.load_state_dict(sketch_sums(side, seed, size).state_dict())
     here.load_state_dict(sketch_sums(side).state_dict())  # the same settings restore
@@ -576,6 +577,63 @@ def test_means_divide_by_instances_and_weight_apart(side):
     else:
         close(means.c_root @ means.c_root.mT, c_sum / instances, tol)
         close(means.n.left.repeat_interleave(h // kv, 0) @ means.n.right.mT, n_sum / weight, tol)
+
+
+def explicit_capture(stats, x, a, g, g_y):
+    """The tuple `stats.update` takes, from explicit maps: inputs x (b, s, e′), attention a (b, H, s, s), score
+    gradients g (b, H, s, s) and output gradients g_y (b, s, e), as a capture would hand it."""
+    if isinstance(stats, FormStats):
+        return x, g @ x.unsqueeze(1)
+    if isinstance(stats, ValueStats):
+        return a @ x.unsqueeze(1), g_y
+    b, h, s, _ = a.shape
+    kv = stats.y_sum.shape[0] if isinstance(stats, SketchValueStats) else stats.w_sum.shape[0]
+    per_group = lambda t: t.reshape(b, kv, h // kv, s, -1).sum(2)  # noqa: E731
+    if isinstance(stats, SketchFormStats):
+        omega, psi = stats.tests["omega"], stats.tests["psi"]
+        return x, g @ (x @ omega).unsqueeze(1), per_group(g.mT @ torch.einsum("bse,hel->bhsl", x, psi))
+    omega, psi, omega_c = stats.tests["omega"], stats.tests["psi"], stats.tests["omega_c"]
+    p = a @ x.unsqueeze(1)
+    return (x, per_group(a.mT @ torch.einsum("bsf,hfk->bhsk", g_y, omega)), p @ psi, g_y, a.mT @ (p @ omega_c))
+
+
+@pytest.mark.parametrize("make", [lambda: FormStats(4, 6, pinv=True, dtype=F64), lambda: ValueStats(4, 6, 5, dtype=F64),
+                                  lambda: sketch_sums("qk"), lambda: sketch_sums("value")],
+                         ids=["full-qk", "full-value", "sketch-qk", "sketch-value"])
+def test_gradient_parts_are_the_parts_a_loss_scale_multiplies(make):
+    # A GradScaler multiplies the loss, hence G and G_Y, by its scale; the parts built from them must be divided by it
+    # and the others (inputs, attention, the value sketch's injected cotangent) must not. A power of two scales
+    # exactly, so the sums of the divided capture are bit-equal to the unscaled ones.
+    gen = torch.Generator().manual_seed(10)
+    b, h, s, e, e_out, scale = 2, 4, 7, 6, 5, 2.0**10
+    x = torch.randn(b, s, e, generator=gen, dtype=F64)
+    a = torch.randn(b, h, s, s, generator=gen, dtype=F64).tril().softmax(-1)
+    g = torch.randn(b, h, s, s, generator=gen, dtype=F64).tril()
+    g_y = torch.randn(b, s, e_out, generator=gen, dtype=F64)
+    plain, scaled = make(), make()
+    plain.update(*explicit_capture(plain, x, a, g, g_y))
+    captured = explicit_capture(scaled, x, a, scale * g, scale * g_y)
+    scaled.update(*(t / scale if i in scaled.gradient_parts else t for i, t in enumerate(captured)))
+    assert all(torch.equal(u, v) for u, v in zip(scaled.tensors(), plain.tensors()))
+
+
+@pytest.mark.parametrize("sketch", [None, SketchSize(3, 5, 2)], ids=["full", "sketch"])
+@pytest.mark.parametrize("method", ["natural", "pinv"])
+@pytest.mark.parametrize("side", ["qk", "value"])
+def test_sums_numel_is_what_empty_sums_allocate(side, method, sketch):
+    gen = torch.Generator().manual_seed(11)
+    if side == "qk":
+        unit = FormWeights(*form_weights(4, 2, 10, 3, gen))
+    else:
+        unit = ValueWeights(torch.randn(2, 10, 3, generator=gen, dtype=F64), torch.randn(4, 3, 7, generator=gen,
+                                                                                         dtype=F64))
+    sums = unit.empty_sums(method, F64, sketch, seed=5)
+    assert isinstance(sums, (SketchFormStats, SketchValueStats) if sketch else (FormStats, ValueStats))
+    assert all(t.dtype == F64 for t in sums.tensors())
+    if sketch:
+        assert sums.size == sketch and sums.tests.seed == 5
+    # Without the two scalars, instances and weight.
+    assert unit.sums_numel(method, sketch) == sum(t.numel() for t in sums.tensors() if t.ndim)
 
 
 @pytest.mark.parametrize("size, message", [

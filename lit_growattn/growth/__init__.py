@@ -18,7 +18,8 @@ sides      what the callback does with either side: column costs, restore, sums 
            type table.
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
 sketch     sketched statistics: e′·k numbers per head instead of e′² (range and co-range sketches, Nyström C_V), the
-           test matrices drawn from a seed, and the growths of both sides from their thin factors.
+           test matrices drawn from a seed.
+sketched   the growths of both sides from the sketch's thin factors.
 shrink     the closest form or value map of a smaller head size (truncated SVD, whitened by the activations'
            covariance when given), GQA groups stacked, rotary columns kept; per-layer sizes under a KV budget.
 linalg     float64 helpers: pseudo-inverse, ridge inverse and roots with explicit cut-offs, bases, projections, the
@@ -35,9 +36,9 @@ from lit_growattn.growth.grouped import GroupedGrowth
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.sides import HeadSize, column_costs, growth_for, restore, stats_from_state_dict
 from lit_growattn.growth.sketch import (
-    SketchedFormGrowth, SketchedGroupedGrowth, SketchedValueGrowth, SketchFormStats, SketchMoments, SketchSize,
-    SketchValueMoments, SketchValueStats, TestMatrices,
+    SketchFormStats, SketchMoments, SketchSize, SketchValueMoments, SketchValueStats, TestMatrices,
 )
+from lit_growattn.growth.sketched import SketchedFormGrowth, SketchedGroupedGrowth, SketchedValueGrowth
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
 from lit_growattn.growth.value import VALUE_METHODS, GrownValue, ValueGrowth, ValueStats, ValueWeights

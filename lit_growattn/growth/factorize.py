@@ -231,7 +231,7 @@ class FormGrowth(FormShape):
         """The predicted decrease −⟨N̄, M′ − M⟩, summed over heads, of the grown form M′_j = τ′_j W_Q,j′ W_K,g(j)′ᵀ: tau
         = τ′ (H,), w_q (H, e′, d′) and w_k (KV, e′, d′) are the grown form's whole weights in float64 (KV = H here),
         whatever the mode. The one meaning of this hook for every query/key growth, full or sketched (`GroupedGrowth`,
-        `sketch.SketchedForm`): each computes ⟨N̄, ·⟩ from what its statistics hold."""
+        `sketched.SketchedForm`): each computes ⟨N̄, ·⟩ from what its statistics hold."""
         m_new = tau[:, None, None] * w_q @ w_k.mT
         return -float((self.moments.n * (m_new - self.m)).sum())
 

@@ -12,9 +12,9 @@ from typing import Iterable
 from lit_growattn.growth.factorize import FormGrowth
 from lit_growattn.growth.form import FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth, growth_for as form_growth_for
-from lit_growattn.growth.sketch import (
-    SketchedFormGrowth, SketchedGroupedGrowth, SketchedValueGrowth, SketchFormStats, SketchMoments, SketchValueMoments,
-    SketchValueStats, sketched_growth_for,
+from lit_growattn.growth.sketch import SketchFormStats, SketchMoments, SketchValueMoments, SketchValueStats
+from lit_growattn.growth.sketched import (
+    SketchedFormGrowth, SketchedGroupedGrowth, SketchedValueGrowth, sketched_growth_for,
 )
 from lit_growattn.growth.stats import FormStats, Moments, Sums
 from lit_growattn.growth.unit import GrowableUnit, HeadSize
@@ -51,7 +51,7 @@ def stats_from_state_dict(state: dict) -> Sums:
 def growth_for(unit: GrowableUnit, moments: Moments | SketchMoments, method: str = "natural",
                **kwargs) -> FormGrowth | GroupedGrowth | SketchedFormGrowth | SketchedGroupedGrowth:
     """The growth of `unit` from its statistics' means (full or sketched): a value map's (registered below), else
-    `grouped.growth_for` or `sketch.sketched_growth_for` (which read only w_q, w_k, log_tau and rotary, so anything
+    `grouped.growth_for` or `sketched.sketched_growth_for` (which read only w_q, w_k, log_tau and rotary, so anything
     holding those grows as a query/key form)."""
     if isinstance(moments, SketchMoments):
         return sketched_growth_for(unit, moments, method, **kwargs)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from lit_growattn.growth.sketch import SketchSize
     from lit_growattn.growth.stats import Sums
 
 HeadSize = Literal["d_head", "d_v"]  # which head size a column widens (query/key or value): its key in an event record
@@ -49,10 +50,14 @@ class GrowableUnit:
         """The weights the unit holds now (the same tensors, not copies): its FormWeights or ValueWeights."""
         raise NotImplementedError
 
-    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32) -> Sums:
-        """Empty sums for the unit's statistics."""
+    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
+                   seed: int = 0) -> Sums:
+        """Empty sums for the unit's statistics: the full ones, or with `sketch` a sketch of that size whose test
+        matrices are drawn from `seed` (growth.sketch; the method then only matters to the growth, which refuses
+        pinv)."""
         raise NotImplementedError
 
-    def sums_numel(self, method: str) -> int:
-        """The elements of the unit's statistics for `method` (docs/value.md, growth.stats)."""
+    def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:
+        """The elements of the unit's statistics for `method`, or of its sketch of size `sketch` (docs/value.md,
+        growth.stats, growth.sketch), without the two scalars instances and weight."""
         raise NotImplementedError

@@ -33,6 +33,7 @@ from torch import Tensor
 from lit_growattn.growth.choices import BASELINES, check_choice
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, Outcome, sizing_method
 from lit_growattn.growth.linalg import canonical_signs, column_basis, psd_pinv, psd_ridge_inverse
+from lit_growattn.growth.sketch import SketchSize, SketchValueStats
 from lit_growattn.growth.solvers import energy_scale
 from lit_growattn.growth.stats import Moments, Sums
 from lit_growattn.growth.unit import GrowableUnit
@@ -89,11 +90,18 @@ class ValueShape(GrowableUnit):
     def held_weights(self) -> ValueWeights:
         return ValueWeights.of(self)
 
-    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32) -> ValueStats:
-        return ValueStats.empty_like(self, dtype=dtype)
+    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
+                   seed: int = 0) -> ValueStats | SketchValueStats:
+        if sketch is None:
+            return ValueStats.empty_like(self, dtype=dtype)
+        return SketchValueStats.empty_like(self, sketch, seed, dtype=dtype)
 
-    def sums_numel(self, method: str) -> int:
-        """C (h·e′²) and N (h·e′·e), whatever the method."""
+    def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:
+        """C (h·e′²) and N (h·e′·e), whatever the method; sketched, the range, co-range and Nyström sketches
+        (kv·e′·k + h·e·l + h·e′·k_c)."""
+        if sketch is not None:
+            return (self.n_kv_head * self.e_in * sketch.k + self.n_head * self.e_out * sketch.l
+                    + self.n_head * self.e_in * sketch.k_c)
         return self.n_head * self.e_in * (self.e_in + self.e_out)
 
 
