@@ -1,10 +1,12 @@
 """Statistics memory: the estimate printed at setup, its bound, and layers growing in turn from their own windows."""
 
+import re
+
 import pytest
 import torch
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings
-from lit_growattn.growth import FormShape
+from lit_growattn.growth import FormShape, SketchSize
 from lit_growattn.growth.value import ValueShape
 from lit_growattn.contract import NamedForm
 from lit_growattn.callback.memory import check_statistics_memory, layers_of_event
@@ -13,13 +15,14 @@ from callback_helpers import recall_data, tiny_module, trainer
 
 
 class _Form(FormShape):
-    def __init__(self, h, e_in):
-        self.w_q = torch.zeros(h, e_in, 1)
+    def __init__(self, h, e_in, kv=None):
+        self.w_q, self.w_k = torch.zeros(h, e_in, 1), torch.zeros(h if kv is None else kv, e_in, 1)
 
 
 class _Values(ValueShape):
-    def __init__(self, h, e_in, e_out=None):
-        self.w_v, self.w_o = torch.zeros(h, e_in, 1), torch.zeros(h, 1, e_in if e_out is None else e_out)
+    def __init__(self, h, e_in, e_out=None, kv=None):
+        self.w_v = torch.zeros(h if kv is None else kv, e_in, 1)
+        self.w_o = torch.zeros(h, 1, e_in if e_out is None else e_out)
 
 
 def test_llama_1b_estimate_and_the_fix_it_names():
@@ -106,3 +109,63 @@ def test_pinv_is_told_what_the_other_methods_need_with_the_same_halves(halves, l
     with pytest.raises(ValueError) as refused:
         check_statistics_memory(forms, list(range(4)), None, "pinv", limit_gb, halves=halves)
     assert str(refused.value).endswith(f": {fix}")
+
+
+def llama_1b_units():
+    """Llama-3.2-1B's attention without building it: 16 layers, 32 heads, 8 KV heads, hidden 2048 (head 64)."""
+    return ([NamedForm(i, f"q{i}", _Form(32, 2048, kv=8)) for i in range(16)]
+            + [NamedForm(i, f"v{i}", _Values(32, 2048, kv=8)) for i in range(16)])
+
+
+def test_memory_line_counts_sketch():
+    # PLAN-55 §5 in float32, k 24, l 36, k_c 24, per layer:
+    #   full:   query/key 2048²·(1 + 32) = 138,412,032, values 32·2048·(2048 + 2048) = 268,435,456 numbers;
+    #   sketch: query/key 2048·(2048 + 32·24 + 8·36) = 6,356,992, values 8·2048·24 + 32·2048·36 + 32·2048·24 =
+    #           4,325,376 numbers.
+    # Over 16 layers: full 8.86 GB + 17.2 GB = 26 GB, sketch 0.407 GB + 0.277 GB = 0.684 GB: 1/22, 1/62, both 1/38.
+    forms, sketch = llama_1b_units(), SketchSize.of(24)
+    full_qk, full_v, sketch_qk, sketch_v = (16 * 4 * n for n in (138_412_032, 268_435_456, 6_356_992, 4_325_376))
+    assert [round(b / 1e9, 3) for b in (full_qk, full_v, sketch_qk, sketch_v)] == [8.858, 17.18, 0.407, 0.277]
+    assert round((full_qk + full_v) / (sketch_qk + sketch_v)) == 38
+    line = check_statistics_memory(forms, list(range(16)), None, "natural", None, sketch=sketch)
+    assert line == ("growth statistics: 0.684 GB per rank (16 of 16 layers per window; query/key e′ × (e′ + 32k + 8l) "
+                    "= 2048 × 3104; values e′ × (8k + 32k_c) + e × 32l = 2048 × 960 + 2048 × 1152; sketch k = 24, "
+                    "l = 36, k_c = 24: 1/38 of the full statistics' 26 GB; 4 B each)")
+    query_key = check_statistics_memory(forms[:16], list(range(16)), None, "natural", None, sketch=sketch)
+    assert "; sketch k = 24, l = 36, k_c = 24: 1/22 of the full statistics' 8.86 GB; " in query_key
+    values = check_statistics_memory(forms[16:], list(range(16)), None, "natural", None, sketch=sketch)
+    assert "; sketch k = 24, l = 36, k_c = 24: 1/62 of the full statistics' 17.2 GB; " in values
+    small = check_statistics_memory([NamedForm(0, "q", _Form(2, 16))], [0], None, "natural", None, sketch=sketch)
+    assert "sketch k = 24, l = 36, k_c = 24: no less than the full statistics' 0.00307 MB" in small
+
+
+def test_memory_fix_proposes_sketch():
+    # The full statistics of both sides, 26 GB, over 4 GB; the sketch, 0.684 GB, fits; so would 2 layers per event
+    # (1.63 GB a layer).
+    forms, sketch = llama_1b_units(), SketchSize.of(24)
+    with pytest.raises(ValueError) as refused:
+        check_statistics_memory(forms, list(range(16)), None, "natural", 4.0, offer=sketch)
+    assert str(refused.value).endswith(
+        "exceed statistics.max_memory_gb=4.0: set statistics.sketch: on (with k = 24 the window needs 0.684 GB per "
+        "rank; docs/design.md, sketched statistics), or without the sketch: set statistics.layers_per_event: 2 (each "
+        "event then grows 2 layers in turn, each from its own window)")
+    # A sketch that does not fit either is not proposed.
+    with pytest.raises(ValueError) as refused:
+        check_statistics_memory(forms, list(range(16)), None, "natural", 0.5, offer=sketch)
+    assert str(refused.value).endswith("exceed statistics.max_memory_gb=0.5: one layer alone needs 1.63 GB: raise "
+                                       "statistics.max_memory_gb above that")
+    # Under the sketch, the fix is counted in the sketch's bytes: 42.7 MB a layer.
+    with pytest.raises(ValueError) as refused:
+        check_statistics_memory(forms, list(range(16)), None, "natural", 0.5, sketch=sketch)
+    assert str(refused.value).endswith("exceed statistics.max_memory_gb=0.5: set statistics.layers_per_event: 11 (each "
+                                       "event then grows 11 layers in turn, each from its own window)")
+
+
+def test_auto_prints_its_choice_and_the_events_record_the_statistics_they_grew_from(tmp_path, capsys):
+    data = recall_data()
+    grow = GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=1), StatisticsSettings(batches=2, sketch="auto"))
+    trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
+    # Kept in full by the width rule, or (until attention/qk.py captures a sketch) because QKForm captures none.
+    assert re.search(r"^growth statistics kept in full \(auto: (e′ = 16 < 2·\(k \+ l\) = 120 on cpu|QKForm of layer 0 "
+                     r"captures no sketch)\)$", capsys.readouterr().out, re.MULTILINE)
+    assert grow.window.sketch is None and grow.history[0]["sketch"] is None and not grow.history[0]["skipped"]

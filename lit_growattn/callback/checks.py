@@ -147,7 +147,8 @@ def _settings_refusal(settings: GrowthSettings, search: StepSearch) -> tuple[str
                 f"{setting}='pinv' cannot use statistics.sketch: on: pinv sums each sequence's C_i⁺N_iC_i⁺ with that "
                 "sequence's own pseudo-inverse, which is not a function of the summed N a sketch keeps; sketching it "
                 "directly would need an e′×e′ eigendecomposition per sequence inside every statistics step. Use "
-                f"{option} natural or gradient with the sketch, or statistics.sketch: off (auto resolves to off for pinv)")
+                f"{option} natural or gradient with the sketch, or statistics.sketch: off (auto resolves to off for "
+                "pinv)")
     if direction not in SKETCH_DIRECTIONS:
         return (f"{setting}={direction!r} reads N̄ itself",
                 f"{setting}={direction!r} cannot use statistics.sketch: on: a registered direction reads N̄ itself, of "

@@ -56,7 +56,8 @@ def window_bytes(forms: list[NamedForm], layers: list[int], per_event: int | Non
     per_layer: dict[int, int] = {}
     for named in forms:
         if named.layer in layers:
-            per_layer[named.layer] = per_layer.get(named.layer, 0) + form_bytes(named.form, method, sketch) * (1 + halves)
+            nbytes = form_bytes(named.form, method, sketch) * (1 + halves)
+            per_layer[named.layer] = per_layer.get(named.layer, 0) + nbytes
     worst = max(sum(per_layer[i] for i in layers_of_event(layers, per_event, n)) for n in range(len(layers)))
     return worst, per_layer
 

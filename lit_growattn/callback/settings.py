@@ -23,7 +23,7 @@ from lit_growattn.contract import CaptureMode
 
 Capture = Literal["auto", CaptureMode]  # how statistics steps get G·X′ (auto: chosen by the device)
 CAPTURES: tuple[str, ...] = get_args(Capture)
-SketchMode = Literal["off", "on", "auto"]  # full statistics | a sketch of them | chosen at setup (checks.resolve_sketch)
+SketchMode = Literal["off", "on", "auto"]  # full statistics | a sketch | chosen at setup (checks.resolve_sketch)
 SKETCH_MODES: tuple[str, ...] = get_args(SketchMode)
 ScheduleKind = Literal["fixed", "auto"]  # growth at listed points (AtEpochs, AtSteps) | as AutoSchedule decides
 
@@ -114,7 +114,8 @@ class GrowthSettings:
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
             raise ValueError(f"growth.layers must list each layer to grow once (0-based), got {self.layers}; "
                              f"{unset('growth.layers')} to grow all")
-        sizing = growth.sizing_method(self.method, self.size_by, name="growth.size_by")  # a direction, only with a baseline
+        # A direction; size_by only with a baseline.
+        sizing = growth.sizing_method(self.method, self.size_by, name="growth.size_by")
         if self.ridge is not None:
             if not self.ridge >= 0:
                 raise ValueError(f"growth.ridge must be ≥ 0 (a multiple of the input covariance's mean eigenvalue), "
