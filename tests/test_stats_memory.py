@@ -118,7 +118,7 @@ def llama_1b_units():
 
 
 def test_memory_line_counts_sketch():
-    # PLAN-55 §5 in float32, k 24, l 36, k_c 24, per layer:
+    # Float32, k 24, l 36, k_c 24 (issue 55), per layer:
     #   full:   query/key 2048²·(1 + 32) = 138,412,032, values 32·2048·(2048 + 2048) = 268,435,456 numbers;
     #   sketch: query/key 2048·(2048 + 32·24 + 8·36) = 6,356,992, values 8·2048·24 + 32·2048·36 + 32·2048·24 =
     #           4,325,376 numbers.

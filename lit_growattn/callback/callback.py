@@ -96,7 +96,7 @@ class GrowAttentionCallback(Callback):
             check_modes(named, self.settings.mode, self.search.line_search)
         self._resolve_sketch(trainer, growing, layers)
         offer = None if self.window.sketch is not None else available_sketch(
-            self.statistics, self.settings, self.search, self.schedule.kind, growing)
+            self.statistics, self.settings, self.search, self.schedule.kind, [u for u in growing if u.layer in layers])
         report.say(trainer, check_statistics_memory(growing, layers, self.statistics.layers_per_event,
                                                     self.settings.method, self.statistics.max_memory_gb,
                                                     self.window.halves, self.window.sketch, offer))

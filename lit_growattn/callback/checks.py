@@ -25,7 +25,7 @@ SKETCH_CROSSOVER = {"cpu": 2.0, "cuda": 2.0}
 # p, the columns an event appends to a head, when the statistics choose it (AutoSchedule, rank_threshold).
 CHOSEN_COLUMNS = 8
 # natural's ridge under the sketch when growth.ridge is null: the pseudo-inverse's amplified tail, which no sketch
-# captures, was noise on real text, and ridge 1.0 was better held out on both sides (PLAN-55 §2c; docs/design.md,
+# captures, was noise on real text, and ridge 1.0 was better held out on both sides (docs/design.md,
 # sketched statistics).
 SKETCH_RIDGE = 1.0
 
