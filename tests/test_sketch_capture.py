@@ -1,8 +1,9 @@
-"""Sketch capture (issue 55, `lit_growattn.attention.sketch`): with `sketch` set, the forms and value maps record exactly
-the products `SketchFormStats.update` and `SketchValueStats.update` take, on both capture paths, for the project's
-attention (mha, DIFF's and DINT's two forms, DINT's combined map before `output`) and for converted Hugging Face
-attention (GQA, RoPE, Qwen3's q_norm/k_norm, a padding mask); outputs and gradients stay as they are; the extend path
-never forms a tensor of width e′ per head. Float64 against explicit references written out here: G = ∂L/∂S from an
+"""Sketch capture (issue 55, `lit_growattn.attention.sketch`): with `sketch` set, the forms and value maps record
+exactly the products `SketchFormStats.update` and `SketchValueStats.update` take, on both capture paths, for the
+project's attention (mha, DIFF's and DINT's two forms, DINT's combined map before `output`) and for converted Hugging
+Face attention (GQA, RoPE, Qwen3's q_norm/k_norm, a padding mask, Mistral's sliding window); outputs and gradients stay
+as they are; no gradient reaches X′ through the sketch columns; the extend path never forms a tensor of width e′ per
+head. Float64 against explicit references written out here: G = ∂L/∂S from an
 explicit score map, A from an explicit softmax, Ω and Ψ the TestMatrices of the sums."""
 
 from __future__ import annotations
@@ -328,15 +329,18 @@ VOCAB = 96
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory):
-    """Tiny Llama (hidden 64, 4 heads, 2 KV heads, RoPE) and Qwen3 (the same, head_dim 16, q_norm/k_norm with random
-    weights) built from configs with random weights and written with save_pretrained."""
+    """Tiny Llama (hidden 64, 4 heads, 2 KV heads, RoPE), Qwen3 (the same, head_dim 16, q_norm/k_norm with random
+    weights) and Mistral (the same, a sliding window of 4) built from configs with random weights and written with
+    save_pretrained."""
     pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
     folders = {}
-    for name, config in (("llama", LlamaConfig(**common)), ("qwen3", Qwen3Config(**common, head_dim=16))):
+    configs = {"llama": LlamaConfig(**common), "qwen3": Qwen3Config(**common, head_dim=16),
+               "mistral": MistralConfig(**common, sliding_window=4)}
+    for name, config in configs.items():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
         if name == "qwen3":
@@ -396,13 +400,14 @@ def reference_attend(attn, kept: dict, i: int):
     return attend
 
 
-@pytest.mark.parametrize("padding", [False, True])
 @pytest.mark.parametrize("capture", ["extend", "explicit"])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type, padding", [("llama", False), ("llama", True), ("qwen3", False), ("qwen3", True),
+                                                 ("mistral", False)])
 def test_hf_sketch_capture_equals_the_explicit_products(hf_folders, model_type, capture, padding):
     """Both sides of every layer in one call, after RoPE (and Qwen3's norms, which the sketch columns bypass): the
     query/key products with the group's co-range summed over its 2 query heads, the value products with g = 2, G zero
-    on the masked pairs; the logits and gradients as without capture; the sums as N, N_V and C_V give them."""
+    on the masked pairs (padding, Mistral's sliding window); the logits and gradients as without capture; the sums as
+    N, N_V and C_V give them."""
     model, attns = hf_model(hf_folders[model_type])
     ids, mask = hf_inputs(padding)
     hf_loss(model, ids, mask).backward()
@@ -439,8 +444,8 @@ def test_hf_sketch_capture_equals_the_explicit_products(hf_folders, model_type, 
         attn.capture = attn.sketch = attn.value.capture = attn.value.sketch = None
         ref = kept[i]
         g, xa, a, g_y = ref["s"].grad, ref["x"], ref["a"], outputs[i].grad
-        if padding:
-            assert (causal(14) & ~ref["allowed"]).any() and ref["allowed"].any(-1).all()  # padding beyond causal
+        if padding or model_type == "mistral":
+            assert (causal(14) & ~ref["allowed"]).any() and ref["allowed"].any(-1).all()  # masked beyond causal
         assert not g[~ref["allowed"]].any()  # G is zero on masked pairs
         ((xk, g_omega, gt_psi),) = attn.take_captured()
         assert torch.equal(xk, xa) and not xk.requires_grad

@@ -124,8 +124,8 @@ class QKForm(FormShape, nn.Module):
         s = causal_scores(q, k)
         xa_kept = xa.detach()
         if self.sketch is not None:
-            sketch = self.sketch
-            s.register_hook(lambda grad: self._record(xa_kept, *explicit_products(sketch, xa_kept, grad, self.n_kv_head)))
+            sketch, kv = self.sketch, self.n_kv_head
+            s.register_hook(lambda grad: self._record(xa_kept, *explicit_products(sketch, xa_kept, grad, kv)))
         else:
             s.register_hook(lambda grad: self._record(xa_kept, grad.to(xa_kept.dtype) @ xa_kept.unsqueeze(1)))
         return torch.softmax(s, dim=-1) @ v

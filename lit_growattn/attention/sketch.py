@@ -14,8 +14,8 @@ Query/key side (test matrices Ω (e′, k), Ψ_j (e′, l) per query head; X′ 
 
 Value side (Ω_j (e, k) per query head, Ψ (e′, l), Ω_c (e′, k_c); `ValueSketchCall`): the values of each KV head are
 widened to Ṽ_g = [V_g | E_V | X′Ψ | X′Ω_c | E_C] (E_V (k), E_C (g·k_c) zero leaves), so head j's output is
-[A_jV | A_jE_V | A_jX′Ψ | A_jX′Ω_c | A_jE_C]. The output then adds Σ_j (A_jE_V)Ω_jᵀ (zero; E_V.grad = Σ_{j∈g} A_jᵀG_YΩ_j),
-keeps A_jX′Ψ, and hands A_jE_C the fixed cotangent A_jX′Ω_c in the block of head j's place i in its group (`Inject`), so
+[A_jV | A_jE_V | A_jX′Ψ | A_jX′Ω_c | A_jE_C]. The output then adds Σ_j (A_jE_V)Ω_jᵀ (zero; E_V.grad =
+Σ_{j∈g} A_jᵀG_YΩ_j), keeps A_jX′Ψ, and hands A_jE_C the fixed cotangent A_jX′Ω_c in the block of head j's place i in its group (`Inject`), so
 block i of E_C.grad is A_jᵀA_jX′Ω_c: C_V,jΩ_c per head, not borne by the loss's gradient (a GradScaler does not
 scale it). Every linear combination of attention maps between `values` and `output` (DINT's) is one map A_j here.
 """

@@ -83,7 +83,8 @@ class ValueMap(ValueShape, nn.Module):
             return v
         self._sketch_call = None
         if self.sketch is not None:
-            self._sketch_call = ValueSketchCall(self.sketch, augment(x, self.bias).detach(), v, self.n_head, self._record)
+            xa = augment(x, self.bias).detach()
+            self._sketch_call = ValueSketchCall(self.sketch, xa, v, self.n_head, self._record)
             return self._sketch_call.widened
         xa = augment(x, self.bias).detach().to(v.dtype)
         return torch.cat([v, xa.unsqueeze(1).expand(b, self.n_kv_head, s, self.e_in)], -1)
@@ -98,7 +99,8 @@ class ValueMap(ValueShape, nn.Module):
         if p is not None and self._sketch_call is not None:
             call, self._sketch_call = self._sketch_call, None
             if width != call.width:
-                raise ValueError(f"attended values of width {width}, and the sketch capture widened them to {call.width}")
+                raise ValueError(f"attended values of width {width}, and the sketch capture widened them to "
+                                 f"{call.width}")
             return call.output(y, out)
         if p is not None and out.requires_grad:
             kept = p.detach()
