@@ -97,8 +97,9 @@ class GrowableForm(ScoreMap, Unit, Protocol):
         """Key heads; n_head // n_kv_head query heads share each (n_head when there is no grouping)."""
         ...
 
-    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
-        """The (X′ (b, s, e′), G·X′ (b, h, s, e′)) pairs recorded on backward passes since the last call."""
+    def take_captured(self) -> list[tuple[Tensor, ...]]:
+        """The (X′ (b, s, e′), G·X′ (b, h, s, e′)) pairs recorded on backward passes since the last call (with
+        `sketch` set, the triples of `SketchFormStats.update`, see above)."""
         ...
 
     def set_weights(self, w_q: Tensor, w_k: Tensor, log_tau: Tensor) -> None:
@@ -126,8 +127,9 @@ class GrowableValues(Resizable, Unit, Protocol):
     @property
     def d_v(self) -> int: ...
 
-    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
-        """The (A·X′ (b, H, s, e′), ∂L/∂Y (b, s, e)) pairs recorded on backward passes since the last call."""
+    def take_captured(self) -> list[tuple[Tensor, ...]]:
+        """The (A·X′ (b, H, s, e′), ∂L/∂Y (b, s, e)) pairs recorded on backward passes since the last call (with
+        `sketch` set, the tuples of `SketchValueStats.update`, see above)."""
         ...
 
     def set_weights(self, w_v: Tensor, w_o: Tensor) -> None:

@@ -18,6 +18,9 @@ widened to Ṽ_g = [V_g | E_V | X′Ψ | X′Ω_c | E_C] (E_V (k), E_C (g·k_c) 
 Σ_{j∈g} A_jᵀG_YΩ_j), keeps A_jX′Ψ, and hands A_jE_C the fixed cotangent A_jX′Ω_c in the block of head j's place i in its group (`Inject`), so
 block i of E_C.grad is A_jᵀA_jX′Ω_c: C_V,jΩ_c per head, not borne by the loss's gradient (a GradScaler does not
 scale it). Every linear combination of attention maps between `values` and `output` (DINT's) is one map A_j here.
+
+The zero leaves E receive their gradients from `loss.backward()`, as training calls it (`torch.autograd.grad` of chosen
+inputs does not reach them, as it does not reach the full `extend` capture's E).
 """
 
 from __future__ import annotations
