@@ -66,7 +66,7 @@ class GrowAttentionLM(GrowableLM):
         warmup_steps: int = WARMUP_STEPS,
         min_lr_ratio: float = MIN_LR_RATIO,
         init_from: str | None = None,
-        sdpa_pad: SdpaPad = GPTConfig.sdpa_pad,
+        sdpa_pad: SdpaPad | bool = GPTConfig.sdpa_pad,
         compile: bool = False,
         max_nonfinite_steps: int = MAX_NONFINITE_STEPS,
     ):

@@ -332,6 +332,8 @@ def test_the_spend_budget_summary_judges_its_criteria_and_checks_the_reused_rows
     # grown − uniform: +1.33 % and +1.99 %, mean +1.66 % ± 0.33: above by more than 2 s.e.; both runs spent it all.
     assert "| 2layer | pystdlib | 2 | 2, 2 | +1.66 % ± 0.33 > |" in shown and "| 2 of 2 |" in shown
     assert "not judged (seeds run: 2, 2 of 6)" in shown  # 6 seeds were planned
+    # reported: grown − static at its widths (none run: no pairs), then aware − uniform: +5.33 % and +3.97 %
+    assert "| 2layer | pystdlib | 2 | – | +4.65 % ± 0.68 |" in shown
     assert "2layer pystdlib b2 seed 0: first phase equal" in shown
     assert "seed 0: growths before step 350 equal" in shown and "seed 1: growths before step 350 DIFFER" in shown
     assert (tmp_path / "loss_vs_kcache.png").stat().st_size > 0

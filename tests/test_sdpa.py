@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lit_growattn.attention import ATTENTIONS
+from lit_growattn.attention.qk import QKForm
 from lit_growattn.attention.sdpa import causal_attention, padded_widths
 from lit_growattn.commands.cli import main
 from lit_growattn.model.config import GPTConfig
@@ -97,3 +98,14 @@ def test_auto_leaves_cpu_shapes_alone_and_bad_values_fail():
             model(torch.randint(0, 16, (2, 8)))
     with pytest.raises(ValueError, match="sdpa_pad must be one of auto, on, off"):
         GPTConfig(sdpa_pad="yes")
+
+
+@pytest.mark.parametrize(("written", "meant"), [("off", "off"), ("on", "on"), ("'off'", "off")])
+def test_a_config_file_may_write_sdpa_pad_unquoted(tmp_path, written, meant):
+    # YAML 1.1 reads an unquoted on/off as a boolean: the model takes it as the switch it names, not as a type error.
+    (tmp_path / "pad.yaml").write_text(f"model:\n  init_args:\n    sdpa_pad: {written}\n")
+    cli = main(["--config", str(REPO / "configs/text.yaml"), "--config", str(tmp_path / "pad.yaml"),
+                "--data.init_args.path", str(REPO / "README.md")], run=False)
+    assert cli.model.cfg.sdpa_pad == meant
+    forms = [m for m in cli.model.modules() if isinstance(m, QKForm)]
+    assert forms and all(form.sdpa_pad == meant for form in forms)

@@ -21,7 +21,7 @@ class GPTConfig:
     dropout: float = 0.0
     attention: str = "mha"  # a name in the attention registry, checked where the model is built (model.GPT)
     attention_args: dict[str, Any] = field(default_factory=dict)  # extra arguments of the attention variant
-    sdpa_pad: SdpaPad = "auto"
+    sdpa_pad: SdpaPad | bool = "auto"  # bool: YAML 1.1 reads an unquoted on/off as true/false
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -43,6 +43,8 @@ class GPTConfig:
             raise ValueError(f"d_v must be positive, got {self.d_v}")
         if self.d_v is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head}); set d_v explicitly")
+        if isinstance(self.sdpa_pad, bool):
+            self.sdpa_pad = "on" if self.sdpa_pad else "off"
         if self.sdpa_pad not in SDPA_PADS:
             raise ValueError(f"sdpa_pad must be one of {', '.join(SDPA_PADS)}, got {self.sdpa_pad!r}")
         if not 0.0 <= self.dropout < 1.0:
