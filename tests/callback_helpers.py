@@ -32,6 +32,21 @@ def params(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.named_parameters()}
 
 
+def function_products(module) -> list[torch.Tensor]:
+    """Each growable unit's products per query head, which a sign flip of a grown pair leaves as they are: τ_j W_Q,j
+    W_K,g(j)ᵀ of a query/key form, W_V,g(j) W_O,j of a value map (g(j): the head's key or value head under GQA)."""
+    out = []
+    for named in module.growable_forms() + module.growable_values():
+        unit = named.form
+        group = unit.n_head // unit.n_kv_head
+        if unit.side == "d_head":
+            tau = unit.log_tau.detach().exp()[:, None, None]
+            out.append(tau * unit.w_q.detach() @ unit.w_k.detach().repeat_interleave(group, 0).mT)
+        else:
+            out.append(unit.w_v.detach().repeat_interleave(group, 0) @ unit.w_o.detach())
+    return out
+
+
 class WindowRecorder(GrowAttentionCallback):
     """The statistics handed to the growth (means and how many instances and steps they hold)."""
 

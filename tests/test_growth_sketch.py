@@ -319,6 +319,9 @@ def test_zero_fan_in_beyond_rank(group):
                                atol=0)
     with pytest.raises(ValueError, match="prices at most 6"):
         sketched.grow(0.5, 3 + 7)
+    # No column at all, as AutoSchedule decides for a unit that buys none: the weights as they are.
+    unchanged = sketched.grow(0.5, 3)
+    assert torch.equal(unchanged.w_q, sketched.w_q) and torch.equal(unchanged.w_k, sketched.w_k)
 
 
 def test_a_sketched_replace_of_a_rank_deficient_form_fills_with_zero_fan_in_pairs():

@@ -143,7 +143,8 @@ class SketchedFormGrowth(SketchedForm, FormGrowth):
 
     def _zero_fan_in(self, method: str, order: Tensor, tau: Tensor) -> Tensor:
         u, s, _, _ = self.bottleneck(method)
-        extra = int(order.max()) + 1 - s.shape[-1]
+        # (order is empty when the event appends no column to this form, as AutoSchedule may decide.)
+        extra = (int(order.max()) + 1 if order.numel() else 0) - s.shape[-1]
         if extra > 0:
             # A replace of a rank-deficient M can need more zero fan-in columns than the sketch has pairs. The full
             # path takes its pairs of σ ≈ 0 there, orthonormal directions outside the others: so does the completion
