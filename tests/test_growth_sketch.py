@@ -21,7 +21,7 @@ from lit_growattn.growth import (
 from lit_growattn.growth.allocation import allocate, offer
 from lit_growattn.growth.factorize import FAN_IN_FLOOR
 from lit_growattn.growth.linalg import canonical_signs, psd_pinv, thin_svd
-from lit_growattn.growth.sketch import Factored, SketchMoments, nystrom_psd, nystrom_solve
+from lit_growattn.growth.sketch import Factored, SketchMoments, nystrom, nystrom_psd, nystrom_solve
 from lit_growattn.growth.solvers import direction, register_direction, DIRECTIONS
 from lit_growattn.growth.stats import Moments
 
@@ -252,6 +252,22 @@ def test_nystrom_core_of_float32_sums_is_cut_at_their_round_off():
         stats = value_sketch(torch.zeros(1, 20, 4, dtype=F64), c_v, 1, SketchSize(2, 3, 12), seed, torch.float32)
         root = stats.means().c_root
         close(root @ root.mT, c_v, eps)
+
+
+def test_nystrom_does_not_depend_on_where_its_inputs_lie():
+    # A resumed run holds the same sums at other addresses; its growth must be bit-identical to the uninterrupted
+    # run's (tests/test_value_growth.py resumes a sketched window). CPU lstsq's last bits followed the alignment.
+    gen = torch.Generator().manual_seed(3)
+    y, w, psi = (torch.randn(4, 16, n, generator=gen, dtype=F64) for n in (8, 12, 12))
+
+    def at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+        storage = torch.empty(t.numel() + offset, dtype=t.dtype)
+        return storage[offset:].view(t.shape).copy_(t)
+
+    first = nystrom(y, w, psi)
+    for offset in range(1, 8):
+        again = nystrom(*(at_offset(t, offset) for t in (y, w, psi)))
+        assert all(torch.equal(a, b) for a, b in zip(again, first)), offset
 
 
 def allocation_layers(sketched: bool, seed=0):

@@ -138,9 +138,14 @@ def nystrom(y: Tensor, w: Tensor, psi: Tensor) -> Factored:
     matrix psi (…, m, l): left = Q (…, m, r), an orthonormal basis of y's columns, right = W(ΨᵀQ)⁺ᵀ (…, n, r),
     r = min(m, k). Exact when rank A ≤ k: range(A) ⊆ span(Q), and ΨᵀQ (l > r rows) has full column rank, so
     (ΨᵀQ)⁺ΨᵀA = QᵀA. Q keeps all k columns even when y has lower rank: the extra ones carry rows of `right` at round-off
-    and keep the least-squares problem well posed."""
+    and keep the least-squares problem well posed.
+
+    The least squares go through a QR of ΨᵀQ and a triangular solve, not `torch.linalg.lstsq`: on the CPU its result
+    depends in the last bits on where the tensors lie in memory, so a resumed run (the same sums at other addresses)
+    would not grow bit-identically to the uninterrupted one."""
     q = torch.linalg.qr(y).Q
-    return Factored(q, torch.linalg.lstsq(psi.mT @ q, w.mT).solution.mT)
+    core = torch.linalg.qr(psi.mT @ q)  # (…, l, r), l > r, full column rank
+    return Factored(q, torch.linalg.solve_triangular(core.R, core.Q.mT @ w.mT, upper=True).mT)
 
 
 def nystrom_psd(f: Tensor, omega: Tensor, cut: float) -> Tensor:
