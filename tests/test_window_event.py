@@ -261,6 +261,18 @@ def test_a_window_resumed_with_another_sketch_is_refused():
         window.check_resumed(gathered(StatisticsSettings(sketch="on", sketch_size=32), growth.SketchSize.of(32)))
 
 
+def test_a_window_saved_before_the_sketch_settings_counts_as_full_statistics():
+    # Checkpoints of a version without statistics.sketch kept the statistics in full: they resume under off (what the
+    # callback passes then: off, None) and are refused under on.
+    window = StatsWindow("gradient")
+    window.begin_step("step 8", make_forms(), {0}, "explicit", dict(WITH))
+    window.check_resumed({**WITH, "statistics.sketch": "off", "statistics.sketch_size": None})
+    with pytest.raises(ValueError, match=r"other settings: statistics.sketch=off in the checkpoint but on now, "
+                                         r"statistics.sketch_size=None in the checkpoint but 24 now\. "):
+        window.check_resumed({**WITH, "statistics.sketch": "on", "statistics.sketch_size": 24})
+    window.check_resumed(dict(WITH))  # settings that do not name them: nothing to compare
+
+
 def test_kept_batches_are_clones_and_another_event_starts_afresh():
     forms, window = make_forms(), StatsWindow("gradient")
     batch = {"ids": torch.arange(6).view(2, 3), "note": "x"}

@@ -19,6 +19,10 @@ from lit_growattn.callback.settings import Capture
 
 NamedForms = list[NamedForm]
 
+# Window settings (`check_resumed`) that versions before them did not save, with what such a version did: it kept
+# the statistics in full.
+SAVED_SINCE = {"statistics.sketch": "off", "statistics.sketch_size": None}
+
 
 def capture_mode(capture: Capture, device: torch.device) -> CaptureMode:
     """The capture path of `capture='auto'` on `device`."""
@@ -200,7 +204,9 @@ class StatsWindow:
         than it began with: its sums would mix two windows, and the step size differ from the uninterrupted run's."""
         if self.stats is None or self.reduced or self.gathered_with is None:
             return
-        if changed := {k: (v, settings.get(k)) for k, v in self.gathered_with.items() if settings.get(k) != v}:
+        # A setting the checkpoint's version did not save yet had, in that version, the value it stands for.
+        began = {**{k: v for k, v in SAVED_SINCE.items() if k in settings}, **self.gathered_with}
+        if changed := {k: (v, settings.get(k)) for k, v in began.items() if settings.get(k) != v}:
             listed = ", ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in changed.items())
             again = " and ".join(f"{k}={old}" for k, (old, _) in changed.items())
             raise ValueError(
