@@ -16,11 +16,12 @@ from lit_growattn import (AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback
                           StepSearch)
 from lit_growattn.commands.cli import main
 from lit_growattn.callback.event import GrowthEvent
-from lit_growattn.growth import SketchValueStats, loss_rounding
+from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
-from callback_helpers import (HeldOutProbe, PreservationProbe, WindowRecorder, assert_never_raises_the_held_out_loss,
-                              function_products, params, recall_data, tiny_module, trainer)
+from callback_helpers import (HeldOutProbe, PreservationProbe, SketchEventProbe, WindowRecorder,
+                              assert_never_raises_the_held_out_loss, params, recall_data, sketch_tolerance, tiny_module,
+                              trainer)
 from conftest import REPO, required_args, scalar_tags
 from test_growth import Problem
 
@@ -408,24 +409,13 @@ def test_the_demo_config_prints_its_growth_lines_between_progress_bars(tmp_path,
 
 
 # -- sketched statistics: the event the full statistics give ---------------------------------------------------------
-class EventProducts(GrowAttentionCallback):
-    """After each event, every unit's `function_products` (which the sketch's canonical pair signs leave as they are),
-    and the largest condition number of a value sketch's Ω_c in the event's window (None: no value sketch)."""
-
-    def _grow(self, trainer, pl_module, point, batch_idx):
-        omega_c = [st.tests["omega_c"] for st in self.window.stats or [] if isinstance(st, SketchValueStats)]
-        cond = max((torch.linalg.cond(o).item() for o in omega_c), default=None)
-        super()._grow(trainer, pl_module, point, batch_idx)
-        self.events = getattr(self, "events", []) + [(function_products(pl_module), cond)]
-
-
 def _sketch_or_full_run(tmp_path, schedule, growth_settings, sketch, max_steps, **module_args):
     """A float64 run of the tiny GPT growing both sides, its statistics sketched with k = e′ = 16 (exact for any
     statistics) or kept in full."""
     L.seed_everything(0)
     data = recall_data(batch_size=8, examples=64)
     statistics = StatisticsSettings(batches=4, **({"sketch": "on", "sketch_size": 16} if sketch else {}))
-    recorder = EventProducts(schedule, growth=growth_settings, statistics=statistics)
+    recorder = SketchEventProbe(schedule, growth=growth_settings, statistics=statistics)
     trainer(tmp_path, [recorder], max_epochs=2, max_steps=max_steps, precision="64-true",
             enable_checkpointing=False).fit(tiny_module(data, dropout=0.0, **module_args), data)
     return recorder
@@ -446,13 +436,6 @@ def test_sketch_event_equals_full(tmp_path, method, full_ridge):
     the same grown function (pair signs may differ: the sketch makes them canonical), the same event record, and under
     AutoSchedule the same columns bought from the same offers. Fails on any error of the capture, the sums, the
     reconstruction or their plumbing through the callback (test matrices, seeds, ridge, halves)."""
-    eps, e = torch.finfo(torch.float64).eps, 16
-
-    def rtol(cond):
-        # float64 round-off of sums over e′ terms; the value side's natural direction goes through the Nyström core
-        # Ω_cᵀCΩ_c, whose conditioning beyond C's (which the ridge tames) is cond(Ω_c)² (square Ω_c at k_c = e′).
-        return e * eps * max(e, (cond or 0) ** 2)
-
     cases = {
         "AtSteps": (AtSteps([4]), dict(columns=2, value_columns=2), 5, {}),
         "AutoSchedule": (AutoSchedule(budget=4, check_every=4, spend_until=1.0), {}, 9, dict(d_v=2)),
@@ -466,7 +449,7 @@ def test_sketch_event_equals_full(tmp_path, method, full_ridge):
         assert len(full.history) == len(sketched.history) == len(sketched.events) >= 1
         for n, (want, got, (want_products, _), (got_products, cond)) in enumerate(
                 zip(full.history, sketched.history, full.events, sketched.events)):
-            tol = rtol(cond)
+            tol = sketch_tolerance(16, cond)
             for a, b in zip(got_products, want_products, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=tol * float(b.abs().max()))
             assert (want["sketch"], got["sketch"]) == (None, {"k": 16, "l": 24, "k_c": 16})
