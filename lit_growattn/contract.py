@@ -67,6 +67,8 @@ class Unit(Protocol):
 
     def sums_numel(self, method: str, sketch: Any = ...) -> int: ...
 
+    def tests_numel(self, sketch: Any) -> int: ...
+
 
 @runtime_checkable
 class GrowableForm(ScoreMap, Unit, Protocol):

@@ -76,7 +76,7 @@ def test_the_project_types_meet_the_contract():
 
 
 UNIT_MEMBERS = ("column_cost", "e_in", "empty_sums", "held_weights", "leading_tensor", "max_width", "side",
-                "sums_numel", "tensor_names", "width")
+                "sums_numel", "tensor_names", "tests_numel", "width")
 
 
 class BareForm(torch.nn.Module):

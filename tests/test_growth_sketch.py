@@ -653,6 +653,8 @@ def test_sums_numel_is_what_empty_sums_allocate(side, method, sketch):
         assert sums.size == sketch and sums.tests.seed == 5
     # Without the two scalars, instances and weight.
     assert unit.sums_numel(method, sketch) == sum(t.numel() for t in sums.tensors() if t.ndim)
+    # The test matrices drawn beside a sketch's sums (the memory estimate counts them too).
+    assert unit.tests_numel(sketch) == (sum(t.numel() for t in sums.tests.matrices.values()) if sketch else 0)
 
 
 @pytest.mark.parametrize("size, message", [

@@ -254,12 +254,15 @@ def test_auto_keeps_the_full_statistics_for_pinv_full_rank_and_units_that_captur
 
 def test_auto_sketches_when_the_full_statistics_exceed_max_memory_and_the_sketch_fits():
     # 16 layers, 32 heads, 8 KV heads, e′ 100 (< κ·(k + l) = 120, so that the width rule alone keeps the full path):
-    # full 16·4·100²·33 = 21.1 MB, sketch 16·4·100·(100 + 32·24 + 8·36) = 7.4 MB.
+    # full 16·4·100²·33 = 21.1 MB, sketch 16·4·100·(100 + 32·24 + 8·36) = 7.4 MB and its test matrices
+    # 16·4·100·(24 + 32·36) = 7.5 MB, 14.9 MB together.
     forms = units(100, layers=16, h=32, kv=8)
     assert resolve(StatisticsSettings(sketch="auto"), forms) == (None, "auto: e′ = 100 < 2·(k + l) = 120 on cpu")
-    assert resolve(StatisticsSettings(sketch="auto", max_memory_gb=0.01), forms) == (
-        K24, "auto: the full statistics' 21.1 MB per rank exceed statistics.max_memory_gb=0.01, the sketch's 7.4 MB "
+    assert resolve(StatisticsSettings(sketch="auto", max_memory_gb=0.015), forms) == (
+        K24, "auto: the full statistics' 21.1 MB per rank exceed statistics.max_memory_gb=0.015, the sketch's 14.9 MB "
              "fit")
+    # The sums alone would fit 10 MB; with the test matrices beside them the sketch does not.
+    assert resolve(StatisticsSettings(sketch="auto", max_memory_gb=0.01), forms)[0] is None
     # Nor when the sketch does not fit either: the memory check then refuses, naming the fixes.
     assert resolve(StatisticsSettings(sketch="auto", max_memory_gb=0.005), forms)[0] is None
 

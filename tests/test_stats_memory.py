@@ -121,32 +121,40 @@ def test_memory_line_counts_sketch():
     # Float32, k 24, l 36, k_c 24 (issue 55), per layer:
     #   full:   query/key 2048²·(1 + 32) = 138,412,032, values 32·2048·(2048 + 2048) = 268,435,456 numbers;
     #   sketch: query/key 2048·(2048 + 32·24 + 8·36) = 6,356,992, values 8·2048·24 + 32·2048·36 + 32·2048·24 =
-    #           4,325,376 numbers.
-    # Over 16 layers: full 8.86 GB + 17.2 GB = 26 GB, sketch 0.407 GB + 0.277 GB = 0.684 GB: 1/22, 1/62, both 1/38.
+    #           4,325,376 numbers;
+    #   its test matrices: query/key Ω 2048·24 + Ψ 32·2048·36 = 2,408,448, values Ω 32·2048·24 + Ψ 2048·36 +
+    #           Ω_c 2048·24 = 1,695,744 numbers (38 % more than the sketch's sums).
+    # Over 16 layers: full 8.86 GB + 17.2 GB = 26 GB, sketch 0.561 GB + 0.385 GB = 0.946 GB: 1/16, 1/45, both 1/28.
     forms, sketch = llama_1b_units(), SketchSize.of(24)
-    full_qk, full_v, sketch_qk, sketch_v = (16 * 4 * n for n in (138_412_032, 268_435_456, 6_356_992, 4_325_376))
-    assert [round(b / 1e9, 3) for b in (full_qk, full_v, sketch_qk, sketch_v)] == [8.858, 17.18, 0.407, 0.277]
-    assert round((full_qk + full_v) / (sketch_qk + sketch_v)) == 38
+    full_qk, full_v, sketch_qk, sketch_v = (16 * 4 * n for n in (138_412_032, 268_435_456, 6_356_992 + 2_408_448,
+                                                                 4_325_376 + 1_695_744))
+    assert [round(b / 1e9, 3) for b in (full_qk, full_v, sketch_qk, sketch_v)] == [8.858, 17.18, 0.561, 0.385]
+    assert round((full_qk + full_v) / (sketch_qk + sketch_v)) == 28
+    assert [unit.tests_numel(sketch) for unit in (forms[0].form, forms[16].form)] == [2_408_448, 1_695_744]
     line = check_statistics_memory(forms, list(range(16)), None, "natural", None, sketch=sketch)
-    assert line == ("growth statistics: 0.684 GB per rank (16 of 16 layers per window; query/key e′ × (e′ + 32k + 8l) "
-                    "= 2048 × 3104; values e′ × (8k + 32k_c) + e × 32l = 2048 × 960 + 2048 × 1152; sketch k = 24, "
-                    "l = 36, k_c = 24: 1/38 of the full statistics' 26 GB; 4 B each)")
+    assert line == ("growth statistics: 0.946 GB per rank (16 of 16 layers per window; query/key e′ × (e′ + 32k + 8l) "
+                    "= 2048 × 3104, test matrices e′ × (k + 32l) = 2048 × 1176; values e′ × (8k + 32k_c) + e × 32l = "
+                    "2048 × 960 + 2048 × 1152, test matrices e × 32k + e′ × (l + k_c) = 2048 × 768 + 2048 × 60; "
+                    "sketch k = 24, l = 36, k_c = 24: 1/28 of the full statistics' 26 GB; 4 B each)")
     query_key = check_statistics_memory(forms[:16], list(range(16)), None, "natural", None, sketch=sketch)
-    assert "; sketch k = 24, l = 36, k_c = 24: 1/22 of the full statistics' 8.86 GB; " in query_key
+    assert "; sketch k = 24, l = 36, k_c = 24: 1/16 of the full statistics' 8.86 GB; " in query_key
     values = check_statistics_memory(forms[16:], list(range(16)), None, "natural", None, sketch=sketch)
-    assert "; sketch k = 24, l = 36, k_c = 24: 1/62 of the full statistics' 17.2 GB; " in values
+    assert "; sketch k = 24, l = 36, k_c = 24: 1/45 of the full statistics' 17.2 GB; " in values
+    # AutoSchedule's half of the window draws its own test matrices: twice everything.
+    halves = check_statistics_memory(forms, list(range(16)), None, "natural", None, halves=True, sketch=sketch)
+    assert halves.startswith("growth statistics: 1.89 GB per rank ")
     small = check_statistics_memory([NamedForm(0, "q", _Form(2, 16))], [0], None, "natural", None, sketch=sketch)
     assert "sketch k = 24, l = 36, k_c = 24: no less than the full statistics' 0.00307 MB" in small
 
 
 def test_memory_fix_proposes_sketch():
-    # The full statistics of both sides, 26 GB, over 4 GB; the sketch, 0.684 GB, fits; so would 2 layers per event
-    # (1.63 GB a layer).
+    # The full statistics of both sides, 26 GB, over 4 GB; the sketch with its test matrices, 0.946 GB, fits; so would
+    # 2 layers per event (1.63 GB a layer).
     forms, sketch = llama_1b_units(), SketchSize.of(24)
     with pytest.raises(ValueError) as refused:
         check_statistics_memory(forms, list(range(16)), None, "natural", 4.0, offer=sketch)
     assert str(refused.value).endswith(
-        "exceed statistics.max_memory_gb=4.0: set statistics.sketch: on (with k = 24 the window needs 0.684 GB per "
+        "exceed statistics.max_memory_gb=4.0: set statistics.sketch: on (with k = 24 the window needs 0.946 GB per "
         "rank; docs/design.md, sketched statistics), or without the sketch: set statistics.layers_per_event: 2 (each "
         "event then grows 2 layers in turn, each from its own window)")
     # A sketch that does not fit either is not proposed.
@@ -154,11 +162,11 @@ def test_memory_fix_proposes_sketch():
         check_statistics_memory(forms, list(range(16)), None, "natural", 0.5, offer=sketch)
     assert str(refused.value).endswith("exceed statistics.max_memory_gb=0.5: one layer alone needs 1.63 GB: raise "
                                        "statistics.max_memory_gb above that")
-    # Under the sketch, the fix is counted in the sketch's bytes: 42.7 MB a layer.
+    # Under the sketch, the fix is counted in the sketch's bytes, test matrices included: 59.1 MB a layer.
     with pytest.raises(ValueError) as refused:
         check_statistics_memory(forms, list(range(16)), None, "natural", 0.5, sketch=sketch)
-    assert str(refused.value).endswith("exceed statistics.max_memory_gb=0.5: set statistics.layers_per_event: 11 (each "
-                                       "event then grows 11 layers in turn, each from its own window)")
+    assert str(refused.value).endswith("exceed statistics.max_memory_gb=0.5: set statistics.layers_per_event: 8 (each "
+                                       "event then grows 8 layers in turn, each from its own window)")
 
 
 def test_auto_prints_its_choice_and_the_events_record_the_statistics_they_grew_from(tmp_path, capsys):

@@ -4,9 +4,9 @@ of all layers at once would not fit (docs/hf.md, "Statistics memory": it grows a
 
 The window keeps per growing form C̄ (e′²) and N (h·e′²), plus C⁺NC⁺ (h·e′²) for method `pinv`, and per growing
 value map C (h·e′²) and N (h·e′·e) (docs/value.md), in float32. Sketched (`statistics.sketch`, growth.sketch), a
-form keeps C̄ and its range and co-range sketches, e′·(e′ + h·k + kv·l), and a value map kv·e′·k + h·e·l + h·e′·k_c;
-the estimate counts these sums (`sums_numel`), not the test matrices drawn beside them (e′·k + h·e′·l per form,
-h·e·k + e′·(l + k_c) per value map).
+form keeps C̄ and its range and co-range sketches, e′·(e′ + h·k + kv·l), and a value map kv·e′·k + h·e·l + h·e′·k_c
+(`sums_numel`), and beside them the test matrices they were drawn with, as long (`tests_numel`): e′·(k + h·l) per
+form, h·e·k + e′·(l + k_c) per value map, about a third more at Llama-3.2-1B's shape.
 With `layers_per_event = k` each event grows k layers in turn (round-robin over the events) from its own window,
 so a window holds the statistics of k layers only. The automatic schedule keeps the sums of half the window beside
 the whole window's (`halves`), twice the memory, and offers every growing layer at each check.
@@ -30,16 +30,21 @@ SUMS_TEXT = {
 }
 SKETCH_TEXT = {
     "d_head": lambda form, size: (f"query/key e′ × (e′ + {form.n_head}k + {form.n_kv_head}l) = "
-                                  f"{form.e_in} × {form.e_in + form.n_head * size.k + form.n_kv_head * size.l}"),
+                                  f"{form.e_in} × {form.e_in + form.n_head * size.k + form.n_kv_head * size.l}, "
+                                  f"test matrices e′ × (k + {form.n_head}l) = {form.e_in} × "
+                                  f"{size.k + form.n_head * size.l}"),
     "d_v": lambda values, size: (f"values e′ × ({values.n_kv_head}k + {values.n_head}k_c) + e × {values.n_head}l = "
                                  f"{values.e_in} × {values.n_kv_head * size.k + values.n_head * size.k_c} + "
-                                 f"{values.e_out} × {values.n_head * size.l}"),
+                                 f"{values.e_out} × {values.n_head * size.l}, test matrices e × {values.n_head}k + "
+                                 f"e′ × (l + k_c) = {values.e_out} × {values.n_head * size.k} + {values.e_in} × "
+                                 f"{size.l + size.k_c}"),
 }
 
 
 def form_bytes(form, method: str, sketch: SketchSize | None = None) -> int:
-    """The statistics' bytes of one query/key form or value map: its full sums, or those of its sketch."""
-    return BYTES * form.sums_numel(method, sketch)
+    """The statistics' bytes of one query/key form or value map: its full sums, or those of its sketch with the test
+    matrices drawn beside them."""
+    return BYTES * (form.sums_numel(method, sketch) + (0 if sketch is None else form.tests_numel(sketch)))
 
 
 def layers_of_event(layers: list[int], per_event: int | None, event: int) -> list[int]:

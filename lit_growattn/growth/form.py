@@ -9,6 +9,7 @@ values: a candidate to rate or a growth to install (`factorize.Growth` is one, w
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,12 @@ class FormShape(GrowableUnit):
         if sketch is not None:
             return self.e_in * (self.e_in + self.n_head * sketch.k + self.n_kv_head * sketch.l)
         return self.e_in * self.e_in * (1 + self.n_head * (2 if method == "pinv" else 1))
+
+    def tests_numel(self, sketch: SketchSize | None) -> int:
+        """Ω (e′·k) and the Ψ_j (h·e′·l) a sketch draws beside its sums; none without one."""
+        if sketch is None:
+            return 0
+        return sum(math.prod(shape) for shape in SketchFormStats.test_shapes(self.n_head, self.e_in, sketch).values())
 
 
 @dataclass

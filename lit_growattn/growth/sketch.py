@@ -227,13 +227,18 @@ class SketchFormStats(SketchSums):
         if n_head % n_kv_head:
             raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key heads evenly")
         self.rcond, self.size = rcond, size
-        self.tests = TestMatrices.draw(seed, {"omega": (e_in, size.k), "psi": (n_head, e_in, size.l)}, dtype, device)
+        self.tests = TestMatrices.draw(seed, self.test_shapes(n_head, e_in, size), dtype, device)
         zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.c_sum = zeros(e_in, e_in)
         self.y_sum = zeros(n_head, e_in, size.k)
         self.w_sum = zeros(n_kv_head, e_in, size.l)
         self.instances = zeros()
         self.weight = zeros()
+
+    @staticmethod
+    def test_shapes(n_head: int, e_in: int, size: SketchSize) -> dict[str, tuple[int, ...]]:
+        """The test matrices drawn beside the sums: Ω (e′, k) and Ψ_j (e′, l) per query head."""
+        return {"omega": (e_in, size.k), "psi": (n_head, e_in, size.l)}
 
     @classmethod
     def empty_like(cls, form, size: SketchSize, seed: int, *, dtype: torch.dtype = torch.float32,
@@ -295,14 +300,18 @@ class SketchValueStats(SketchSums):
         if n_head % n_kv_head:
             raise ValueError(f"{n_head} query heads cannot share {n_kv_head} value heads evenly")
         self.rcond, self.size = rcond, size
-        shapes = {"omega": (n_head, e_out, size.k), "psi": (e_in, size.l), "omega_c": (e_in, size.k_c)}
-        self.tests = TestMatrices.draw(seed, shapes, dtype, device)
+        self.tests = TestMatrices.draw(seed, self.test_shapes(n_head, e_in, e_out, size), dtype, device)
         zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.y_sum = zeros(n_kv_head, e_in, size.k)
         self.w_sum = zeros(n_head, e_out, size.l)
         self.f_sum = zeros(n_head, e_in, size.k_c)
         self.instances = zeros()
         self.weight = zeros()
+
+    @staticmethod
+    def test_shapes(n_head: int, e_in: int, e_out: int, size: SketchSize) -> dict[str, tuple[int, ...]]:
+        """The test matrices drawn beside the sums: Ω_j (e, k) per query head, Ψ (e′, l) and Ω_c (e′, k_c)."""
+        return {"omega": (n_head, e_out, size.k), "psi": (e_in, size.l), "omega_c": (e_in, size.k_c)}
 
     @classmethod
     def empty_like(cls, values, size: SketchSize, seed: int, *, dtype: torch.dtype = torch.float32,

@@ -61,3 +61,9 @@ class GrowableUnit:
         """The elements of the unit's statistics for `method`, or of its sketch of size `sketch` (docs/value.md,
         growth.stats, growth.sketch), without the two scalars instances and weight."""
         raise NotImplementedError
+
+    def tests_numel(self, sketch: SketchSize | None) -> int:
+        """The elements of the test matrices a sketch of size `sketch` draws beside its sums (growth.sketch; each
+        sketch holds its own: AutoSchedule's half of the window another copy); 0 without a sketch. Memory that the
+        statistics window holds as long as the sums (`callback.memory`)."""
+        raise NotImplementedError

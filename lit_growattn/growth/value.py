@@ -25,6 +25,7 @@ columns the group's heads share, and the baselines `random`/`zero` append N(0, �
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +104,13 @@ class ValueShape(GrowableUnit):
             return (self.n_kv_head * self.e_in * sketch.k + self.n_head * self.e_out * sketch.l
                     + self.n_head * self.e_in * sketch.k_c)
         return self.n_head * self.e_in * (self.e_in + self.e_out)
+
+    def tests_numel(self, sketch: SketchSize | None) -> int:
+        """The Ω_j (h·e·k), Ψ (e′·l) and Ω_c (e′·k_c) a sketch draws beside its sums; none without one."""
+        if sketch is None:
+            return 0
+        shapes = SketchValueStats.test_shapes(self.n_head, self.e_in, self.e_out, sketch)
+        return sum(math.prod(shape) for shape in shapes.values())
 
 
 @dataclass
