@@ -173,7 +173,27 @@ def test_auto_prints_its_choice_and_the_events_record_the_statistics_they_grew_f
     data = recall_data()
     grow = GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=1), StatisticsSettings(batches=2, sketch="auto"))
     trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
-    # Kept in full by the width rule, or (until attention/qk.py captures a sketch) because QKForm captures none.
-    assert re.search(r"^growth statistics kept in full \(auto: (e′ = 16 < 2·\(k \+ l\) = 120 on cpu|QKForm of layer 0 "
-                     r"captures no sketch)\)$", capsys.readouterr().out, re.MULTILINE)
+    # Kept in full by the width rule (QKForm captures a sketch, so that is not the reason).
+    assert re.search(r"^growth statistics kept in full \(auto: e′ = 16 < 2·\(k \+ l\) = 120 on cpu\)$",
+                     capsys.readouterr().out, re.MULTILINE)
     assert grow.window.sketch is None and grow.history[0]["sketch"] is None and not grow.history[0]["skipped"]
+
+
+def test_sketch_on_prints_its_sizes_the_ridge_it_takes_and_the_memory_it_holds(tmp_path, capsys):
+    data = recall_data()
+    grow = GrowAttentionCallback(AtEpochs([1]), GrowthSettings(grow="both", columns=1, value_columns=1),
+                                 StatisticsSettings(batches=2, sketch="on", sketch_size=4))
+    trainer(tmp_path, [grow], max_epochs=2).fit(tiny_module(data), data)
+    lines = capsys.readouterr().out.splitlines()
+    # Two layers of 2 heads, e′ = e = 16, k 4, l 6, k_c 4, per layer: query/key sums 16·36 and test matrices 16·16,
+    # values 16·16 + 16·12 and 16·8 + 16·10, 1568 numbers; the full statistics 16²·3 + 2·16·32 = 1792.
+    assert lines[:2] == [
+        "growth statistics sketched: k = 4, l = 6, k_c = 4 per head (statistics.sketch: on); method natural means "
+        "ridge 1.0 under the sketch (growth.ridge null; docs/design.md, sketched statistics)",
+        f"growth statistics: {2 * 4 * 1568 / 1e6:.3g} MB per rank (2 of 2 layers per window; query/key e′ × (e′ + 2k "
+        "+ 2l) = 16 × 36, test matrices e′ × (k + 2l) = 16 × 16; values e′ × (2k + 2k_c) + e × 2l = 16 × 16 + 16 × "
+        "12, test matrices e × 2k + e′ × (l + k_c) = 16 × 8 + 16 × 10; sketch k = 4, l = 6, k_c = 4: 1/1.1 of the "
+        f"full statistics' {2 * 4 * 1792 / 1e6:.3g} MB; 4 B each)"]
+    (event,) = grow.history
+    assert event["sketch"] == {"k": 4, "l": 6, "k_c": 4} and not event["skipped"]
+    assert grow.settings.ridge == 1.0  # what the growth maths were handed
