@@ -192,6 +192,26 @@ def test_value_sketch_equals_full_when_low_rank(group, method, ridge):
     close(g_s.predicted_decrease, g_f.predicted_decrease, rtol)
 
 
+@pytest.mark.parametrize("method, ridge", METHODS, ids=METHOD_IDS)
+def test_value_pairs_under_gqa_are_those_the_sketch_prices(method, ridge):
+    # g = 2 heads per value head, k = 6, each group's statistics of rank 4. The heads of a group share the left factor
+    # L_g of N̂_V: under gradient the stacked bottleneck has rank ≤ k and pairs beyond k would be round-off (where the
+    # full statistics of a higher rank hold real pairs), so k are offered. Under natural each head's (Ĉ_j + ρ_jI)⁻¹
+    # gives directions of its own: up to g·k pairs, here 7 > k of them real, the full path's.
+    full, sketched = value_pair(2, method, ridge)
+    k = 6
+    assert sketched.pairs == (k if method == "gradient" else 2 * k)
+    gains_f, gains_s = full.column_gains(), sketched.column_gains()
+    assert gains_s.shape == (2, sketched.pairs)
+    if method == "natural":
+        assert ((gains_f.abs() > 1e-9 * gains_f[:, :1].abs()).sum(-1) > k).all()
+    close(gains_s, gains_f[:, :sketched.pairs], 1e-8 if method == "natural" else RTOL)
+    grown = sketched.grow(0.5, 3 + sketched.pairs)
+    assert grown.w_v.shape[-1] == 3 + sketched.pairs
+    with pytest.raises(ValueError, match=f"prices at most {sketched.pairs}"):
+        sketched.grow(0.5, 3 + sketched.pairs + 1)
+
+
 def test_sketch_of_full_size_is_exact_for_any_statistics():
     # k ≥ e′: Ω has full row rank, so range(Y) = range(N) whatever N's rank; the value side's C_V is ill-conditioned
     # (cond up to about 1e6), which the Nyström core's round-off cut must survive.

@@ -804,8 +804,9 @@ def sketched_sums(unit, seeds, size):
                                                  ("d_v", 2, "gradient"), ("d_v", 2, "natural")])
 def test_a_sketched_offer_lists_no_more_columns_than_the_sketch_prices(side, group, method):
     # e′ 24 leaves room for 22 columns; a sketch of k 4 prices 4 pairs per group on the query/key side, and on the
-    # value side the bottleneck's, min(e′, g·k): the heads of a group share the range of N̄_V but each has its own
-    # input covariance, so the natural direction has up to g·k pairs there (the gradient's beyond k vanish).
+    # value side under natural the bottleneck's, min(e′, g·k): the heads of a group share the range of N̄_V but each
+    # has its own input covariance, so the natural direction has up to g·k pairs there. The gradient's heads share
+    # their left factor too: its pairs beyond k would be round-off, and are not offered.
     gen, size = torch.Generator().manual_seed(0), growth.SketchSize.of(4)
     if side == "d_head":
         unit = growth.FormWeights(torch.randn(4, 24, 2, generator=gen, dtype=F64),
@@ -819,10 +820,8 @@ def test_a_sketched_offer_lists_no_more_columns_than_the_sketch_prices(side, gro
     stats, half = sketched_sums(unit, [1, 2], size), sketched_sums(unit, [1], size)
     [found] = offers([(0, "unit", unit)], [stats], [half], settings)
     pairs = growth.growth_for(unit, half.means(), method).pairs
-    assert len(found.held_out) == pairs == (size.k if side == "d_head" or group == 1 else group * size.k)
-    if method == "gradient":
-        assert max(abs(g) for g in found.in_sample[size.k:]) < 1e-12 * abs(found.in_sample[0])
-    else:  # growth.ridge reaches the offers
+    assert len(found.held_out) == pairs == (group * size.k if side == "d_v" and method == "natural" else size.k)
+    if method == "natural":  # growth.ridge reaches the offers
         ridged = offers([(0, "unit", unit)], [stats], [half], dataclasses.replace(settings, ridge=1.0))[0]
         assert ridged.held_out != pytest.approx(found.held_out, rel=1e-6)
 

@@ -11,8 +11,10 @@ into columns is theirs. Pair signs are canonical (`linalg.canonical_signs`).
 
 Exactness. When each group's stacked statistics have rank ≤ k (and C_V,j rank ≤ k_c), the sketched growth equals the
 full one: the same columns up to each pair's sign, gains and predicted decrease. With k ≥ e′ it is exact for any
-statistics. Pairs beyond the sketch's k cannot be priced: a sketched growth appends at most k (value side: the
-bottleneck's pairs) columns per head per event.
+statistics. Pairs beyond the sketch's k cannot be priced: a sketched growth appends at most k columns per head per
+event, except on the value side under natural, where each head's own (Ĉ_j + ρ_jI)⁻¹ turns the group's shared range
+into up to g·k directions (the full path's when the group's statistics have rank ≤ k); under gradient the heads of a
+group share their left factor, and its pairs beyond k are round-off, not offered.
 
 `pinv` cannot be sketched: it sums each sequence's C_i⁺N_iC_i⁺, which is not a function of the summed N̄ a sketch keeps.
 Nor can a direction registered by a user, which reads N̄ itself.
@@ -51,7 +53,7 @@ class SketchedGrowth:
     @property
     def pairs(self) -> int:
         """The bottleneck pairs per group this sketch holds: its thin bottleneck's columns (query/key min(e′, k),
-        value min(e′, g·e, g·k))."""
+        value min(e′, g·e, g·k) under natural, min(e′, e, k) under gradient: `SketchedValueGrowth.bottleneck`)."""
         return self.bottleneck(self.sizing_method)[1].shape[-1]
 
     def grow(self, alpha: float, d_new: int, **kwargs):
@@ -200,12 +202,18 @@ class SketchedValueGrowth(SketchedGrowth, ValueGrowth):
         return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Per group: u (KV, e′, m), σ (KV, m), w (KV, g·e, m) with canonical signs, m = min(e′, g·r), and ‖ΔW‖² (KV,).
+        """Per group: u (KV, e′, m), σ (KV, m), w (KV, g·e, m) with canonical signs, m = min(e′, g·e, g·r) (gradient:
+        at most r), and ‖ΔW‖² (KV,).
 
         `ValueGrowth.bottleneck`'s residual R_j = (I − P_V)ΔW_j − C_gW_O,j with the common change
         C_g = Σ_i (I − P_V)A_i K_i, K_i = X_iᵀW_O,iᵀ(Σ_j W_O,jW_O,jᵀ)⁺ (r × d), is
         Σ_i (I − P_V)A_i(δ_ij X_jᵀ − K_iW_O,j): side by side over the group, left = [(I − P_V)A_i]_i (e′ × g·r)
-        times the transpose of right = blockdiag(X_j) − [W_O,jᵀ]_j [K_iᵀ]_i (g·e × g·r)."""
+        times the transpose of right = blockdiag(X_j) − [W_O,jᵀ]_j [K_iᵀ]_i (g·e × g·r).
+
+        Under gradient every head of a group has the group's left factor, A_i = −L_g: the left side has rank ≤ r, and
+        the pairs beyond r are round-off of a sketch that sees nothing there (the full statistics may well hold pairs
+        there), so they are cut, as the query/key side's bottleneck has r pairs. Under natural A_i = (Ĉ_i + ρ_iI)⁻¹L_g
+        differs per head: up to g·r pairs, each priced by the sketch's N̂_V (docs/value.md §5)."""
         if method not in self._bottlenecks:
             a, x = self.direction(method)
             kv, g, e_in, e_out, r = self.n_kv_head, self.group, self.e_in, self.e_out, a.shape[-1]
@@ -218,6 +226,8 @@ class SketchedValueGrowth(SketchedGrowth, ValueGrowth):
             w_o_rows = self.w_o.mT.reshape(kv, g * e_out, self.d_v)
             k_cols = k_heads.mT.reshape(kv, g, self.d_v, r).permute(0, 2, 1, 3).reshape(kv, self.d_v, g * r)
             u, s, w = thin_svd(left, blocks.reshape(kv, g * e_out, g * r) - w_o_rows @ k_cols)
+            if method == "gradient":
+                u, s, w = u[..., :r], s[..., :r], w[..., :r]
             u, w = canonical_signs(u, w)
             energy = ((a.mT @ a) * (x.mT @ x)).sum((-2, -1)).reshape(kv, g).sum(-1)
             self._bottlenecks[method] = u, s, w, energy
