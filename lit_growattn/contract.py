@@ -63,11 +63,16 @@ class Unit(Protocol):
 
     def held_weights(self) -> Any: ...
 
-    def empty_sums(self, method: str, dtype: Any = ..., sketch: Any = ..., seed: int = ...) -> Any: ...
+    def empty_sums(self, method: str, dtype: Any = ...) -> Any:
+        """Zeroed sums of the unit's statistics for `method`, in `dtype`. With the sketch off the callback calls it
+        with these arguments only; sketched statistics also pass `sketch=`, `seed=` and `tests=`, see
+        `SketchCapture`."""
+        ...
 
-    def sums_numel(self, method: str, sketch: Any = ...) -> int: ...
-
-    def tests_numel(self, sketch: Any) -> int: ...
+    def sums_numel(self, method: str) -> int:
+        """The numbers `empty_sums(method)` holds (the memory estimate); called with `sketch=` only under sketched
+        statistics, see `SketchCapture`."""
+        ...
 
 
 @runtime_checkable
@@ -141,10 +146,26 @@ class GrowableValues(Resizable, Unit, Protocol):
 
 @runtime_checkable
 class SketchCapture(Protocol):
-    """A growable form or value map that captures sketched statistics (see `GrowableForm`, `GrowableValues`); not
-    required of units whose statistics are kept in full."""
+    """What a growable form or value map needs besides `Unit` only for sketched statistics (`statistics.sketch`); a
+    unit without it is refused under `on`, and `auto` keeps the full statistics for it. With the sketch off none of
+    this is used. `FormShape` and `ValueShape` implement the methods; the attribute is the capture's (see
+    `GrowableForm`, `GrowableValues`):
 
-    sketch: Any  # growth.sketch.TestMatrices | None, set by the statistics window; None: the full capture
+    - `sketch`: growth.sketch.TestMatrices | None, set by the statistics window; None: the full capture;
+    - `empty_sums(method, dtype, sketch=, seed=, tests=)`: the sketch's empty sums, of size `sketch`
+      (`growth.SketchSize`), its test matrices drawn from `seed`, or `tests` (another sums' of that seed, shared);
+    - `sums_numel(method, sketch=)`: the numbers those sums hold; `tests_numel(sketch)`: those of their test
+      matrices (the memory estimate).
+    """
+
+    sketch: Any
+
+    def empty_sums(self, method: str, dtype: Any = ..., sketch: Any = ..., seed: int = ...,
+                   tests: Any = ...) -> Any: ...
+
+    def sums_numel(self, method: str, sketch: Any = ...) -> int: ...
+
+    def tests_numel(self, sketch: Any) -> int: ...
 
 
 class NamedForm(NamedTuple):

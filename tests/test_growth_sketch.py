@@ -675,6 +675,11 @@ def test_sums_numel_is_what_empty_sums_allocate(side, method, sketch):
     assert unit.sums_numel(method, sketch) == sum(t.numel() for t in sums.tensors() if t.ndim)
     # The test matrices drawn beside a sketch's sums (the memory estimate counts them too).
     assert unit.tests_numel(sketch) == (sum(t.numel() for t in sums.tests.matrices.values()) if sketch else 0)
+    if sketch:  # Given another sums' test matrices of that seed, the sums hold them rather than drawing their own.
+        shared = unit.empty_sums(method, F64, sketch, seed=5, tests=sums.tests)
+        assert shared.tests is sums.tests
+        with pytest.raises(ValueError, match=r"^the given test matrices \(seed 5, shapes .*\) are not those of seed 6"):
+            unit.empty_sums(method, F64, sketch, seed=6, tests=sums.tests)
 
 
 @pytest.mark.parametrize("size, message", [

@@ -227,6 +227,10 @@ class _Values(ValueShape):
         self.w_v, self.w_o = torch.zeros(kv, e_in, 1), torch.zeros(h, 1, e_in)
 
 
+def _no_attribute(self):
+    raise AttributeError("tests_numel")
+
+
 def units(e_in, layers=2, h=4, kv=2, sketch=True):
     return [NamedForm(i, f"l{i}", _Form(h, kv, e_in, sketch)) for i in range(layers)]
 
@@ -282,12 +286,18 @@ def test_on_refuses_units_that_capture_no_sketch_and_warns_when_it_saves_nothing
     with pytest.raises(ValueError) as refused:
         resolve(StatisticsSettings(sketch="on"), units(64, sketch=False))
     assert str(refused.value) == (
-        "statistics.sketch: on needs forms that capture a sketch (attribute 'sketch', see "
-        "lit_growattn.contract.GrowableForm); _Form of layer 0 has none: set statistics.sketch to off, or to auto "
-        "(which then keeps the full statistics)")
-    with pytest.raises(ValueError, match=r"^statistics.sketch: on needs value maps that capture a sketch \(attribute "
-                                         r"'sketch', see lit_growattn.contract.GrowableValues\); _Values of layer 1 "):
+        "statistics.sketch: on needs forms that capture a sketch (lit_growattn.contract.SketchCapture); _Form of "
+        "layer 0 lacks sketch: set statistics.sketch to off, or to auto (which then keeps the full statistics)")
+    with pytest.raises(ValueError, match=r"^statistics.sketch: on needs value maps that capture a sketch "
+                                         r"\(lit_growattn.contract.SketchCapture\); _Values of layer 1 lacks sketch:"):
         resolve(StatisticsSettings(sketch="on"), units(64, layers=1) + [NamedForm(1, "v", _Values(4, 2, 64))])
+    old_protocol = units(64, layers=1)
+    # A form with `sketch` but without the sketch's memory member:
+    old_protocol[0].form.__class__ = type("_OldForm", (_Form,), {"tests_numel": property(_no_attribute)})
+    with pytest.raises(ValueError, match=r"_OldForm of layer 0 lacks tests_numel: set statistics.sketch to off"):
+        resolve(StatisticsSettings(sketch="on"), old_protocol)
+    assert resolve(StatisticsSettings(sketch="auto"), old_protocol) == (
+        None, "auto: _OldForm of layer 0 captures no sketch")
     with pytest.warns(UserWarning) as warned:
         assert resolve(StatisticsSettings(sketch="on"), units(60)) == (K24, "statistics.sketch: on")
     assert [str(w.message) for w in warned] == [

@@ -209,9 +209,9 @@ def test_a_sketched_window_hands_each_capturing_unit_its_test_matrices_for_the_s
     window.begin_step("step 8", forms, {1}, "explicit", WITH)
     for (_, name, _), whole, half in zip(forms, window.stats, window.half):
         assert isinstance(whole, growth.SketchFormStats) and whole.size == size and whole.y_sum.dtype == F64
-        # The half's test matrices are the whole's, so that they subtract; the seed is stable across processes.
-        assert whole.tests.seed == half.tests.seed == zlib.crc32(f"step 8/{name}".encode())
-        assert whole.tests.checksum == half.tests.checksum
+        # The half's test matrices are the whole's (drawn once, held once), so that they subtract; the seed is
+        # stable across processes.
+        assert half.tests is whole.tests and whole.tests.seed == zlib.crc32(f"step 8/{name}".encode())
     assert window.stats[0].tests.seed != window.stats[1].tests.seed != sketch_seed("step 16", "layer1")
     assert forms[0][2].sketch is None and forms[1][2].sketch is window.stats[1].tests
     window.end_step(forms)
@@ -233,6 +233,9 @@ def test_a_sketched_window_resumes_with_its_test_matrices():
     for got, want in zip(resumed._sums(), window._sums(), strict=True):  # noqa: SLF001
         assert isinstance(got, growth.SketchFormStats) and got.tests.checksum == want.tests.checksum
         assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors(), strict=True))
+    # Restored, and moved to a device, the half still holds the whole's test matrices, not a copy of its own.
+    resumed.to(torch.device("cpu"))
+    assert all(half.tests is whole.tests for whole, half in zip(resumed.stats, resumed.half, strict=True))
 
 
 def test_a_window_resumed_with_another_sketch_is_refused():

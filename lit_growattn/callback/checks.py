@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lit_growattn import growth
 from lit_growattn.callback.memory import size_text, window_bytes
 from lit_growattn.callback.settings import GrowthSettings, ScheduleKind, StatisticsSettings, StepSearch, unset
-from lit_growattn.contract import NamedForm
+from lit_growattn.contract import NamedForm, SketchCapture, missing
 from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
 
 # `auto` sketches when e′ ≥ κ·(k + l): a statistics step then widens attention by k + l columns instead of e′, and
@@ -162,15 +162,15 @@ def _settings_refusal(settings: GrowthSettings, search: StepSearch) -> tuple[str
 
 
 def _model_refusal(units: list[NamedForm]) -> tuple[str, str] | None:
-    """As `_settings_refusal`, for units that do not capture a sketch (no attribute `sketch`)."""
+    """As `_settings_refusal`, for units that do not capture a sketch (lack a member of `contract.SketchCapture`)."""
     for layer, _, unit in units:
-        if not hasattr(unit, "sketch"):
-            what, protocol = ("value maps", "GrowableValues") if unit.side == "d_v" else ("forms", "GrowableForm")
+        if lacks := missing(unit, SketchCapture):
+            what = "value maps" if unit.side == "d_v" else "forms"
             who = f"{type(unit).__name__} of layer {layer}"
             return (f"{who} captures no sketch",
-                    f"statistics.sketch: on needs {what} that capture a sketch (attribute 'sketch', see "
-                    f"lit_growattn.contract.{protocol}); {who} has none: set statistics.sketch to off, or to auto "
-                    "(which then keeps the full statistics)")
+                    f"statistics.sketch: on needs {what} that capture a sketch (lit_growattn.contract.SketchCapture); "
+                    f"{who} lacks {', '.join(lacks)}: set statistics.sketch to off, or to auto (which then keeps the "
+                    "full statistics)")
     return None
 
 

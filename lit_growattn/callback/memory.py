@@ -9,7 +9,8 @@ form keeps C̄ and its range and co-range sketches, e′·(e′ + h·k + kv·l),
 form, h·e·k + e′·(l + k_c) per value map, about a third more at Llama-3.2-1B's shape.
 With `layers_per_event = k` each event grows k layers in turn (round-robin over the events) from its own window,
 so a window holds the statistics of k layers only. The automatic schedule keeps the sums of half the window beside
-the whole window's (`halves`), twice the memory, and offers every growing layer at each check.
+the whole window's (`halves`), twice the memory of the sums (the half shares the whole's test matrices), and offers
+every growing layer at each check.
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ SKETCH_TEXT = {
 }
 
 
-def form_bytes(form, method: str, sketch: SketchSize | None = None) -> int:
+def form_bytes(form, method: str, sketch: SketchSize | None = None, halves: bool = False) -> int:
     """The statistics' bytes of one query/key form or value map: its full sums, or those of its sketch with the test
-    matrices drawn beside them."""
-    return BYTES * (form.sums_numel(method, sketch) + (0 if sketch is None else form.tests_numel(sketch)))
+    matrices drawn beside them; with `halves` the sums twice (the half shares the whole's test matrices). Without a
+    sketch the unit is asked only what `contract.Unit` documents (`sums_numel(method)`)."""
+    if sketch is None:
+        return BYTES * form.sums_numel(method) * (1 + halves)
+    return BYTES * (form.sums_numel(method, sketch=sketch) * (1 + halves) + form.tests_numel(sketch))
 
 
 def layers_of_event(layers: list[int], per_event: int | None, event: int) -> list[int]:
@@ -61,7 +65,7 @@ def window_bytes(forms: list[NamedForm], layers: list[int], per_event: int | Non
     per_layer: dict[int, int] = {}
     for named in forms:
         if named.layer in layers:
-            nbytes = form_bytes(named.form, method, sketch) * (1 + halves)
+            nbytes = form_bytes(named.form, method, sketch, halves)
             per_layer[named.layer] = per_layer.get(named.layer, 0) + nbytes
     worst = max(sum(per_layer[i] for i in layers_of_event(layers, per_event, n)) for n in range(len(layers)))
     return worst, per_layer
@@ -99,7 +103,8 @@ def check_statistics_memory(forms: list[NamedForm], layers: list[int], per_event
         parts.append(f"sketch k = {sketch.k}, l = {sketch.l}, k_c = {sketch.k_c}: {_share(worst, full)} the full "
                      f"statistics' {size_text(full)}")
     if halves:
-        parts.append("twice: the automatic schedule keeps each half of the window")
+        parts.append("twice: the automatic schedule keeps each half of the window"
+                     + (" (the sums; their test matrices once)" if sketch is not None else ""))
     line = (f"growth statistics: {size_text(worst)} per rank ({k} of {len(layers)} layers per window; "
             f"{'; '.join(parts)}; {BYTES} B each)")
     if limit_gb is not None and worst > limit_gb * 1e9:

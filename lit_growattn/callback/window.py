@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lit_growattn import growth
 from lit_growattn.contract import CaptureMode, NamedForm
+from lit_growattn.growth.sketch import SketchSums
 from lit_growattn.callback.settings import Capture
 
 NamedForms = list[NamedForm]
@@ -37,6 +38,11 @@ def capture_mode(capture: Capture, device: torch.device) -> CaptureMode:
 def layers_in_turn(layers: list[int], per_step: int, window_step: int) -> set[int]:
     """The layers captured at this step of the window: the next `per_step` of `layers`, in turn."""
     return {layers[(window_step * per_step + j) % len(layers)] for j in range(per_step)}
+
+
+def _sums_dtype(forms: NamedForms) -> torch.dtype:
+    """float64 sums when the model itself runs in float64 (precision="64-true"), else float32."""
+    return torch.float64 if forms[0][2].leading_tensor.dtype == torch.float64 else torch.float32
 
 
 def sketch_seed(event: str, unit: str) -> int:
@@ -109,7 +115,7 @@ class StatsWindow:
         if self.stats is None:
             self.stats = self._empty_sums(forms)
             if self.halves:
-                self.half = self._empty_sums(forms)
+                self.half = self._empty_half(forms)
         for layer, _, form in forms:
             form.capture = mode if layer in active else None
         if self.sketch is not None:
@@ -120,10 +126,25 @@ class StatsWindow:
             self.kept.append(apply_to_collection(keep, Tensor, lambda t: t.detach().clone()))
 
     def _empty_sums(self, forms: NamedForms) -> list[growth.Sums]:
-        # float64 sums when the model itself runs in float64 (precision="64-true").
-        dtype = torch.float64 if forms[0][2].leading_tensor.dtype == torch.float64 else torch.float32
+        dtype = _sums_dtype(forms)
+        if self.sketch is None:  # only what contract.Unit documents: a unit of one's own need know no sketch
+            return [form.empty_sums(self.method, dtype) for _, _, form in forms]
         return [form.empty_sums(self.method, dtype, sketch=self.sketch, seed=sketch_seed(self.event, name))
                 for _, name, form in forms]
+
+    def _empty_half(self, forms: NamedForms) -> list[growth.Sums]:
+        """The half's sums: under the sketch with the whole's test matrices (drawn once, held once)."""
+        if self.sketch is None:
+            return self._empty_sums(forms)
+        dtype = _sums_dtype(forms)
+        return [form.empty_sums(self.method, dtype, sketch=self.sketch, seed=st.tests.seed, tests=st.tests)
+                for (_, _, form), st in zip(forms, self.stats, strict=True)]
+
+    def _share_tests(self) -> None:
+        """The half's sketches take the whole's test matrices (a restored window drew them for each)."""
+        for whole, half in zip(self.stats or [], self.half or []):
+            if isinstance(whole, SketchSums) and isinstance(half, SketchSums):
+                half.tests = whole.tests
 
     def end_step(self, forms: NamedForms) -> None:
         for _, _, form in forms:
@@ -134,8 +155,12 @@ class StatsWindow:
 
     def to(self, device: torch.device) -> None:
         """Moves the sums to `device`: a checkpoint restores them on the CPU, whatever device the model is on."""
-        for st in self._sums():
+        for st in self.stats or []:
             st.to(device)
+        self._share_tests()  # then moving the half moves no test matrices
+        for st in self.half or []:
+            st.to(device)
+        self._share_tests()
 
     def _sums(self) -> list[growth.Sums]:
         """The whole window's sums, then those of the half (one list, reduced and saved together)."""
@@ -144,6 +169,7 @@ class StatsWindow:
     def _split(self, sums: list[growth.Sums]) -> None:
         cut = len(sums) // 2 if self.halves else len(sums)
         self.stats, self.half = sums[:cut], (sums[cut:] if self.halves else None)
+        self._share_tests()
 
     def close(self, strategy, world: int, device: torch.device) -> None:
         """Sums the statistics over ranks (the one collective of the window) and gathers the kept batches, as

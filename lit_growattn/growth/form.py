@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lit_growattn.growth.sketch import SketchFormStats, SketchSize
+from lit_growattn.growth.sketch import SketchFormStats, SketchSize, TestMatrices
 from lit_growattn.growth.stats import FormStats
 from lit_growattn.growth.unit import GrowableUnit
 
@@ -71,10 +71,10 @@ class FormShape(GrowableUnit):
         return FormWeights.of(self)
 
     def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
-                   seed: int = 0) -> FormStats | SketchFormStats:
+                   seed: int = 0, tests: TestMatrices | None = None) -> FormStats | SketchFormStats:
         if sketch is None:
             return FormStats.empty_like(self, method, dtype=dtype)
-        return SketchFormStats.empty_like(self, sketch, seed, dtype=dtype)
+        return SketchFormStats.empty_like(self, sketch, seed, dtype=dtype, tests=tests)
 
     def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:
         """C̄ (e′²) and N (h·e′²), and C⁺NC⁺ (h·e′²) for pinv; sketched, C̄ and the range and co-range sketches

@@ -74,7 +74,7 @@ class SketchSize:
         return cls(k, math.ceil(3 * k / 2), k)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TestMatrices:
     """The Gaussian test matrices of one unit's sketch (name → tensor), drawn from `seed`: in float64 on the CPU,
     whatever the device, then cast, so every rank and every resume draws the same ones. checksum: the sha256 of the
@@ -107,7 +107,23 @@ class TestMatrices:
         return self.matrices[name]
 
     def to(self, device: torch.device | str) -> TestMatrices:
+        """These matrices on `device`: themselves when they are there (so sums that share them keep sharing)."""
+        if all(t.device == torch.device(device) for t in self.matrices.values()):
+            return self
         return TestMatrices(self.seed, {name: t.to(device) for name, t in self.matrices.items()}, self.checksum)
+
+    @classmethod
+    def given_or_drawn(cls, given: TestMatrices | None, seed: int, shapes: dict[str, tuple[int, ...]],
+                       dtype: torch.dtype, device: torch.device | str | None) -> TestMatrices:
+        """`given` (another sums' matrices, shared rather than drawn again) when it is of this seed and these
+        shapes, else matrices drawn from `seed`."""
+        if given is None:
+            return cls.draw(seed, shapes, dtype, device)
+        have = {name: tuple(t.shape) for name, t in given.matrices.items()}
+        if given.seed != seed or have != {name: tuple(shape) for name, shape in shapes.items()}:
+            raise ValueError(f"the given test matrices (seed {given.seed}, shapes {have}) are not those of seed {seed} "
+                             f"and shapes {dict(shapes)}")
+        return given
 
 
 class Factored(NamedTuple):
@@ -223,11 +239,12 @@ class SketchFormStats(SketchSums):
     gradient_parts = (1, 2)  # G X′Ω and GᵀX′Ψ
 
     def __init__(self, n_head: int, n_kv_head: int, e_in: int, size: SketchSize, seed: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, rcond: float = 1e-6):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, rcond: float = 1e-6,
+                 tests: TestMatrices | None = None):
         if n_head % n_kv_head:
             raise ValueError(f"{n_head} query heads cannot share {n_kv_head} key heads evenly")
         self.rcond, self.size = rcond, size
-        self.tests = TestMatrices.draw(seed, self.test_shapes(n_head, e_in, size), dtype, device)
+        self.tests = TestMatrices.given_or_drawn(tests, seed, self.test_shapes(n_head, e_in, size), dtype, device)
         zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.c_sum = zeros(e_in, e_in)
         self.y_sum = zeros(n_head, e_in, size.k)
@@ -242,10 +259,11 @@ class SketchFormStats(SketchSums):
 
     @classmethod
     def empty_like(cls, form, size: SketchSize, seed: int, *, dtype: torch.dtype = torch.float32,
-                   rcond: float = 1e-6) -> SketchFormStats:
-        """Empty sums for a form with w_q (H, e′, d) and w_k (KV, e′, d)."""
+                   rcond: float = 1e-6, tests: TestMatrices | None = None) -> SketchFormStats:
+        """Empty sums for a form with w_q (H, e′, d) and w_k (KV, e′, d); `tests`: the matrices of other sums of
+        this seed, shared instead of drawn again."""
         (h, e_in, _), kv = form.w_q.shape, form.w_k.shape[0]
-        return cls(h, kv, e_in, size, seed, dtype=dtype, device=form.w_q.device, rcond=rcond)
+        return cls(h, kv, e_in, size, seed, dtype=dtype, device=form.w_q.device, rcond=rcond, tests=tests)
 
     @property
     def names(self) -> list[str]:
@@ -296,11 +314,13 @@ class SketchValueStats(SketchSums):
     gradient_parts = (1, 3)
 
     def __init__(self, n_head: int, n_kv_head: int, e_in: int, e_out: int, size: SketchSize, seed: int, *,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, rcond: float = 1e-6):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, rcond: float = 1e-6,
+                 tests: TestMatrices | None = None):
         if n_head % n_kv_head:
             raise ValueError(f"{n_head} query heads cannot share {n_kv_head} value heads evenly")
         self.rcond, self.size = rcond, size
-        self.tests = TestMatrices.draw(seed, self.test_shapes(n_head, e_in, e_out, size), dtype, device)
+        self.tests = TestMatrices.given_or_drawn(tests, seed, self.test_shapes(n_head, e_in, e_out, size), dtype,
+                                                 device)
         zeros = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.y_sum = zeros(n_kv_head, e_in, size.k)
         self.w_sum = zeros(n_head, e_out, size.l)
@@ -315,10 +335,10 @@ class SketchValueStats(SketchSums):
 
     @classmethod
     def empty_like(cls, values, size: SketchSize, seed: int, *, dtype: torch.dtype = torch.float32,
-                   rcond: float = 1e-6) -> SketchValueStats:
-        """Empty sums for a value map with w_v (KV, e′, d) and w_o (H, d, e)."""
+                   rcond: float = 1e-6, tests: TestMatrices | None = None) -> SketchValueStats:
+        """Empty sums for a value map with w_v (KV, e′, d) and w_o (H, d, e); `tests` as `SketchFormStats`."""
         (kv, e_in, _), (h, _, e_out) = values.w_v.shape, values.w_o.shape
-        return cls(h, kv, e_in, e_out, size, seed, dtype=dtype, device=values.w_v.device, rcond=rcond)
+        return cls(h, kv, e_in, e_out, size, seed, dtype=dtype, device=values.w_v.device, rcond=rcond, tests=tests)
 
     @property
     def names(self) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lit_growattn.growth.sketch import SketchSize
+    from lit_growattn.growth.sketch import SketchSize, TestMatrices
     from lit_growattn.growth.stats import Sums
 
 HeadSize = Literal["d_head", "d_v"]  # which head size a column widens (query/key or value): its key in an event record
@@ -51,10 +51,10 @@ class GrowableUnit:
         raise NotImplementedError
 
     def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
-                   seed: int = 0) -> Sums:
+                   seed: int = 0, tests: TestMatrices | None = None) -> Sums:
         """Empty sums for the unit's statistics: the full ones, or with `sketch` a sketch of that size whose test
-        matrices are drawn from `seed` (growth.sketch; the method then only matters to the growth, which refuses
-        pinv)."""
+        matrices are drawn from `seed`, or are `tests` (another sketch's of that seed, shared) (growth.sketch; the
+        method then only matters to the growth, which refuses pinv)."""
         raise NotImplementedError
 
     def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:

@@ -34,7 +34,7 @@ from torch import Tensor
 from lit_growattn.growth.choices import BASELINES, check_choice
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, Outcome, sizing_method
 from lit_growattn.growth.linalg import canonical_signs, column_basis, psd_pinv, psd_ridge_inverse
-from lit_growattn.growth.sketch import SketchSize, SketchValueStats
+from lit_growattn.growth.sketch import SketchSize, SketchValueStats, TestMatrices
 from lit_growattn.growth.solvers import energy_scale
 from lit_growattn.growth.stats import Moments, Sums
 from lit_growattn.growth.unit import GrowableUnit
@@ -92,10 +92,10 @@ class ValueShape(GrowableUnit):
         return ValueWeights.of(self)
 
     def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
-                   seed: int = 0) -> ValueStats | SketchValueStats:
+                   seed: int = 0, tests: TestMatrices | None = None) -> ValueStats | SketchValueStats:
         if sketch is None:
             return ValueStats.empty_like(self, dtype=dtype)
-        return SketchValueStats.empty_like(self, sketch, seed, dtype=dtype)
+        return SketchValueStats.empty_like(self, sketch, seed, dtype=dtype, tests=tests)
 
     def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:
         """C (h·e′²) and N (h·e′·e), whatever the method; sketched, the range, co-range and Nyström sketches
