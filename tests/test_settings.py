@@ -122,7 +122,7 @@ def test_a_setting_of_one_side_is_asked_for_by_the_sides_name():
         assert str(refused.value) == "side is 'd_head' (the query/key side) or 'd_v' (the value side), not True"
 
 
-# -- statistics.sketch, statistics.sketch_size, growth.ridge (issue 55) ------------------------------------------------
+# -- statistics.sketch, statistics.sketch_size, growth.ridge ------------------------------------------------------------
 
 PINV_REFUSED = (
     "{setting}='pinv' cannot use statistics.sketch: on: pinv sums each sequence's C_i⁺N_iC_i⁺ with that sequence's own "

@@ -1,4 +1,4 @@
-"""Sketch capture (issue 55, `lit_growattn.attention.sketch`): with `sketch` set, the forms and value maps record
+"""Sketch capture (`lit_growattn.attention.sketch`): with `sketch` set, the forms and value maps record
 exactly the products `SketchFormStats.update` and `SketchValueStats.update` take, on both capture paths, for the
 project's attention (mha, DIFF's and DINT's two forms, DINT's combined map before `output`) and for converted Hugging
 Face attention (GQA, RoPE, Qwen3's q_norm/k_norm, a padding mask, Mistral's sliding window); outputs and gradients stay

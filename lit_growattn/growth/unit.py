@@ -64,6 +64,7 @@ class GrowableUnit:
 
     def tests_numel(self, sketch: SketchSize | None) -> int:
         """The elements of the test matrices a sketch of size `sketch` draws beside its sums (growth.sketch; each
-        sketch holds its own: AutoSchedule's half of the window another copy); 0 without a sketch. Memory that the
+        sketch's, which AutoSchedule's half of the window shares with the whole); 0 without a sketch. Only asked
+        under sketched statistics (contract.SketchCapture). Memory that the
         statistics window holds as long as the sums (`callback.memory`)."""
         raise NotImplementedError
