@@ -7,10 +7,12 @@ import re
 import subprocess
 import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 import yaml
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from conftest import REPO, run_command
 from lit_growattn import (AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowAttentionLM, GrowthSettings,
@@ -155,11 +157,12 @@ UNSET = "(--trainer.callbacks.init_args.{}=null)"
     (lambda: GrowAttentionCallback(AtSteps([8]), GrowthSettings(columns=40), StatisticsSettings(sketch="on",
                                                                                                sketch_size=24)),
      "growth.columns=40 needs 40 bottleneck pairs per head, and a sketch of statistics.sketch_size=24 yields at most "
-     "24: raise statistics.sketch_size to at least 88 (2·40 + 8), or grow fewer columns"),
+     "24: raise statistics.sketch_size to at least 40 (88 = 2·40 + 8 recommended), or grow fewer columns"),
     (lambda: GrowAttentionCallback(AtSteps([8]), GrowthSettings(grow="both", columns=[2, 3], value_columns=[5, 30]),
                                    StatisticsSettings(sketch="auto", sketch_size=16)),
      "growth.value_columns=[5, 30] needs 30 bottleneck pairs per head, and a sketch of statistics.sketch_size=16 "
-     "yields at most 16: raise statistics.sketch_size to at least 68 (2·30 + 8), or grow fewer columns"),
+     "yields at most 16: raise statistics.sketch_size to at least 30 (68 = 2·30 + 8 recommended), or grow fewer "
+     "columns"),
     (lambda: GrowAttentionCallback(AtSteps([8]), statistics=StatisticsSettings(sketch="on"),
                                    step_search=StepSearch(line_search="full_rank")),
      "step_search.line_search='full_rank' installs M + αΔM at full rank (e′ columns per head), which the sketch does "
@@ -299,10 +302,16 @@ def test_on_refuses_units_that_capture_no_sketch_and_warns_when_it_saves_nothing
     assert resolve(StatisticsSettings(sketch="auto"), old_protocol) == (
         None, "auto: _OldForm of layer 0 captures no sketch")
     with pytest.warns(UserWarning) as warned:
+        assert resolve(StatisticsSettings(sketch="on", sketch_size=24), units(60)) == (K24, "statistics.sketch: on")
         assert resolve(StatisticsSettings(sketch="on"), units(60)) == (K24, "statistics.sketch: on")
     assert [str(w.message) for w in warned] == [
         "statistics.sketch_size=24 keeps k + l = 60 columns per head, not fewer than the input size e′ = 60: the "
-        "sketch saves nothing here (auto would keep the full statistics)"]
+        "sketch saves nothing here",
+        "the default sketch size 24 keeps k + l = 60 columns per head, not fewer than the input size e′ = 60: the "
+        "sketch saves nothing here"]
+    with mock.patch.object(rank_zero_only, "rank", 1), warnings.catch_warnings():  # other ranks stay quiet
+        warnings.simplefilter("error")
+        assert resolve(StatisticsSettings(sketch="on"), units(60)) == (K24, "statistics.sketch: on")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolve(StatisticsSettings(sketch="on"), units(61)) == (K24, "statistics.sketch: on")

@@ -6,11 +6,11 @@ refusal says what to change."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_growattn import growth
 from lit_growattn.callback.memory import size_text, window_bytes
@@ -185,7 +185,8 @@ def check_sketch(statistics: StatisticsSettings, settings: GrowthSettings, searc
     if setting is not None and k is not None and k < p:
         raise ValueError(f"{setting}={getattr(settings, setting.removeprefix('growth.'))} needs {p} bottleneck pairs "
                          f"per head, and a sketch of statistics.sketch_size={k} yields at most {k}: raise "
-                         f"statistics.sketch_size to at least {2 * p + 8} (2·{p} + 8), or grow fewer columns")
+                         f"statistics.sketch_size to at least {p} ({2 * p + 8} = 2·{p} + 8 recommended), or grow fewer "
+                         "columns")
 
 
 def available_sketch(statistics: StatisticsSettings, settings: GrowthSettings, search: StepSearch, kind: ScheduleKind,
@@ -212,9 +213,10 @@ def resolve_sketch(statistics: StatisticsSettings, settings: GrowthSettings, sea
         if refused := _model_refusal(units):
             raise ValueError(refused[1])
         if size.k + size.l >= e_in:
-            warnings.warn(f"statistics.sketch_size={size.k} keeps k + l = {size.k + size.l} columns per head, not "
-                          f"fewer than the input size e′ = {e_in}: the sketch saves nothing here (auto would keep the "
-                          "full statistics)")
+            named = (f"statistics.sketch_size={size.k}" if statistics.sketch_size is not None
+                     else f"the default sketch size {size.k}")
+            rank_zero_warn(f"{named} keeps k + l = {size.k + size.l} columns per head, not fewer than the input size "
+                           f"e′ = {e_in}: the sketch saves nothing here")
         return size, "statistics.sketch: on"
     if refused := _settings_refusal(settings, search) or _model_refusal(units):
         return None, f"auto: {refused[0]}"
