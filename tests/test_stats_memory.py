@@ -200,3 +200,17 @@ def test_sketch_on_prints_its_sizes_the_ridge_it_takes_and_the_memory_it_holds(t
     (event,) = grow.history
     assert event["sketch"] == {"k": 4, "l": 6, "k_c": 4} and not event["skipped"]
     assert grow.settings.ridge == 1.0  # what the growth maths were handed
+
+
+def test_a_later_setup_resolves_the_ridge_from_the_users_setting_again(tmp_path):
+    # The ridge 1.0 that natural takes under the sketch belongs to that run: the same callback fitting again with the
+    # full statistics hands the growth maths the user's null (the pseudo-inverse), not the last run's 1.0.
+    data = recall_data()
+    grow = GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=1), StatisticsSettings(batches=2, sketch="on",
+                                                                                               sketch_size=4))
+    trainer(tmp_path / "sketched", [grow], max_epochs=2).fit(tiny_module(data), data)
+    assert grow.settings.ridge == 1.0
+    grow.statistics = StatisticsSettings(batches=2)
+    grow.history, grow.window.sketch = [], None
+    trainer(tmp_path / "full", [grow], max_epochs=2).fit(tiny_module(data), data)
+    assert grow.settings.ridge is None and grow.history[0]["sketch"] is None

@@ -67,6 +67,7 @@ class GrowAttentionCallback(Callback):
         step_search.check_method(growth)
         check_sketch(statistics, growth, step_search, schedule.kind)
         self.schedule, self.settings, self.statistics, self.search = schedule, growth, statistics, step_search
+        self._ridge_given = growth.ridge  # setup resolves the ridge per run: a later setup starts from the user's
         self.line_search_batches = step_search.kept_batches(statistics)
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints
         # The automatic schedule decides from two halves of each window (growth/allocation.py).
@@ -110,9 +111,9 @@ class GrowAttentionCallback(Callback):
         sketch, reason = resolve_sketch(self.statistics, self.settings, self.search, self.schedule.kind, growing,
                                         layers, self.window.halves, trainer.strategy.root_device)
         self.window.sketch = sketch
-        ridge = sketch_ridge(self.settings, sketch)
+        ridge = sketch_ridge(dataclasses.replace(self.settings, ridge=self._ridge_given), sketch)
         if self.statistics.sketch != "off":
-            report.say(trainer, report.sketch_line(sketch, reason, ridge if ridge != self.settings.ridge else None))
+            report.say(trainer, report.sketch_line(sketch, reason, ridge if ridge != self._ridge_given else None))
         self.settings = dataclasses.replace(self.settings, ridge=ridge)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
