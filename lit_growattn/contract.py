@@ -63,9 +63,16 @@ class Unit(Protocol):
 
     def held_weights(self) -> Any: ...
 
-    def empty_sums(self, method: str, dtype: Any = ...) -> Any: ...
+    def empty_sums(self, method: str, dtype: Any = ...) -> Any:
+        """Zeroed sums of the unit's statistics for `method`, in `dtype`. With the sketch off the callback calls it
+        with these arguments only; sketched statistics also pass `sketch=`, `seed=` and `tests=`, see
+        `SketchCapture`."""
+        ...
 
-    def sums_numel(self, method: str) -> int: ...
+    def sums_numel(self, method: str) -> int:
+        """The numbers `empty_sums(method)` holds (the memory estimate); called with `sketch=` only under sketched
+        statistics, see `SketchCapture`."""
+        ...
 
 
 @runtime_checkable
@@ -75,6 +82,13 @@ class GrowableForm(ScoreMap, Unit, Protocol):
     Its w_q, w_k and log_tau are the fields of `lit_growattn.growth.FormWeights`, the one type of a form's weights
     (what growth computes and `set_weights` takes); inheriting `lit_growattn.growth.FormShape` gives n_head,
     n_kv_head, d_head and the members of `Unit`, as QKForm and the Hugging Face GrowableAttention do.
+
+    Sketched statistics (`statistics.sketch`) also need the attribute `sketch` (`SketchCapture`): None by default;
+    the statistics window sets it, with `capture`, for a statistics step to the `growth.sketch.TestMatrices` of the
+    form's `growth.SketchFormStats` (`"omega"` (e′, k), `"psi"` (n_head, e′, l)). While it is set `take_captured`
+    returns the triples (X′ (b, s, e′), G_j X′Ω (b, n_head, s, k), Σ_{j∈g} G_jᵀX′Ψ_j (b, n_kv_head, s, l)), the
+    positional arguments of `SketchFormStats.update`, with G = ∂L/∂S the score gradient, and scores, outputs and
+    gradients stay as they are (`lit_growattn.attention.sketch`).
     """
 
     w_q: Tensor  # (n_head, e′, d_head)
@@ -90,8 +104,9 @@ class GrowableForm(ScoreMap, Unit, Protocol):
         """Key heads; n_head // n_kv_head query heads share each (n_head when there is no grouping)."""
         ...
 
-    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
-        """The (X′ (b, s, e′), G·X′ (b, h, s, e′)) pairs recorded on backward passes since the last call."""
+    def take_captured(self) -> list[tuple[Tensor, ...]]:
+        """The (X′ (b, s, e′), G·X′ (b, h, s, e′)) pairs recorded on backward passes since the last call (with
+        `sketch` set, the triples of `SketchFormStats.update`, see above)."""
         ...
 
     def set_weights(self, w_q: Tensor, w_k: Tensor, log_tau: Tensor) -> None:
@@ -103,7 +118,14 @@ class GrowableForm(ScoreMap, Unit, Protocol):
 class GrowableValues(Resizable, Unit, Protocol):
     """A value map W_M,j = W_V,j//g W_O,j per head that value growth widens (docs/value.md). Its w_v and w_o are the
     fields of `lit_growattn.growth.ValueWeights`; inheriting `lit_growattn.growth.value.ValueShape` gives n_head,
-    n_kv_head, e_in, e_out, d_v and the members of `Unit`, as `lit_growattn.attention.value.ValueMap` does."""
+    n_kv_head, e_in, e_out, d_v and the members of `Unit`, as `lit_growattn.attention.value.ValueMap` does.
+
+    Sketched statistics also need the attribute `sketch` (`SketchCapture`): None by default; the statistics window sets
+    it, with `capture`, to the `growth.sketch.TestMatrices` of the map's `growth.SketchValueStats` (`"omega"`
+    (n_head, e, k), `"psi"` (e′, l), `"omega_c"` (e′, k_c)). While it is set `take_captured` returns the tuples
+    (X′ (b, s, e′), Σ_{j∈g} A_jᵀG_YΩ_j (b, n_kv_head, s, k), A_jX′Ψ (b, n_head, s, l), G_Y = ∂L/∂Y (b, s, e),
+    A_jᵀA_jX′Ω_c (b, n_head, s, k_c)), the positional arguments of `SketchValueStats.update`; the last is not borne
+    by the loss's gradient (a GradScaler does not scale it)."""
 
     w_v: Tensor  # (n_kv_head, e′, d_v)
     w_o: Tensor  # (n_head, d_v, e)
@@ -112,13 +134,38 @@ class GrowableValues(Resizable, Unit, Protocol):
     @property
     def d_v(self) -> int: ...
 
-    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
-        """The (A·X′ (b, H, s, e′), ∂L/∂Y (b, s, e)) pairs recorded on backward passes since the last call."""
+    def take_captured(self) -> list[tuple[Tensor, ...]]:
+        """The (A·X′ (b, H, s, e′), ∂L/∂Y (b, s, e)) pairs recorded on backward passes since the last call (with
+        `sketch` set, the tuples of `SketchValueStats.update`, see above)."""
         ...
 
     def set_weights(self, w_v: Tensor, w_o: Tensor) -> None:
         """Replaces the parameters by new ones (possibly another d_v); new Parameter objects."""
         ...
+
+
+@runtime_checkable
+class SketchCapture(Protocol):
+    """What a growable form or value map needs besides `Unit` only for sketched statistics (`statistics.sketch`); a
+    unit without it is refused under `on`, and `auto` keeps the full statistics for it. With the sketch off none of
+    this is used. `FormShape` and `ValueShape` implement the methods; the attribute is the capture's (see
+    `GrowableForm`, `GrowableValues`):
+
+    - `sketch`: growth.sketch.TestMatrices | None, set by the statistics window; None: the full capture;
+    - `empty_sums(method, dtype, sketch=, seed=, tests=)`: the sketch's empty sums, of size `sketch`
+      (`growth.SketchSize`), its test matrices drawn from `seed`, or `tests` (another sums' of that seed, shared);
+    - `sums_numel(method, sketch=)`: the numbers those sums hold; `tests_numel(sketch)`: those of their test
+      matrices (the memory estimate).
+    """
+
+    sketch: Any
+
+    def empty_sums(self, method: str, dtype: Any = ..., sketch: Any = ..., seed: int = ...,
+                   tests: Any = ...) -> Any: ...
+
+    def sums_numel(self, method: str, sketch: Any = ...) -> int: ...
+
+    def tests_numel(self, sketch: Any) -> int: ...
 
 
 class NamedForm(NamedTuple):

@@ -6,7 +6,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_growattn import GrowAttentionCallback
 from lit_growattn.data import FusedRecallDataModule
-from lit_growattn.growth import loss_rounding
+from lit_growattn.growth import SketchValueStats, loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
 
@@ -30,6 +30,40 @@ def trainer(tmp_path, callbacks, max_epochs=3, **kwargs) -> L.Trainer:
 
 def params(module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+def function_products(module) -> list[torch.Tensor]:
+    """Each growable unit's products per query head, which a sign flip of a grown pair leaves as they are: τ_j W_Q,j
+    W_K,g(j)ᵀ of a query/key form, W_V,g(j) W_O,j of a value map (g(j): the head's key or value head under GQA)."""
+    out = []
+    for named in module.growable_forms() + module.growable_values():
+        unit = named.form
+        group = unit.n_head // unit.n_kv_head
+        if unit.side == "d_head":
+            tau = unit.log_tau.detach().exp()[:, None, None]
+            out.append(tau * unit.w_q.detach() @ unit.w_k.detach().repeat_interleave(group, 0).mT)
+        else:
+            out.append(unit.w_v.detach().repeat_interleave(group, 0) @ unit.w_o.detach())
+    return out
+
+
+def sketch_tolerance(e_in: int, omega_c_cond: float | None) -> float:
+    """How far, relative to its scale, a float64 growth from a sketch of k ≥ e′ (exact for any statistics) may lie from
+    the full path's: round-off of sums over e′ terms; on the value side the Nyström core Ω_cᵀCΩ_c adds the
+    conditioning of the square Ω_c, cond(Ω_c)², beyond C's (which natural's ridge tames)."""
+    return e_in * torch.finfo(torch.float64).eps * max(e_in, (omega_c_cond or 0.0) ** 2)
+
+
+class SketchEventProbe(GrowAttentionCallback):
+    """After each event, every unit's `function_products` (which the sketch's canonical pair signs leave as they are),
+    and the largest condition number of a value sketch's Ω_c in the event's window (None: no value sketch):
+    `events`, one (products, cond) per event."""
+
+    def _grow(self, trainer, pl_module, point, batch_idx):
+        omega_c = [st.tests["omega_c"] for st in self.window.stats or [] if isinstance(st, SketchValueStats)]
+        cond = max((torch.linalg.cond(o).item() for o in omega_c), default=None)
+        super()._grow(trainer, pl_module, point, batch_idx)
+        self.events = getattr(self, "events", []) + [(function_products(pl_module), cond)]
 
 
 class WindowRecorder(GrowAttentionCallback):

@@ -34,14 +34,23 @@ class StatsRecorder(GrowAttentionCallback):
         torch.save(params(pl_module), f"{self.out}/params_{self.rank}.pt")
 
 
-def _stats_run(out, devices, batch_size, accumulate, grow):
+class SketchSumsRecorder(StatsRecorder):
+    """Also saves the reduced sketch sums of the growth event, each with its test matrices."""
+
+    def _grow(self, trainer, pl_module, point, batch_idx):
+        torch.save([({name: getattr(s, name) for name in s.names}, dict(s.tests.matrices)) for s in self.window.stats],
+                   f"{self.out}/sketch_{self.rank}.pt")
+        super()._grow(trainer, pl_module, point, batch_idx)
+
+
+def _stats_run(out, devices, batch_size, accumulate, grow, recorder=StatsRecorder, **statistics):
     L.seed_everything(0)
     data = recall_data(batch_size=batch_size, examples=16)
     micro_batches = 16 // (batch_size * devices)
     values = dict(value_columns=2) if grow != "query_key" else {}
-    recorder = StatsRecorder(str(out), schedule=AtEpochs([1]),
-                             growth=GrowthSettings(grow=grow, columns=2, method="gradient", **values),
-                             statistics=StatisticsSettings(batches=micro_batches))
+    recorder = recorder(str(out), schedule=AtEpochs([1]),
+                        growth=GrowthSettings(grow=grow, columns=2, method="gradient", **values),
+                        statistics=StatisticsSettings(batches=micro_batches, **statistics))
     strategy = "ddp_spawn" if devices > 1 else "auto"
     trainer(out, [recorder], max_epochs=4, devices=devices, strategy=strategy, precision="64-true",
             accumulate_grad_batches=accumulate).fit(tiny_module(data, dropout=0.0), data)
@@ -69,6 +78,34 @@ def test_ddp_statistics_equal_single_rank_and_replicas_stay_identical(tmp_path, 
     assert p0["model.blocks.0.attn.qk.w_q"].shape[-1] == 4
     assert p0["model.blocks.0.attn.value.w_v"].shape[-1] == (10 if grow == "both" else 8)
     assert all(torch.equal(p0[k], p1[k]) and torch.isfinite(p0[k]).all() for k in p0)
+
+
+def test_sketch_accumulation_and_ddp(tmp_path):
+    """2 ranks × 2 accumulated micro-batches of 4 sequences gather the sketch of one rank's batch of 16: every rank
+    draws the same test matrices from the window's seed, the one all-reduce sums the sketches and leaves the test
+    matrices as drawn. Fails if the test matrices differ per rank or are all-reduced, or if a rank's sums are
+    merged twice or not at all."""
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    single.mkdir(), ddp.mkdir()
+    sketch = dict(recorder=SketchSumsRecorder, sketch="on", sketch_size=4)
+    _stats_run(single, devices=1, batch_size=16, accumulate=1, grow="both", **sketch)
+    _stats_run(ddp, devices=2, batch_size=4, accumulate=2, grow="both", **sketch)
+    reference = torch.load(single / "sketch_0.pt", weights_only=False)
+    assert len(reference) == 4 and all("y_sum" in sums for sums, _ in reference)  # 2 forms, 2 value maps
+    for rank in (0, 1):
+        for (want, want_tests), (got, got_tests) in zip(reference, torch.load(ddp / f"sketch_{rank}.pt",
+                                                                              weights_only=False), strict=True):
+            assert got_tests.keys() == want_tests.keys()
+            assert all(torch.equal(got_tests[name], want_tests[name]) for name in want_tests)
+            assert int(got["instances"]) == int(want["instances"]) == 16
+            for name in want.keys() - {"instances", "weight"}:
+                # The input covariance's sums per sequence, the others per unit of weight (the loss's share, which
+                # a rank's mean over 4 sequences and accumulation change), as `means` divides them.
+                per = "instances" if name in ("c_sum", "f_sum") else "weight"
+                a, b = got[name] / got[per], want[name] / want[per]
+                # A sum over the window's 16 sequences, taken in another order: as in the test above.
+                tolerance = 16 * torch.finfo(b.dtype).eps * b.abs().max().item()
+                torch.testing.assert_close(a, b, atol=tolerance, rtol=0, msg=lambda m: f"rank {rank}, {name}: {m}")
 
 
 def test_cli_growth_under_ddp_from_the_command_line(tmp_path):

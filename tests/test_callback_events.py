@@ -12,14 +12,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lit_growattn.callback import callback as callback_module
 from lit_growattn.attention import ATTENTIONS, Attention, QKForm
-from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn import (AtEpochs, AtSteps, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings,
+                          StepSearch)
 from lit_growattn.commands.cli import main
 from lit_growattn.callback.event import GrowthEvent
 from lit_growattn.growth import loss_rounding
 from lit_growattn.module import GrowAttentionLM
 
-from callback_helpers import (HeldOutProbe, PreservationProbe, WindowRecorder, assert_never_raises_the_held_out_loss,
-                              params, recall_data, tiny_module, trainer)
+from callback_helpers import (HeldOutProbe, PreservationProbe, SketchEventProbe, WindowRecorder,
+                              assert_never_raises_the_held_out_loss, params, recall_data, sketch_tolerance, tiny_module,
+                              trainer)
 from conftest import REPO, required_args, scalar_tags
 from test_growth import Problem
 
@@ -404,3 +406,63 @@ def test_the_demo_config_prints_its_growth_lines_between_progress_bars(tmp_path,
     out = capsys.readouterr().out
     assert "growth at step 3 (epoch 1): d_head 1→8 per layer, α=" in out
     assert "growth summary" in out and "epoch 1  3" in out
+
+
+# -- sketched statistics: the event the full statistics give ---------------------------------------------------------
+def _sketch_or_full_run(tmp_path, schedule, growth_settings, sketch, max_steps, **module_args):
+    """A float64 run of the tiny GPT growing both sides, its statistics sketched with k = e′ = 16 (exact for any
+    statistics) or kept in full."""
+    L.seed_everything(0)
+    data = recall_data(batch_size=8, examples=64)
+    statistics = StatisticsSettings(batches=4, **({"sketch": "on", "sketch_size": 16} if sketch else {}))
+    recorder = SketchEventProbe(schedule, growth=growth_settings, statistics=statistics)
+    trainer(tmp_path, [recorder], max_epochs=2, max_steps=max_steps, precision="64-true",
+            enable_checkpointing=False).fit(tiny_module(data, dropout=0.0, **module_args), data)
+    return recorder
+
+
+def _close_lists(got, want, rtol, what):
+    """Lists of gains, each within rtol of the list's largest magnitude."""
+    want_t, got_t = torch.tensor(want, dtype=torch.float64), torch.tensor(got, dtype=torch.float64)
+    torch.testing.assert_close(got_t, want_t, rtol=0, atol=rtol * float(want_t.abs().max()),
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore:statistics.sketch_size=16 keeps k \\+ l = 40 columns per head")
+@pytest.mark.parametrize("method, full_ridge", [("gradient", None), ("natural", 1.0)])
+def test_sketch_event_equals_full(tmp_path, method, full_ridge):
+    """With k ≥ e′ the sketch reconstructs the window's statistics exactly (docs/design.md §12), so a sketched run
+    grows as a full run at the sketch's ridge does (natural under the sketch is ridge 1.0 when growth.ridge is null):
+    the same grown function (pair signs may differ: the sketch makes them canonical), the same event record, and under
+    AutoSchedule the same columns bought from the same offers. Fails on any error of the capture, the sums, the
+    reconstruction or their plumbing through the callback (test matrices, seeds, ridge, halves)."""
+    cases = {
+        "AtSteps": (AtSteps([4]), dict(columns=2, value_columns=2), 5, {}),
+        "AutoSchedule": (AutoSchedule(budget=4, check_every=4, spend_until=1.0), {}, 9, dict(d_v=2)),
+    }
+    for name, (schedule, columns, steps, module_args) in cases.items():
+        full, sketched = (
+            _sketch_or_full_run(tmp_path / f"{name}-{kind}", schedule,
+                                GrowthSettings(grow="both", method=method, ridge=ridge, **columns), kind == "sketch",
+                                steps, **module_args)
+            for kind, ridge in [("full", full_ridge), ("sketch", None)])
+        assert len(full.history) == len(sketched.history) == len(sketched.events) >= 1
+        for n, (want, got, (want_products, _), (got_products, cond)) in enumerate(
+                zip(full.history, sketched.history, full.events, sketched.events)):
+            tol = sketch_tolerance(16, cond)
+            for a, b in zip(got_products, want_products, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=tol * float(b.abs().max()))
+            assert (want["sketch"], got["sketch"]) == (None, {"k": 16, "l": 24, "k_c": 16})
+            assert got.keys() == want.keys() and got["alpha"] == want["alpha"]
+            for key in got.keys() - {"sketch", "timings", "seconds", "decisions", "discarded_energy"}:
+                expected = pytest.approx(want[key], rel=tol) if isinstance(want[key], float) else want[key]
+                assert got[key] == expected, key
+            for unit, energy in want.get("discarded_energy", {}).items():
+                assert got["discarded_energy"][unit] == pytest.approx(energy, rel=tol), unit
+            for a, b in zip(got.get("decisions", []), want.get("decisions", []), strict=True):
+                assert {k: v for k, v in a.items() if k not in ("held_out", "in_sample")} == {
+                    k: v for k, v in b.items() if k not in ("held_out", "in_sample")}
+                for part in ("held_out", "in_sample"):
+                    _close_lists(a[part], b[part], tol, f"{name} event {n} layer {b['layer']} {b['side']} {part}")
+        if name == "AutoSchedule":
+            assert any(d["columns"] for event in sketched.history for d in event["decisions"])

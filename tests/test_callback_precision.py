@@ -74,6 +74,43 @@ def test_16_mixed_layer_without_finite_statistics_keeps_its_size_and_the_others_
 
 
 
+class SketchSumsRecorder(GrowAttentionCallback):
+    """The window's sums as the growth receives them."""
+
+    def _grow(self, trainer, pl_module, point, batch_idx):
+        self.sums = [{name: getattr(s, name).clone() for name in s.names} for s in self.window.stats]
+        super()._grow(trainer, pl_module, point, batch_idx)
+
+
+def _sketch_window_run(tmp_path, init_scale=None):
+    L.seed_everything(0)
+    data = recall_data(batch_size=16, examples=64)
+    recorder = SketchSumsRecorder(AtEpochs([1]), growth=GrowthSettings(grow="both", columns=2, value_columns=2,
+                                                                       method="gradient"),
+                                  statistics=StatisticsSettings(batches=4, sketch="on", sketch_size=4))
+    plugins = [] if init_scale is None else [
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
+    trainer(tmp_path, [recorder], max_epochs=2, plugins=plugins).fit(tiny_module(data, dropout=0.0), data)
+    return recorder
+
+
+def test_sketch_16_mixed_divides_gradient_parts_only(tmp_path):
+    """Under a GradScaler the sketch's gradient-borne sums (query/key G X′Ω and GᵀX′Ψ, the value side's E_V gradient
+    and G_Y) come out of the scale, the others (C̄; the value side's Nyström part F = C_VΩ_c, from a cotangent injected
+    in backward, which no loss scale multiplies) as they are."""
+    reference = _sketch_window_run(tmp_path / "fp32")
+    scaled = _sketch_window_run(tmp_path / "fp16", init_scale=2.0**12)
+    assert [sorted(s) for s in scaled.sums] == [sorted(s) for s in reference.sums]
+    assert {"c_sum", "y_sum", "w_sum", "f_sum"} == {name for s in scaled.sums for name in s} - {"instances", "weight"}
+    for ref, got in zip(reference.sums, scaled.sums, strict=True):
+        assert float(got["weight"]) == float(ref["weight"]) == 4.0  # no step overflowed at this scale
+        for name in ref.keys() - {"instances", "weight"}:
+            # fp16 rounding moves single entries; a scale left in a sum, or taken out of one that carries none, puts
+            # it off by the factor 4096.
+            assert (got[name] - ref[name]).norm() < 0.01 * ref[name].norm(), name
+    assert [e["d_v"] for e in scaled.history] == [[10, 10]] and not scaled.history[0]["skipped"]
+
+
 # -- device: statistics follow the model, wherever a checkpoint restored them ----------------------------
 class RecordingStrategy:
     """Single-rank collectives that note the device of what they are given."""

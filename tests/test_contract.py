@@ -150,3 +150,54 @@ def test_the_callback_package_reaches_the_model_only_through_the_contract():
     for path in sources:
         text = path.read_text()
         assert "pl_module.model" not in text and not re.search(r"\bid\(", text) and '"model.' not in text, path
+
+
+class OldProtocolForm:
+    """A form of one's own written to the protocol before sketched statistics, not built on FormShape: the members of
+    `GrowableForm` only, `empty_sums(method, dtype)` and `sums_numel(method)` taking nothing more, no `sketch` and no
+    `tests_numel`; everything else is the wrapped QKForm's."""
+
+    def __init__(self, inner: QKForm):
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "calls", [])
+
+    def __getattr__(self, name):
+        if name in ("sketch", "tests_numel"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+    def empty_sums(self, method, dtype=torch.float32):
+        self.calls.append("empty_sums")
+        return self.inner.empty_sums(method, dtype)
+
+    def sums_numel(self, method):
+        self.calls.append("sums_numel")
+        return self.inner.sums_numel(method)
+
+
+class OldProtocolModule(GrowAttentionLM):
+    """GrowAttentionLM whose growable forms are `OldProtocolForm`s around its own."""
+
+    def growable_forms(self):
+        wrapped = self.__dict__.setdefault("_wrapped", {})
+        return [NamedForm(n.layer, n.name, wrapped.setdefault(id(n.form), OldProtocolForm(n.form)))
+                for n in super().growable_forms()]
+
+
+@pytest.mark.parametrize("sketch", ["off", "auto"])
+def test_a_form_of_the_protocol_before_the_sketch_grows_with_the_sketch_off(tmp_path, sketch):
+    data = recall_data()
+    module = OldProtocolModule(vocab_size=data.vocab_size, block_size=data.max_seq_len, n_layer=2, n_head=2,
+                               n_embd=16, d_head=2, d_v=8, warmup_steps=0, lr_schedule="cosine")
+    callback = GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=2),
+                                     StatisticsSettings(batches=2, sketch=sketch, max_memory_gb=1.0))
+    trainer(tmp_path, [callback], max_epochs=2).fit(module, data)
+    assert module.head_sizes() == [4, 4]
+    forms = [n.form for n in module.growable_forms()]
+    assert all(isinstance(f, OldProtocolForm) and "empty_sums" in f.calls and "sums_numel" in f.calls for f in forms)
+    with pytest.raises(ValueError, match="OldProtocolForm of layer 0 lacks sketch, tests_numel"):
+        GrowAttentionCallback(AtEpochs([1]), GrowthSettings(columns=2), StatisticsSettings(batches=2, sketch="on"))\
+            .setup(trainer(tmp_path, []), module, "fit")

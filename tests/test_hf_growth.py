@@ -250,3 +250,52 @@ def test_weight_decay_spares_the_query_key_bias_row(model_type, bias):
         assert torch.equal(w_q[:, -1], before[:, -1])
     else:  # AdamW's own step decays it
         assert torch.equal(w_q, before)
+
+
+def _hf_event(tmp_path, folder, method, ridge, sketch):
+    """One float64 growth event of both sides at step 4 through HFCausalLM and the callback, from 4 statistics
+    batches, sketched with k = e′ = 16 (exact for any statistics) or in full."""
+    import lightning as L
+
+    from callback_helpers import SketchEventProbe, recall_data, trainer
+    from lit_growattn import AtSteps, GrowthSettings, StatisticsSettings
+    from lit_growattn.hf import HFCausalLM
+
+    L.seed_everything(0)
+    data = recall_data(batch_size=8, examples=64)
+    probe = SketchEventProbe(AtSteps([4]), growth=GrowthSettings(grow="both", columns=2, value_columns=2,
+                                                                 method=method, ridge=ridge),
+                             statistics=StatisticsSettings(batches=4, **({"sketch": "on", "sketch_size": 16}
+                                                                         if sketch else {})))
+    module = HFCausalLM(pretrained=str(folder), warmup_steps=0)
+    trainer(tmp_path, [probe], max_epochs=1, max_steps=5, precision="64-true", enable_checkpointing=False).fit(
+        module, data)
+    return probe, module
+
+
+@pytest.mark.filterwarnings("ignore:statistics.sketch_size=16 keeps k \\+ l = 40 columns per head")
+@pytest.mark.parametrize("method, full_ridge", [("gradient", None), ("natural", 1.0)])
+def test_hf_sketch_event_equals_full(tmp_path, method, full_ridge):
+    """A tiny Llama (hidden 16, 4 query heads sharing 2 KV heads, RoPE) loaded with from_pretrained: its sketched
+    event (k = e′) grows the function the full statistics grow at the sketch's ridge, through the HF capture (columns
+    after RoPE, keys per KV head), the grouped query/key growth (rotary columns kept) and the grouped value growth."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from callback_helpers import sketch_tolerance
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    full, full_module = _hf_event(tmp_path / "full", tmp_path / "llama", method, full_ridge, sketch=False)
+    sketched, module = _hf_event(tmp_path / "sketch", tmp_path / "llama", method, None, sketch=True)
+    assert module.head_sizes() == full_module.head_sizes() == [6, 6]
+    assert module.value_sizes() == full_module.value_sizes() == [6, 6]
+    (want,), (got,) = full.history, sketched.history
+    assert (want["sketch"], got["sketch"]) == (None, {"k": 16, "l": 24, "k_c": 16}) and got["alpha"] == want["alpha"]
+    [(want_products, _)], [(got_products, cond)] = full.events, sketched.events
+    tolerance = sketch_tolerance(16, cond)
+    assert got["predicted_decrease"] == pytest.approx(want["predicted_decrease"], rel=tolerance)
+    for a, b in zip(got_products, want_products, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=tolerance * float(b.abs().max()))

@@ -158,6 +158,28 @@ def test_resuming_inside_a_statistics_window_with_other_window_settings_is_refus
     refused(done, "inside the statistics window of growth 'epoch 1'", named, "resume with", "outside the window")
 
 
+@pytest.mark.parametrize("saved_by", ["this version", "a version without the sketch settings"])
+def test_resuming_a_full_statistics_window_with_the_sketch_on_is_refused(tmp_path, in_window_run, cli, saved_by):
+    """The window's sums are full statistics: going on under statistics.sketch: on would fold sketches into them. A
+    checkpoint of a version before the sketch saved no statistics.sketch nor statistics.sketch_size among the window's
+    settings; that version kept the statistics in full, and the refusal says so instead of failing later."""
+    checkpoint = in_window_run
+    if saved_by != "this version":
+        state = torch.load(in_window_run, map_location="cpu", weights_only=False)
+        (key,) = [k for k in state["callbacks"] if k.startswith("GrowAttentionCallback")]
+        began = state["callbacks"][key]["window"]["gathered_with"]
+        assert (began.pop("statistics.sketch"), began.pop("statistics.sketch_size")) == ("off", None)
+        checkpoint = tmp_path / "before_the_sketch.ckpt"
+        torch.save(state, checkpoint)
+    done = cli(*RECALL, *logs(tmp_path), "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
+               "--trainer.accumulate_grad_batches=2", "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+               "--trainer.callbacks.init_args.statistics.batches=3", "--trainer.callbacks.init_args.growth.method=natural",
+               "--trainer.callbacks.init_args.statistics.sketch=on", f"--ckpt_path={checkpoint}")
+    refused(done, "inside the statistics window of growth 'epoch 1'",
+            "statistics.sketch=off in the checkpoint but on now, statistics.sketch_size=None in the checkpoint but 24 now",
+            "resume with statistics.sketch=off and statistics.sketch_size=None", "outside the window")
+
+
 # 7. A token file overwritten in place is rebuilt, not read.
 def test_a_token_file_overwritten_in_place_is_rebuilt(tmp_path, corpus, cli):
     args = [*TEXT, *logs(tmp_path), f"--data.init_args.path={corpus}", "--data.init_args.tokenizer=bpe",

@@ -12,7 +12,7 @@ from lit_growattn.module import GrowAttentionLM
 from callback_helpers import (HeldOutProbe, PreservationProbe, assert_never_raises_the_held_out_loss, params, recall_data,
                               tiny_module, trainer)
 from conftest import required_args
-from test_growth_schedule import assert_same_run, cli_fit
+from test_growth_schedule import assert_same_run, cli_fit, growth_history
 
 CORPUS = "".join(f"line {i}: the quick brown fox jumps over the lazy dog {i * 7 % 13}\n" for i in range(400))
 
@@ -166,6 +166,36 @@ def test_the_shipped_config_grows_both_sides(both_run):
 @pytest.mark.parametrize("checkpoint", ["step=3.ckpt", "step=8.ckpt"])  # inside the first and second windows
 def test_resume_inside_a_window_is_bit_equal(both_run, tmp_path, checkpoint):
     out, args, full = both_run
+    resumed = cli_fit(tmp_path, args, ckpt_path=out / "ckpt" / checkpoint, config="configs/text_grow_both.yaml",
+                      data_args=False)
+    assert_same_run(resumed, full)
+    assert resumed["hyper_parameters"]["d_v"] == full["hyper_parameters"]["d_v"]
+
+
+# The same run with sketched statistics of k 8 (< e′ = 16: a sketch, not the exact reconstruction of k ≥ e′).
+SKETCHED = ["--trainer.callbacks.init_args.statistics.sketch=on", "--trainer.callbacks.init_args.statistics.sketch_size=8"]
+
+
+@pytest.fixture(scope="module")
+def sketched_both_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sketched_both")
+    corpus = out / "corpus.txt"
+    corpus.write_text(CORPUS)
+    args = [*BOTH, *SKETCHED, f"--data.init_args.path={corpus}"]
+    with pytest.warns(UserWarning, match="statistics.sketch_size=8 keeps k \\+ l = 20 columns per head"):
+        return out, args, cli_fit(out, args, config="configs/text_grow_both.yaml", data_args=False)
+
+
+@pytest.mark.filterwarnings("ignore:statistics.sketch_size=8 keeps k \\+ l = 20 columns per head")
+@pytest.mark.parametrize("checkpoint", ["step=3.ckpt", "step=8.ckpt"])  # inside the first and second windows
+def test_sketch_checkpoint_inside_window_resumes_bit_equal(sketched_both_run, tmp_path, checkpoint):
+    """A sketched window resumed from a checkpoint inside it ends where the uninterrupted run does, bit for bit: its
+    test matrices are drawn again from the window's seed, not from the global generator, and the saved partial sums
+    are the sketch's. Fails if Ω is redrawn otherwise, or if the resumed window starts from fresh sums."""
+    out, args, full = sketched_both_run
+    history = growth_history(full)
+    assert [e["sketch"] for e in history] == [{"k": 8, "l": 12, "k_c": 8}] * 2
+    assert not any(e["skipped"] for e in history) and full["hyper_parameters"]["d_v"] == [16]
     resumed = cli_fit(tmp_path, args, ckpt_path=out / "ckpt" / checkpoint, config="configs/text_grow_both.yaml",
                       data_args=False)
     assert_same_run(resumed, full)

@@ -2,7 +2,9 @@
 the sums a window folds against FormStats fed directly, a resumed window against an uninterrupted one, and the
 growth an event installs against the plan it was chosen from."""
 
+import dataclasses
 import time
+import zlib
 from types import SimpleNamespace
 from dataclasses import dataclass
 
@@ -15,9 +17,10 @@ from lit_growattn.growth import allocation
 from lit_growattn.attention.qk import QKForm
 from lit_growattn.callback.budget import offers
 from lit_growattn.callback.event import GrowthEvent, StepChoice, Stopwatch, choose_step_size, plan_growth
-from lit_growattn.callback.window import StatsWindow, capture_mode, fold_captured, layers_in_turn
+from lit_growattn.callback.window import StatsWindow, capture_mode, fold_captured, layers_in_turn, sketch_seed
 from lit_growattn.growth import FormStats, installed
-from lit_growattn.callback.settings import GrowthSettings, StepSearch
+from lit_growattn.callback.settings import GrowthSettings, StatisticsSettings, StepSearch
+from lit_growattn import AtSteps, GrowAttentionCallback
 from test_growth import F64, Problem
 
 E, H, D, DV, S = 6, 2, 2, 3, 9
@@ -159,6 +162,118 @@ def test_fold_divides_out_the_grad_scale_and_handles_non_finite_pairs():
     assert poisoned.stats[0].weight.isnan().all() and poisoned.half[0].weight.isnan().all()
     dropped = fold_nan(1024.0, False)
     assert float(dropped.stats[0].weight) == 0 and float(dropped.stats[0].n_sum.abs().sum()) == 0
+
+
+class Captured:
+    """A unit whose backward captured `tuples` (what `take_captured` hands the window)."""
+
+    def __init__(self, tuples):
+        self.tuples = tuples
+
+    def take_captured(self):
+        taken, self.tuples = self.tuples, []
+        return taken
+
+
+SKETCH = growth.SketchSize.of(3)
+# Each sums' kind with the shapes of its captured tuple (b 2, s 5, H 4, KV 2, e′ 7, e 6): update's arguments.
+SUMS_AND_CAPTURES = {
+    "full": (lambda: FormStats.empty_like(QKForm(E, H, D).to(F64), "gradient", dtype=F64),
+             [(2, 5, E), (2, H, 5, E)]),
+    "query/key sketch": (lambda: growth.SketchFormStats(4, 2, 7, SKETCH, seed=3, dtype=F64),
+                         [(2, 5, 7), (2, 4, 5, SKETCH.k), (2, 2, 5, SKETCH.l)]),
+    "value sketch": (lambda: growth.SketchValueStats(4, 2, 7, 6, SKETCH, seed=3, dtype=F64),
+                     [(2, 5, 7), (2, 2, 5, SKETCH.k), (2, 4, 5, SKETCH.l), (2, 5, 6), (2, 4, 5, SKETCH.k_c)]),
+}
+
+
+@pytest.mark.parametrize("kind", SUMS_AND_CAPTURES)
+def test_fold_divides_exactly_the_gradient_parts_by_the_scale(kind):
+    # A scale of 2¹⁰ multiplies the parts that carry the loss's gradient, and dividing it out is exact in floating
+    # point: the folded sums equal, bit for bit, those of the unscaled tuple. Dividing any other part (the value
+    # sketch's A_jX′Ψ or its Nyström E_C gradient), or only the second (as for the full pairs), would not.
+    make, shapes = SUMS_AND_CAPTURES[kind]
+    g = torch.Generator().manual_seed(7)
+    captured = tuple(torch.randn(shape, generator=g, dtype=F64) for shape in shapes)
+    folded, direct = make(), make()
+    scaled = tuple(t * 2.0**10 if i in folded.gradient_parts else t for i, t in enumerate(captured))
+    fold_captured([(0, "unit", Captured([scaled]))], [folded], 0.5, 2.0**10)
+    direct.update(*captured, 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(folded.tensors(), direct.tensors(), strict=True))
+    assert float(folded.weight) == 0.5
+
+
+def test_a_sketched_window_hands_each_capturing_unit_its_test_matrices_for_the_step_only():
+    forms, size = make_forms(), growth.SketchSize.of(2)
+    window = StatsWindow("gradient", halves=True, sketch=size)
+    window.begin_step("step 8", forms, {1}, "explicit", WITH)
+    for (_, name, _), whole, half in zip(forms, window.stats, window.half):
+        assert isinstance(whole, growth.SketchFormStats) and whole.size == size and whole.y_sum.dtype == F64
+        # The half's test matrices are the whole's (drawn once, held once), so that they subtract; the seed is
+        # stable across processes.
+        assert half.tests is whole.tests and whole.tests.seed == zlib.crc32(f"step 8/{name}".encode())
+    assert window.stats[0].tests.seed != window.stats[1].tests.seed != sketch_seed("step 16", "layer1")
+    assert forms[0][2].sketch is None and forms[1][2].sketch is window.stats[1].tests
+    window.end_step(forms)
+    assert [form.sketch for _, _, form in forms] == [None, None]
+
+
+def test_a_sketched_window_resumes_with_its_test_matrices():
+    forms, size = make_forms(), growth.SketchSize.of(2)
+    window = StatsWindow("gradient", halves=True, sketch=size)
+    window.begin_step("step 8", forms, {0, 1}, "explicit", WITH)
+    g = torch.Generator().manual_seed(1)
+    for st in window._sums():  # noqa: SLF001
+        e = st.c_sum.shape[0]
+        st.update(torch.randn(2, 5, e, generator=g, dtype=F64), torch.randn(2, H, 5, size.k, generator=g, dtype=F64),
+                  torch.randn(2, H, 5, size.l, generator=g, dtype=F64))
+    window.end_step(forms)
+    resumed = StatsWindow("gradient", halves=True, sketch=size)
+    resumed.load_state_dict(window.state_dict(Ranks(), 1), rank=0, world=1)
+    for got, want in zip(resumed._sums(), window._sums(), strict=True):  # noqa: SLF001
+        assert isinstance(got, growth.SketchFormStats) and got.tests.checksum == want.tests.checksum
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors(), strict=True))
+    # Restored, and moved to a device, the half still holds the whole's test matrices, not a copy of its own.
+    resumed.to(torch.device("cpu"))
+    assert all(half.tests is whole.tests for whole, half in zip(resumed.stats, resumed.half, strict=True))
+
+
+def test_a_window_resumed_with_another_sketch_is_refused():
+    # The resolved setting is saved: a window begun under auto (which chose k 24) resumes under on with k 24.
+    trainer = SimpleNamespace(accumulate_grad_batches=1)
+
+    def gathered(statistics, sketch):
+        callback = GrowAttentionCallback(AtSteps([8]), statistics=statistics)
+        callback.window.sketch = sketch  # as `setup` resolves it
+        return callback._window_settings(trainer)  # noqa: SLF001
+
+    began = gathered(StatisticsSettings(sketch="auto"), growth.SketchSize.of(24))
+    assert (began["statistics.sketch"], began["statistics.sketch_size"]) == ("on", 24)
+    window = StatsWindow("gradient", sketch=growth.SketchSize.of(24))
+    window.begin_step("step 8", make_forms(), {0}, "explicit", began)
+    window.check_resumed(gathered(StatisticsSettings(sketch="on", sketch_size=24), growth.SketchSize.of(24)))
+    with pytest.raises(ValueError) as refused:
+        window.check_resumed(gathered(StatisticsSettings(), None))
+    assert str(refused.value) == (
+        "this checkpoint was taken inside the statistics window of growth 'step 8', which began with other settings: "
+        "statistics.sketch=on in the checkpoint but off now, statistics.sketch_size=24 in the checkpoint but None now. "
+        "Going on would mix two windows' statistics and choose another step size than the uninterrupted run: resume "
+        "with statistics.sketch=on and statistics.sketch_size=24, or from a checkpoint taken outside the window "
+        "(before it began, or after the growth)")
+    with pytest.raises(ValueError, match=r"other settings: statistics.sketch_size=24 in the checkpoint but 32 now\. "):
+        window.check_resumed(gathered(StatisticsSettings(sketch="on", sketch_size=32), growth.SketchSize.of(32)))
+
+
+def test_a_window_saved_before_the_sketch_settings_counts_as_full_statistics():
+    # Checkpoints of a version without statistics.sketch kept the statistics in full: they resume under off (what the
+    # callback passes then: off, None) and are refused under on.
+    window = StatsWindow("gradient")
+    window.begin_step("step 8", make_forms(), {0}, "explicit", dict(WITH))
+    window.check_resumed({**WITH, "statistics.sketch": "off", "statistics.sketch_size": None})
+    with pytest.raises(ValueError, match=r"other settings: statistics.sketch=off in the checkpoint but on now, "
+                                         r"statistics.sketch_size=None in the checkpoint but 24 now\. "):
+        window.check_resumed({**WITH, "statistics.sketch": "on", "statistics.sketch_size": 24})
+    window.check_resumed(dict(WITH))  # settings that do not name them: nothing to compare
 
 
 def test_kept_batches_are_clones_and_another_event_starts_afresh():
@@ -445,6 +560,7 @@ def plans_equal(x, y):
     (GrowthSettings(rank_threshold=0.3, max_columns=[5, 2]), "low_rank",
      {"dynamic_rank": 0.3, "grow_by": {"a": 5, "b": 5, "c": 2}, "group_of": LAYER_OF.get}, {}),
     (GrowthSettings(columns=3, max_d_head=4), "low_rank", {"max_width": 4}, {"grow_by": 3}),
+    (GrowthSettings(columns=2, ridge=0.5), "low_rank", {"ridge": 0.5}, {"grow_by": 2}),
     (GrowthSettings(columns=2, mode="replace", temperature="rescale", truncation="whitened"), "full_rank",
      {"mode": "replace", "temperature": "rescale", "truncation": "whitened", "line_search": "full_rank"},
      {"grow_by": 2}),
@@ -672,6 +788,45 @@ def test_offers_fit_each_half_with_the_growth_settings_and_measure_it_on_the_oth
         method="random", max_d_head=6))[0].held_out, rel=1e-6)
     # A layer at max_d_head offers nothing.
     assert offers([(0, "form", p.form)], [stats], [half], GrowthSettings(max_d_head=2))[0].held_out == []
+
+
+def sketched_sums(unit, seeds, size):
+    """Sketched sums of `unit` holding one random captured micro-batch per seed."""
+    sums = unit.empty_sums("gradient", F64, sketch=size, seed=11)
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        shapes = ([(2, 9, unit.e_in), (2, unit.n_head, 9, size.k), (2, unit.n_kv_head, 9, size.l)]
+                  if unit.side == "d_head" else
+                  [(2, 9, unit.e_in), (2, unit.n_kv_head, 9, size.k), (2, unit.n_head, 9, size.l), (2, 9, unit.e_out),
+                   (2, unit.n_head, 9, size.k_c)])
+        sums.update(*(torch.randn(shape, generator=g, dtype=F64) for shape in shapes))
+    return sums
+
+
+@pytest.mark.parametrize("side, group, method", [("d_head", 2, "natural"), ("d_v", 1, "natural"),
+                                                 ("d_v", 2, "gradient"), ("d_v", 2, "natural")])
+def test_a_sketched_offer_lists_no_more_columns_than_the_sketch_prices(side, group, method):
+    # e′ 24 leaves room for 22 columns; a sketch of k 4 prices 4 pairs per group on the query/key side, and on the
+    # value side under natural the bottleneck's, min(e′, g·k): the heads of a group share the range of N̄_V but each
+    # has its own input covariance, so the natural direction has up to g·k pairs there. The gradient's heads share
+    # their left factor too: its pairs beyond k would be round-off, and are not offered.
+    gen, size = torch.Generator().manual_seed(0), growth.SketchSize.of(4)
+    if side == "d_head":
+        unit = growth.FormWeights(torch.randn(4, 24, 2, generator=gen, dtype=F64),
+                                  torch.randn(4 // group, 24, 2, generator=gen, dtype=F64), torch.zeros(4, dtype=F64))
+        unit.rotary = 0  # what a grouped form has beside its weights (grouped.growth_for reads it)
+        settings = GrowthSettings(method=method, max_d_head=24)
+    else:
+        unit = growth.ValueWeights(torch.randn(4 // group, 24, 2, generator=gen, dtype=F64),
+                                   torch.randn(4, 2, 24, generator=gen, dtype=F64))
+        settings = GrowthSettings(grow="value", method=method, max_d_v=24)
+    stats, half = sketched_sums(unit, [1, 2], size), sketched_sums(unit, [1], size)
+    [found] = offers([(0, "unit", unit)], [stats], [half], settings)
+    pairs = growth.growth_for(unit, half.means(), method).pairs
+    assert len(found.held_out) == pairs == (group * size.k if side == "d_v" and method == "natural" else size.k)
+    if method == "natural":  # growth.ridge reaches the offers
+        ridged = offers([(0, "unit", unit)], [stats], [half], dataclasses.replace(settings, ridge=1.0))[0]
+        assert ridged.held_out != pytest.approx(found.held_out, rel=1e-6)
 
 
 def test_a_check_that_buys_nothing_records_its_decision_and_installs_nothing():

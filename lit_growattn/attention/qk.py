@@ -11,6 +11,8 @@ Statistics capture (docs/design.md §4): on a statistics step the form records, 
 (X′, G·X′) with G = ∂L/∂S per head, from which N_i = X′ᵢᵀ Gᵢ X′ᵢ follows. Two paths behind one switch:
 - "extend": SDPA on Q̃ = [τQ | E], K̃ = [K | X′] with E = 0; E.grad = G X′ (memory b·h·s·e′).
 - "explicit": an explicit score map with a gradient hook (memory b·h·s²).
+With `sketch` set as well (the statistics window's `growth.sketch.TestMatrices`), both paths record the sketch's
+(X′, G X′Ω, GᵀX′Ψ) instead, with k + l extra columns in place of e′ (`attention.sketch`, docs/design.md §12).
 With capture off the form runs plain SDPA and costs nothing extra. Both SDPA paths go through
 `sdpa.causal_attention`, which pads the widths for the fused kernels (`sdpa_pad`).
 """
@@ -25,8 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.sdpa import SdpaPad, causal_attention
+from lit_growattn.attention.sketch import explicit_products, extend_queries_keys
 from lit_growattn.contract import CaptureMode
 from lit_growattn.growth.form import FormShape
+from lit_growattn.growth.sketch import TestMatrices
 
 
 def augment(x: Tensor, bias: bool) -> Tensor:
@@ -68,7 +72,8 @@ class QKForm(FormShape, nn.Module):
         tau = 1.0 / math.sqrt(d_head) if tau_init is None else tau_init
         self.log_tau = nn.Parameter(torch.full((n_head,), math.log(tau)))
         self.capture: CaptureMode | None = None
-        self.captured: list[tuple[Tensor, Tensor]] = []
+        self.sketch: TestMatrices | None = None
+        self.captured: list[tuple[Tensor, ...]] = []
 
     def bias_row_parameters(self) -> list[nn.Parameter]:
         return [self.w_q, self.w_k] if self.bias else []
@@ -104,6 +109,10 @@ class QKForm(FormShape, nn.Module):
         raise ValueError(f"unknown capture mode {self.capture!r}; use 'extend' or 'explicit'")
 
     def _attend_extended(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.sketch is not None:
+            xa_kept = xa.detach()
+            q, k = extend_queries_keys(self.sketch, xa_kept, q, k, lambda gy, gw: self._record(xa_kept, gy, gw))
+            return causal_attention(q, k, v, self.sdpa_pad)
         b, h, s, e_in = *q.shape[:3], xa.shape[-1]
         ext = q.new_zeros(b, h, s, e_in, requires_grad=True)
         xk = xa.detach().to(k.dtype).unsqueeze(1).expand(b, h, s, e_in)
@@ -114,14 +123,19 @@ class QKForm(FormShape, nn.Module):
     def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         s = causal_scores(q, k)
         xa_kept = xa.detach()
-        s.register_hook(lambda grad: self._record(xa_kept, grad.to(xa_kept.dtype) @ xa_kept.unsqueeze(1)))
+        if self.sketch is not None:
+            sketch, kv = self.sketch, self.n_kv_head
+            s.register_hook(lambda grad: self._record(xa_kept, *explicit_products(sketch, xa_kept, grad, kv)))
+        else:
+            s.register_hook(lambda grad: self._record(xa_kept, grad.to(xa_kept.dtype) @ xa_kept.unsqueeze(1)))
         return torch.softmax(s, dim=-1) @ v
 
-    def _record(self, xa: Tensor, gx: Tensor) -> None:
-        self.captured.append((xa, gx.detach().to(xa.dtype)))
+    def _record(self, xa: Tensor, *grads: Tensor) -> None:
+        self.captured.append((xa, *(g.detach().to(xa.dtype) for g in grads)))
 
-    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
-        """The (X′, G X′) pairs recorded since the last call; G X′ is (b, h, s, e′)."""
+    def take_captured(self) -> list[tuple[Tensor, ...]]:
+        """What was recorded since the last call: the (X′, G X′) pairs, G X′ (b, h, s, e′); with `sketch` set, the
+        (X′, G X′Ω (b, h, s, k), GᵀX′Ψ (b, h, s, l)) triples of `growth.SketchFormStats.update`."""
         out, self.captured = self.captured, []
         return out
 

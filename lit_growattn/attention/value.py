@@ -9,7 +9,9 @@ W_O, so that the optimizer's moments carry over by slices.
 A layer computes y = its attention applied to `values(x)`, then `output(y)`; any combination of attention maps that
 is linear in the values fits between the two. Statistics capture (`capture` set, grad enabled) widens the values to
 [V | X′] with X′ detached, so that the same attention call also returns P = A·X′ per head, and hooks the gradient
-G_Y = ∂L/∂Y of the output: `take_captured` returns the (P, G_Y) pairs of the value statistics.
+G_Y = ∂L/∂Y of the output: `take_captured` returns the (P, G_Y) pairs of the value statistics. With `sketch` set as
+well (the statistics window's `growth.sketch.TestMatrices`), the values are widened by the sketch's k + l + k_c + g·k_c
+columns instead of e′ and `take_captured` returns `growth.SketchValueStats.update`'s arguments (`attention.sketch`).
 
 Checkpoints written while V and O were nn.Linear modules `v` and `o` still load: `attach` registers a
 load-state-dict pre-hook on the owning attention module that rewrites their keys into these tensors, exactly
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import augment
+from lit_growattn.attention.sketch import ValueSketchCall
+from lit_growattn.growth.sketch import TestMatrices
 from lit_growattn.growth.value import ValueShape
 
 
@@ -54,7 +58,9 @@ class ValueMap(ValueShape, nn.Module):
         self.w_v, self.w_o = nn.Parameter(w_v.contiguous()), nn.Parameter(w_o.contiguous())
         self.o_bias = None if o_bias is None else nn.Parameter(o_bias)
         self.capture: Any = None
-        self.captured: list[tuple[Tensor, Tensor]] = []
+        self.sketch: TestMatrices | None = None
+        self.captured: list[tuple[Tensor, ...]] = []
+        self._sketch_call: ValueSketchCall | None = None  # from `values` to `output` while capturing a sketch
 
     def bias_row_parameters(self) -> list[nn.Parameter]:
         return [self.w_v] if self.bias else []
@@ -67,29 +73,46 @@ class ValueMap(ValueShape, nn.Module):
         return bool(self.capture) and torch.is_grad_enabled()
 
     def values(self, x: Tensor) -> Tensor:
-        """x (b, s, e) → V (b, n_kv_head, s, d_v); [V | X′] (width d_v + e′) while capturing."""
+        """x (b, s, e) → V (b, n_kv_head, s, d_v); [V | X′] (width d_v + e′) while capturing; with `sketch` set,
+        [V | E_V | X′Ψ | X′Ω_c | E_C] (width d_v + k + l + k_c + g·k_c, `attention.sketch.ValueSketchCall`)."""
         b, s, e = x.shape
         flat = self.w_v.transpose(0, 1).reshape(self.e_in, -1)  # (e′, kv·d_v), the bias as its last row
         v = F.linear(x, flat[:e].T, flat[-1] if self.bias else None)
         v = v.view(b, s, self.n_kv_head, self.d_v).transpose(1, 2)
         if not self.capturing():
             return v
+        self._sketch_call = None
+        if self.sketch is not None:
+            xa = augment(x, self.bias).detach()
+            self._sketch_call = ValueSketchCall(self.sketch, xa, v, self.n_head, self._record)
+            return self._sketch_call.widened
         xa = augment(x, self.bias).detach().to(v.dtype)
         return torch.cat([v, xa.unsqueeze(1).expand(b, self.n_kv_head, s, self.e_in)], -1)
 
     def output(self, y: Tensor) -> Tensor:
-        """y (b, n_head, s, d_v) → Y (b, s, e); while capturing y also holds A·X′ after its d_v columns."""
+        """y (b, n_head, s, d_v) → Y (b, s, e); while capturing y also holds A·X′ after its d_v columns (with `sketch`,
+        the attended sketch columns of `values`)."""
         b, h, s, width = y.shape
         p = y[..., self.d_v:] if width > self.d_v else None
         flat = y[..., : self.d_v].transpose(1, 2).reshape(b, s, h * self.d_v)
         out = F.linear(flat, self.w_o.reshape(h * self.d_v, -1).T, self.o_bias)
+        if p is not None and self._sketch_call is not None:
+            call, self._sketch_call = self._sketch_call, None
+            if width != call.width:
+                raise ValueError(f"attended values of width {width}, and the sketch capture widened them to "
+                                 f"{call.width}")
+            return call.output(y, out)
         if p is not None and out.requires_grad:
             kept = p.detach()
             out.register_hook(lambda grad: self.captured.append((kept, grad.detach().to(kept.dtype))))
         return out
 
-    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
-        """The (P = A·X′ (b, n_head, s, e′), G_Y (b, s, e)) pairs recorded since the last call."""
+    def _record(self, *captured: Tensor) -> None:
+        self.captured.append(captured)
+
+    def take_captured(self) -> list[tuple[Tensor, ...]]:
+        """The (P = A·X′ (b, n_head, s, e′), G_Y (b, s, e)) pairs recorded since the last call; with `sketch` set, the
+        (X′, E_V.grad, A_jX′Ψ, G_Y, E_C.grad) of `growth.SketchValueStats.update` (shapes in its docstring)."""
         out, self.captured = self.captured, []
         return out
 

@@ -190,7 +190,8 @@ def offers(forms: NamedForms, stats: list[growth.Sums], half: list[growth.Sums],
     """What each side of every layer of `forms` offers the automatic schedule: its candidate columns' gains, fitted
     on one half of the window (`half`, and the rest of `stats`) and measured on the other, and their cache cost."""
     def growths(sums: list[growth.Sums]) -> dict[str, growth.FormGrowth | growth.GroupedGrowth | growth.ValueGrowth]:
-        return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation, size_by=s.size_by)
+        return {name: growth.growth_for(form, st.means(), s.method, truncation=s.truncation, size_by=s.size_by,
+                                        ridge=s.ridge)
                 for (_, name, form), st in zip(forms, sums)}
 
     a, b = growths(half), growths([st - h for st, h in zip(stats, half)])

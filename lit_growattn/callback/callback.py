@@ -26,8 +26,8 @@ from lightning.pytorch.callbacks import Callback
 from lit_growattn import growth
 from lit_growattn.callback import report
 from lit_growattn.callback.averaging import check_callbacks, resize_averaged_to
-from lit_growattn.callback.checks import (check_layers_per_event, check_strategy, growing_layers, layers_per_step,
-                                          width_limits)
+from lit_growattn.callback.checks import (available_sketch, check_layers_per_event, check_sketch, check_strategy,
+                                          growing_layers, layers_per_step, resolve_sketch, sketch_ridge, width_limits)
 from lit_growattn.callback.event import GrowthEvent
 from lit_growattn.callback.memory import check_statistics_memory, layers_of_event
 from lit_growattn.callback.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
@@ -48,7 +48,7 @@ class GrowAttentionCallback(Callback):
             `class_path: lit_growattn.AtEpochs` with `init_args: {epochs: [2, 4]}`).
         growth: how each event grows (`GrowthSettings`: columns, method, mode, …).
         statistics: the statistics window before each event (`StatisticsSettings`: batches, layers_per_step, capture,
-            layers_per_event, max_memory_gb).
+            layers_per_event, max_memory_gb, sketch, sketch_size).
         step_search: how each event chooses its step size (`StepSearch`: alphas, batches, line_search, rule).
     """
 
@@ -65,7 +65,9 @@ class GrowAttentionCallback(Callback):
                             f"got {schedule!r}")
         growth.check_schedule(schedule.kind, type(schedule).__name__)
         step_search.check_method(growth)
+        check_sketch(statistics, growth, step_search, schedule.kind)
         self.schedule, self.settings, self.statistics, self.search = schedule, growth, statistics, step_search
+        self._ridge_given = growth.ridge  # setup resolves the ridge per run: a later setup starts from the user's
         self.line_search_batches = step_search.kept_batches(statistics)
         self.history: list[dict] = []  # one record per event, skipped ones included; survives checkpoints
         # The automatic schedule decides from two halves of each window (growth/allocation.py).
@@ -93,13 +95,26 @@ class GrowAttentionCallback(Callback):
         growing = (named if self.settings.grows("query_key") else []) + values
         if self.settings.grows("query_key"):
             check_modes(named, self.settings.mode, self.search.line_search)
+        self._resolve_sketch(trainer, growing, layers)
+        offer = None if self.window.sketch is not None else available_sketch(
+            self.statistics, self.settings, self.search, self.schedule.kind, [u for u in growing if u.layer in layers])
         report.say(trainer, check_statistics_memory(growing, layers, self.statistics.layers_per_event,
                                                     self.settings.method, self.statistics.max_memory_gb,
-                                                    self.window.halves))
+                                                    self.window.halves, self.window.sketch, offer))
         self._caps_given = {key for key in limits if getattr(self.settings, key) is not None}  # for the console
         self.settings = dataclasses.replace(self.settings, **limits)
         self.schedule.bind(self.settings, self.statistics, layers, self._sizes(pl_module),
                            growth.column_costs((f.layer, f.form) for f in growing))
+
+    def _resolve_sketch(self, trainer: L.Trainer, growing: NamedForms, layers: list[int]) -> None:
+        """Whether the window sketches the statistics (`checks.resolve_sketch`), and natural's ridge under it."""
+        sketch, reason = resolve_sketch(self.statistics, self.settings, self.search, self.schedule.kind, growing,
+                                        layers, self.window.halves, trainer.strategy.root_device)
+        self.window.sketch = sketch
+        ridge = sketch_ridge(dataclasses.replace(self.settings, ridge=self._ridge_given), sketch)
+        if self.statistics.sketch != "off":
+            report.say(trainer, report.sketch_line(sketch, reason, ridge if ridge != self._ridge_given else None))
+        self.settings = dataclasses.replace(self.settings, ridge=ridge)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The optimizers exist from here on: a growth rebuilds exactly one, so refuse others before any step.
@@ -127,7 +142,10 @@ class GrowAttentionCallback(Callback):
         return {"accumulate_grad_batches": trainer.accumulate_grad_batches, "statistics.batches": self.statistics.batches,
                 "statistics.layers_per_step": self.statistics.layers_per_step,
                 "step_search.batches": self.line_search_batches, "growth.max_d_head": self.settings.max_d_head,
-                "growth.max_d_v": self.settings.max_d_v}
+                "growth.max_d_v": self.settings.max_d_v,
+                # As resolved: an auto run resumed as on (or off) with the same size gathers the same sums.
+                "statistics.sketch": "off" if self.window.sketch is None else "on",
+                "statistics.sketch_size": None if self.window.sketch is None else self.window.sketch.k}
 
     def _units(self, pl_module: L.LightningModule) -> NamedForms:
         """The query/key forms and value maps of the next event's layers (layer, qualified parameter-name prefix,
@@ -209,7 +227,7 @@ class GrowAttentionCallback(Callback):
         capped = self._capped_text(pl_module)
         where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch": batch_idx,
                  **{f"{key}_before": sizes for key, sizes in self._sizes(pl_module).items()},
-                 **({"capped": capped} if capped else {})}
+                 **({"capped": capped} if capped else {}), "sketch": report.sketch_record(self.window.sketch)}
         if not forms:
             return self._skip(trainer, pl_module, where, f"nothing has room left to grow ({capped})")
         window = self.window

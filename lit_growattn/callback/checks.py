@@ -1,5 +1,6 @@
 """The checks GrowAttentionCallback runs at setup, before any training work: the strategy, the growing layers and
-what each side has to grow there, the head-size limits, and what the statistics settings ask of those layers. Each
+what each side has to grow there, the head-size limits, and what the statistics settings ask of those layers; and
+whether the statistics are sketched (`check_sketch` when the callback is built, `resolve_sketch` at setup). Each
 refusal says what to change."""
 
 from __future__ import annotations
@@ -7,10 +8,26 @@ from __future__ import annotations
 import math
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_warn
 
-from lit_growattn.callback.settings import GrowthSettings, StatisticsSettings, unset
-from lit_growattn.contract import NamedForm
+from lit_growattn import growth
+from lit_growattn.callback.memory import size_text, window_bytes
+from lit_growattn.callback.settings import GrowthSettings, ScheduleKind, StatisticsSettings, StepSearch, unset
+from lit_growattn.contract import NamedForm, SketchCapture, missing
+from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
+
+# `auto` sketches when e′ ≥ κ·(k + l): a statistics step then widens attention by k + l columns instead of e′, and
+# both paths keep C̄ (e′²). Provisional: 2.0 from that arithmetic on both devices, until the bench's crossover sweep
+# (scripts/bench.py, measurement `sketch_crossover`; docs/performance.md) measures κ per device.
+SKETCH_CROSSOVER = {"cpu": 2.0, "cuda": 2.0}
+# p, the columns an event appends to a head, when the statistics choose it (AutoSchedule, rank_threshold).
+CHOSEN_COLUMNS = 8
+# natural's ridge under the sketch when growth.ridge is null: the pseudo-inverse's amplified tail, which no sketch
+# captures, was noise on real text, and ridge 1.0 was better held out on both sides (docs/design.md,
+# sketched statistics).
+SKETCH_RIDGE = 1.0
 
 Firsts = dict[str, dict[int, object]]  # per side that grows ("query/key form", "value map"), each layer's first unit
 
@@ -99,3 +116,127 @@ def layers_per_step(statistics: StatisticsSettings, layers: list[int], halves: b
             "or statistics.layers_per_step"
         )
     return per_step
+
+
+def most_columns(settings: GrowthSettings, kind: ScheduleKind) -> tuple[str | None, int]:
+    """p, the most columns one event appends to a head, and the setting that fixes it (None: chosen by the statistics,
+    or 1 by default)."""
+    fixed = {name: max(v) if isinstance(v, list) else v for name in ("columns", "value_columns", "max_columns")
+             if (v := getattr(settings, name)) is not None}
+    if fixed:
+        name = max(fixed, key=fixed.__getitem__)
+        return f"growth.{name}", fixed[name]
+    return None, CHOSEN_COLUMNS if kind == "auto" or settings.rank_threshold is not None else 1
+
+
+def sketch_size(statistics: StatisticsSettings, settings: GrowthSettings, kind: ScheduleKind) -> growth.SketchSize:
+    """The sketch's sizes: statistics.sketch_size, or max(24, 2·p + 8), with room for p pairs and as many again for
+    the reconstruction's accuracy beyond them."""
+    _, p = most_columns(settings, kind)
+    return growth.SketchSize.of(statistics.sketch_size or max(24, 2 * p + 8))
+
+
+def _settings_refusal(settings: GrowthSettings, search: StepSearch) -> tuple[str, str] | None:
+    """Why these settings cannot use a sketch, as (the console's short reason, the refusal of statistics.sketch: on);
+    None when they can."""
+    direction = growth.sizing_method(settings.method, settings.size_by)
+    setting = "growth.size_by" if settings.method in growth.BASELINES else "growth.method"
+    option = setting.removeprefix("growth.")
+    if direction == "pinv":
+        return (f"{setting}='pinv' sums each sequence's own C_i⁺N_iC_i⁺, which no sketch keeps",
+                f"{setting}='pinv' cannot use statistics.sketch: on: pinv sums each sequence's C_i⁺N_iC_i⁺ with that "
+                "sequence's own pseudo-inverse, which is not a function of the summed N a sketch keeps; sketching it "
+                "directly would need an e′×e′ eigendecomposition per sequence inside every statistics step. Use "
+                f"{option} natural or gradient with the sketch, or statistics.sketch: off (auto resolves to off for "
+                "pinv)")
+    if direction not in SKETCH_DIRECTIONS:
+        return (f"{setting}={direction!r} reads N̄ itself",
+                f"{setting}={direction!r} cannot use statistics.sketch: on: a registered direction reads N̄ itself, of "
+                f"which the sketch keeps only thin factors. Use {option} natural or gradient with the sketch, or "
+                "statistics.sketch: off (auto resolves to off for it)")
+    if search.line_search == "full_rank":
+        return ("step_search.line_search='full_rank' installs M + αΔM at full rank",
+                "step_search.line_search='full_rank' installs M + αΔM at full rank (e′ columns per head), which the "
+                "sketch does not keep: use line_search='low_rank', or statistics.sketch: off")
+    return None
+
+
+def _model_refusal(units: list[NamedForm]) -> tuple[str, str] | None:
+    """As `_settings_refusal`, for units that do not capture a sketch (lack a member of `contract.SketchCapture`)."""
+    for layer, _, unit in units:
+        if lacks := missing(unit, SketchCapture):
+            what = "value maps" if unit.side == "d_v" else "forms"
+            who = f"{type(unit).__name__} of layer {layer}"
+            return (f"{who} captures no sketch",
+                    f"statistics.sketch: on needs {what} that capture a sketch (lit_growattn.contract.SketchCapture); "
+                    f"{who} lacks {', '.join(lacks)}: set statistics.sketch to off, or to auto (which then keeps the "
+                    "full statistics)")
+    return None
+
+
+def check_sketch(statistics: StatisticsSettings, settings: GrowthSettings, search: StepSearch,
+                 kind: ScheduleKind) -> None:
+    """Refuses, when the callback is built, statistics.sketch: on with settings no sketch can serve, and a
+    statistics.sketch_size that prices fewer pairs than an event appends."""
+    if statistics.sketch == "on" and (refused := _settings_refusal(settings, search)):
+        raise ValueError(refused[1])
+    setting, p = most_columns(settings, kind)
+    k = statistics.sketch_size
+    if setting is not None and k is not None and k < p:
+        raise ValueError(f"{setting}={getattr(settings, setting.removeprefix('growth.'))} needs {p} bottleneck pairs "
+                         f"per head, and a sketch of statistics.sketch_size={k} yields at most {k}: raise "
+                         f"statistics.sketch_size to at least {p} ({2 * p + 8} = 2·{p} + 8 recommended), or grow fewer "
+                         "columns")
+
+
+def available_sketch(statistics: StatisticsSettings, settings: GrowthSettings, search: StepSearch, kind: ScheduleKind,
+                     units: list[NamedForm]) -> growth.SketchSize | None:
+    """The sketch statistics.sketch: on would keep, or None when these settings or these units cannot use one."""
+    if _settings_refusal(settings, search) or _model_refusal(units):
+        return None
+    return sketch_size(statistics, settings, kind)
+
+
+def resolve_sketch(statistics: StatisticsSettings, settings: GrowthSettings, search: StepSearch, kind: ScheduleKind,
+                   units: list[NamedForm], layers: list[int], halves: bool,
+                   device: torch.device) -> tuple[growth.SketchSize | None, str]:
+    """The sketch of the growing `units` (None: the full statistics) and the reason, for the console. auto: off when
+    the settings or the units cannot use one; on when the full statistics exceed max_memory_gb and the sketch fits;
+    otherwise on iff e′ ≥ κ·(k + l) (`SKETCH_CROSSOVER`). on: refuses units without a sketch capture, and warns when
+    the sketch keeps no fewer columns than e′."""
+    units = [u for u in units if u.layer in layers]
+    if statistics.sketch == "off":
+        return None, "statistics.sketch: off"
+    size = sketch_size(statistics, settings, kind)
+    e_in = max(u.form.e_in for u in units)
+    if statistics.sketch == "on":
+        if refused := _model_refusal(units):
+            raise ValueError(refused[1])
+        if size.k + size.l >= e_in:
+            named = (f"statistics.sketch_size={size.k}" if statistics.sketch_size is not None
+                     else f"the default sketch size {size.k}")
+            rank_zero_warn(f"{named} keeps k + l = {size.k + size.l} columns per head, not fewer than the input size "
+                           f"e′ = {e_in}: the sketch saves nothing here")
+        return size, "statistics.sketch: on"
+    if refused := _settings_refusal(settings, search) or _model_refusal(units):
+        return None, f"auto: {refused[0]}"
+    if (limit := statistics.max_memory_gb) is not None:
+        per_event = statistics.layers_per_event
+        full = window_bytes(units, layers, per_event, settings.method, halves)[0]
+        sketched = window_bytes(units, layers, per_event, settings.method, halves, size)[0]
+        if sketched <= limit * 1e9 < full:
+            return size, (f"auto: the full statistics' {size_text(full)} per rank exceed statistics.max_memory_gb="
+                          f"{limit}, the sketch's {size_text(sketched)} fit")
+    kappa = SKETCH_CROSSOVER.get(device.type, SKETCH_CROSSOVER["cpu"])
+    threshold = kappa * (size.k + size.l)
+    wide = e_in >= threshold
+    return (size if wide else None), (f"auto: e′ = {e_in} {'≥' if wide else '<'} {kappa:g}·(k + l) = {threshold:g} "
+                                      f"on {device.type}")
+
+
+def sketch_ridge(settings: GrowthSettings, sketch: growth.SketchSize | None) -> float | None:
+    """growth.ridge as the growth maths take it: SKETCH_RIDGE under the sketch when null and natural is used."""
+    uses_natural = "natural" in (settings.method, growth.sizing_method(settings.method, settings.size_by))
+    if sketch is not None and settings.ridge is None and uses_natural:
+        return SKETCH_RIDGE
+    return settings.ridge

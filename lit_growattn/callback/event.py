@@ -48,7 +48,7 @@ def plan_growth(forms: NamedForms, stats: list[growth.Sums], s: GrowthSettings, 
         {name: form for _, name, form in forms}, stats, method=s.method, grow_by=grow_by,
         dynamic_rank=s.rank_threshold, max_width={name: s.max_width(side) for name, (_, side) in side_of.items()},
         group_of=side_of.__getitem__, mode=s.mode, temperature=s.temperature, truncation=s.truncation,
-        line_search=line_search, size_by=s.size_by,
+        line_search=line_search, size_by=s.size_by, ridge=s.ridge,
         # Random columns of the baselines: the same draw on every rank, and on a resumed run.
         generator=torch.Generator().manual_seed(seed),
     )

@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 
 from lit_growattn.analysis import spectrum_figure
+from lit_growattn.growth.sketch import SketchSize
 from lit_growattn.growth.unit import HeadSize
 
 SUFFIX: dict[HeadSize, str] = {"d_head": "", "d_v": "_v"}  # a side's TensorBoard tags: growth/…{suffix}/layer_i
@@ -21,6 +22,23 @@ def say(trainer: L.Trainer, text: str) -> None:
         return
     bar = trainer.progress_bar_callback
     (bar.print if bar is not None and hasattr(bar, "print") else print)(text)
+
+
+def sketch_record(sketch: SketchSize | None) -> dict[str, int] | None:
+    """An event record's `sketch`: the sizes of the sketched statistics it grew from (None: the full statistics)."""
+    return None if sketch is None else {"k": sketch.k, "l": sketch.l, "k_c": sketch.k_c}
+
+
+def sketch_line(sketch: SketchSize | None, reason: str, default_ridge: float | None) -> str:
+    """The setup's line on the statistics: sketched or full, why (`checks.resolve_sketch`), and `default_ridge`, the
+    ridge natural takes under the sketch because growth.ridge is null (None: it does not)."""
+    if sketch is None:
+        return f"growth statistics kept in full ({reason})"
+    line = f"growth statistics sketched: k = {sketch.k}, l = {sketch.l}, k_c = {sketch.k_c} per head ({reason})"
+    if default_ridge is not None:
+        line += (f"; method natural means ridge {default_ridge} under the sketch (growth.ridge null; docs/design.md, "
+                 "sketched statistics)")
+    return line
 
 
 def _alpha(alpha: float | None) -> str:

@@ -23,6 +23,8 @@ from lit_growattn.contract import CaptureMode
 
 Capture = Literal["auto", CaptureMode]  # how statistics steps get G·X′ (auto: chosen by the device)
 CAPTURES: tuple[str, ...] = get_args(Capture)
+SketchMode = Literal["off", "on", "auto"]  # full statistics | a sketch | chosen at setup (checks.resolve_sketch)
+SKETCH_MODES: tuple[str, ...] = get_args(SketchMode)
 ScheduleKind = Literal["fixed", "auto"]  # growth at listed points (AtEpochs, AtSteps) | as AutoSchedule decides
 
 
@@ -65,6 +67,9 @@ class GrowthSettings:
         new_second_moment: Adam second moments of new columns: mean (of the old ones; zero moments with a large
             step count would give new columns a larger effective learning rate, studies/growth_pays/README.md "Adam's second
             moments for new columns") | zero.
+        ridge: natural's input covariance regularised by ridge × its mean eigenvalue (null: the pseudo-inverse with its
+            cut-off; 1.0 under statistics.sketch, where the pseudo-inverse's amplified tail is not captured,
+            docs/design.md, sketched statistics).
     """
 
     grow: growth.Side = "query_key"
@@ -81,6 +86,7 @@ class GrowthSettings:
     temperature: growth.Temperature = "keep"
     truncation: growth.Truncation = "euclidean"
     new_second_moment: growth.SecondMoment = "mean"
+    ridge: float | None = None
 
     def __post_init__(self):
         for name, allowed in [("grow", growth.SIDES), ("method", growth.METHODS), ("mode", growth.MODES),
@@ -108,7 +114,16 @@ class GrowthSettings:
         if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)):
             raise ValueError(f"growth.layers must list each layer to grow once (0-based), got {self.layers}; "
                              f"{unset('growth.layers')} to grow all")
-        growth.sizing_method(self.method, self.size_by, name="growth.size_by")  # a direction, only with a baseline
+        # A direction; size_by only with a baseline.
+        sizing = growth.sizing_method(self.method, self.size_by, name="growth.size_by")
+        if self.ridge is not None:
+            if not self.ridge >= 0:
+                raise ValueError(f"growth.ridge must be ≥ 0 (a multiple of the input covariance's mean eigenvalue), "
+                                 f"got {self.ridge}")
+            if "natural" not in (self.method, sizing):
+                sized = f" (sized by {sizing!r}, growth.size_by)" if self.method in growth.BASELINES else ""
+                raise ValueError(f"growth.ridge regularises the natural direction's C̄, which growth.method="
+                                 f"{self.method!r}{sized} does not use: {unset('growth.ridge')}")
         if self.method in growth.BASELINES and self.mode != "append":
             raise ValueError(f"method {self.method!r} adds random columns and needs mode='append', got mode={self.mode!r}")
 
@@ -201,6 +216,16 @@ class StatisticsSettings:
             so that a window holds the statistics of that many layers (`callback.memory`; null: all at every event).
         max_memory_gb: refuse at setup when one window's statistics would need more than this per rank (the
             estimate is printed at setup either way; null: no limit).
+        sketch: how each form's statistics are kept: off (all of N̄, H·e′² numbers per layer and side) | on (a sketch
+            of rank sketch_size per head: per layer the query/key side keeps C̄ (e′²) and e′·(H·k + KV·l) numbers,
+            captured with k + l extra attention columns instead of e′; exact when a head's statistics have rank
+            ≤ k; docs/design.md, sketched statistics) | auto (off for pinv, registered directions, line_search
+            full_rank and units without sketch capture (contract.SketchCapture); otherwise on when the full
+            statistics exceed max_memory_gb and the sketch fits, or when e′ ≥ a provisional crossover (2, until
+            measured per device) × (k + l)). Under the sketch, method natural uses growth.ridge, 1.0 unless set.
+        sketch_size: k, the sketch's range columns per head (its co-range has ⌈3k/2⌉, the value side's Nyström sketch
+            k); null: max(24, 2·p + 8), p the most columns one event appends to a head (growth.columns,
+            value_columns, max_columns; 8 when AutoSchedule or rank_threshold chooses).
     """
 
     batches: int = 8
@@ -208,8 +233,12 @@ class StatisticsSettings:
     capture: Capture = "auto"
     layers_per_event: int | None = None
     max_memory_gb: float | None = None
+    sketch: SketchMode | bool = "off"  # bool: YAML 1.1 reads an unquoted on/off as true/false
+    sketch_size: int | None = None
 
     def __post_init__(self):
+        if isinstance(self.sketch, bool):
+            object.__setattr__(self, "sketch", "on" if self.sketch else "off")
         if self.batches <= 0:
             raise ValueError(f"statistics.batches must be positive, got {self.batches}")
         if self.layers_per_step is not None and self.layers_per_step <= 0:
@@ -217,6 +246,14 @@ class StatisticsSettings:
         if self.layers_per_event is not None and self.layers_per_event <= 0:
             raise ValueError(f"statistics.layers_per_event must be positive (or null for all layers), got {self.layers_per_event}")
         growth.check_choice("statistics.capture", self.capture, CAPTURES)
+        growth.check_choice("statistics.sketch", self.sketch, SKETCH_MODES)
+        if self.sketch_size is not None:
+            if self.sketch_size <= 0:
+                raise ValueError(f"statistics.sketch_size must be positive (or null for max(24, 2·p + 8)), got "
+                                 f"{self.sketch_size}")
+            if self.sketch == "off":
+                raise ValueError("statistics.sketch_size sizes the sketch, and statistics.sketch is off: set "
+                                 f"statistics.sketch to on or auto, or {unset('statistics.sketch_size')}")
 
 
 @dataclass(frozen=True)

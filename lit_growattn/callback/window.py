@@ -6,6 +6,7 @@ Lightning-free: a `strategy` here is anything with `reduce(t, reduce_op="sum")` 
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -14,9 +15,14 @@ from torch import Tensor
 
 from lit_growattn import growth
 from lit_growattn.contract import CaptureMode, NamedForm
+from lit_growattn.growth.sketch import SketchSums
 from lit_growattn.callback.settings import Capture
 
 NamedForms = list[NamedForm]
+
+# Window settings (`check_resumed`) that versions before them did not save, with what such a version did: it kept
+# the statistics in full.
+SAVED_SINCE = {"statistics.sketch": "off", "statistics.sketch_size": None}
 
 
 def capture_mode(capture: Capture, device: torch.device) -> CaptureMode:
@@ -34,18 +40,40 @@ def layers_in_turn(layers: list[int], per_step: int, window_step: int) -> set[in
     return {layers[(window_step * per_step + j) % len(layers)] for j in range(per_step)}
 
 
+def _sums_dtype(forms: NamedForms) -> torch.dtype:
+    """float64 sums when the model itself runs in float64 (precision="64-true"), else float32."""
+    return torch.float64 if forms[0][2].leading_tensor.dtype == torch.float64 else torch.float32
+
+
+def sketch_seed(event: str, unit: str) -> int:
+    """The seed of the test matrices of `unit`'s sketch in the window of `event` (its name, e.g. `step 100`): a
+    checksum of the names, the same on every rank and in a resumed process (Python's hash() of a str is salted per
+    process), and another for every unit and event, so that no two sketches miss the same directions."""
+    return zlib.crc32(f"{event}/{unit}".encode())
+
+
+def unscaled(captured: tuple[Tensor, ...], gradient_parts: tuple[int, ...], grad_scale: float | None) -> tuple:
+    """A captured tuple with the parts that carry the loss's gradient (`Sums.gradient_parts`) divided by a
+    GradScaler's factor (None: none), the others as they are."""
+    if grad_scale is None:
+        return captured
+    return tuple(t / grad_scale if i in gradient_parts else t for i, t in enumerate(captured))
+
+
 def fold_captured(forms: NamedForms, stats: list[growth.Sums], weight: float, grad_scale: float | None,
                   half: list[growth.Sums] | None = None) -> None:
-    """Folds each form's captured (X′, G·X′) pairs into its sums. `weight`: the micro-batch's share of the
-    optimizer step; `grad_scale`: a 16-mixed GradScaler's factor still in the gradients (None: none); `half`:
-    sums that also take every other captured micro-batch of each form (those while they hold at most half the
-    weight), so that the window splits into two halves (`half` and the rest) whatever the round-robin."""
+    """Folds each form's captured tuples (`update`'s arguments: (X′, G·X′), or a sketch's) into its sums. `weight`:
+    the micro-batch's share of the optimizer step; `grad_scale`: a 16-mixed GradScaler's factor still in the
+    gradients (None: none); `half`: sums that also take every other captured micro-batch of each form (those while
+    they hold at most half the weight), so that the window splits into two halves (`half` and the rest) whatever the
+    round-robin."""
     for i, (st, (_, _, form)) in enumerate(zip(stats, forms, strict=True)):
         targets = [st] + ([half[i]] if half is not None and 2 * half[i].weight <= st.weight else [])
-        for xa, gx in form.take_captured():
+        for captured in form.take_captured():
+            parts = unscaled(captured, st.gradient_parts, grad_scale)
             try:
                 for target in targets:
-                    target.update(xa, gx if grad_scale is None else gx / grad_scale, weight)
+                    target.update(*parts, weight)
             except growth.NonFiniteStatistics:
                 if grad_scale is None:
                     # Poison the sums rather than raise: after the all-reduce every rank sees the NaN and skips
@@ -57,7 +85,9 @@ def fold_captured(forms: NamedForms, stats: list[growth.Sums], weight: float, gr
 
 class StatsWindow:
     """Pending statistics of the next growth event, tagged with its name; `state_dict` survives checkpoints.
-    With `halves`, `half` holds the sums of every other micro-batch of each form (`fold_captured`)."""
+    With `halves`, `half` holds the sums of every other micro-batch of each form (`fold_captured`); with `sketch`,
+    the sums are sketches of that size (growth.sketch), each unit's test matrices drawn from `sketch_seed` (the half
+    the same as the whole, so that they subtract) and handed to the unit for the statistics steps."""
 
     event: str | None
     stats: list[growth.Sums] | None
@@ -68,8 +98,8 @@ class StatsWindow:
     # accumulate_grad_batches, …), as the window began: a run resumed inside it must have the same.
     gathered_with: dict[str, Any] | None
 
-    def __init__(self, method: str, halves: bool = False):
-        self.method, self.halves = method, halves
+    def __init__(self, method: str, halves: bool = False, sketch: growth.SketchSize | None = None):
+        self.method, self.halves, self.sketch = method, halves, sketch
         self.clear()
 
     def clear(self) -> None:
@@ -83,25 +113,54 @@ class StatsWindow:
             self.clear()  # statistics of another event (an older checkpoint's) never leak into this one
             self.event, self.gathered_with = event, gathered_with
         if self.stats is None:
-            # float64 sums when the model itself runs in float64 (precision="64-true").
-            dtype = torch.float64 if forms[0][2].leading_tensor.dtype == torch.float64 else torch.float32
-            self.stats = [form.empty_sums(self.method, dtype) for _, _, form in forms]
+            self.stats = self._empty_sums(forms)
             if self.halves:
-                self.half = [form.empty_sums(self.method, dtype) for _, _, form in forms]
+                self.half = self._empty_half(forms)
         for layer, _, form in forms:
             form.capture = mode if layer in active else None
+        if self.sketch is not None:
+            self.to(forms[0][2].leading_tensor.device)  # the test matrices too: sums restored on the CPU
+            for (layer, _, form), st in zip(forms, self.stats, strict=True):
+                form.sketch = st.tests if layer in active else None
         if keep is not None:
             self.kept.append(apply_to_collection(keep, Tensor, lambda t: t.detach().clone()))
+
+    def _empty_sums(self, forms: NamedForms) -> list[growth.Sums]:
+        dtype = _sums_dtype(forms)
+        if self.sketch is None:  # only what contract.Unit documents: a unit of one's own need know no sketch
+            return [form.empty_sums(self.method, dtype) for _, _, form in forms]
+        return [form.empty_sums(self.method, dtype, sketch=self.sketch, seed=sketch_seed(self.event, name))
+                for _, name, form in forms]
+
+    def _empty_half(self, forms: NamedForms) -> list[growth.Sums]:
+        """The half's sums: under the sketch with the whole's test matrices (drawn once, held once)."""
+        if self.sketch is None:
+            return self._empty_sums(forms)
+        dtype = _sums_dtype(forms)
+        return [form.empty_sums(self.method, dtype, sketch=self.sketch, seed=st.tests.seed, tests=st.tests)
+                for (_, _, form), st in zip(forms, self.stats, strict=True)]
+
+    def _share_tests(self) -> None:
+        """The half's sketches take the whole's test matrices (a restored window drew them for each)."""
+        for whole, half in zip(self.stats or [], self.half or []):
+            if isinstance(whole, SketchSums) and isinstance(half, SketchSums):
+                half.tests = whole.tests
 
     def end_step(self, forms: NamedForms) -> None:
         for _, _, form in forms:
             form.capture = None
+            if self.sketch is not None:
+                form.sketch = None
             form.take_captured()  # drops anything a skipped backward left behind
 
     def to(self, device: torch.device) -> None:
         """Moves the sums to `device`: a checkpoint restores them on the CPU, whatever device the model is on."""
-        for st in self._sums():
+        for st in self.stats or []:
             st.to(device)
+        self._share_tests()  # then moving the half moves no test matrices
+        for st in self.half or []:
+            st.to(device)
+        self._share_tests()
 
     def _sums(self) -> list[growth.Sums]:
         """The whole window's sums, then those of the half (one list, reduced and saved together)."""
@@ -110,6 +169,7 @@ class StatsWindow:
     def _split(self, sums: list[growth.Sums]) -> None:
         cut = len(sums) // 2 if self.halves else len(sums)
         self.stats, self.half = sums[:cut], (sums[cut:] if self.halves else None)
+        self._share_tests()
 
     def close(self, strategy, world: int, device: torch.device) -> None:
         """Sums the statistics over ranks (the one collective of the window) and gathers the kept batches, as
@@ -170,7 +230,9 @@ class StatsWindow:
         than it began with: its sums would mix two windows, and the step size differ from the uninterrupted run's."""
         if self.stats is None or self.reduced or self.gathered_with is None:
             return
-        if changed := {k: (v, settings.get(k)) for k, v in self.gathered_with.items() if settings.get(k) != v}:
+        # A setting the checkpoint's version did not save yet had, in that version, the value it stands for.
+        began = {**{k: v for k, v in SAVED_SINCE.items() if k in settings}, **self.gathered_with}
+        if changed := {k: (v, settings.get(k)) for k, v in began.items() if settings.get(k) != v}:
             listed = ", ".join(f"{k}={old} in the checkpoint but {new} now" for k, (old, new) in changed.items())
             again = " and ".join(f"{k}={old}" for k, (old, _) in changed.items())
             raise ValueError(

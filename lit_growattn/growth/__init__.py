@@ -17,9 +17,13 @@ unit       GrowableUnit: what a growable unit (query/key form or value map) offe
 sides      what the callback does with either side: column costs, restore, sums from a checkpoint; growth_for, a
            type table.
 value      the value side: W_M = W_V W_O per head, its sums (ValueStats) and appended columns (ValueGrowth).
+sketch     sketched statistics: e′·k numbers per head instead of e′² (range and co-range sketches, Nyström C_V), the
+           test matrices drawn from a seed.
+sketched   the growths of both sides from the sketch's thin factors.
 shrink     the closest form or value map of a smaller head size (truncated SVD, whitened by the activations'
            covariance when given), GQA groups stacked, rotary columns kept; per-layer sizes under a KV budget.
-linalg     float64 helpers: pseudo-inverse and roots with explicit cut-offs, bases, projections.
+linalg     float64 helpers: pseudo-inverse, ridge inverse and roots with explicit cut-offs, bases, projections, the
+           SVD of a thin product, canonical pair signs.
 """
 
 from lit_growattn.growth.choices import (
@@ -31,6 +35,10 @@ from lit_growattn.growth.form import FormShape, FormWeights
 from lit_growattn.growth.grouped import GroupedGrowth
 from lit_growattn.growth.plan import GrowthPlan, installed
 from lit_growattn.growth.sides import HeadSize, column_costs, growth_for, restore, stats_from_state_dict
+from lit_growattn.growth.sketch import (
+    SketchFormStats, SketchMoments, SketchSize, SketchValueMoments, SketchValueStats, TestMatrices,
+)
+from lit_growattn.growth.sketched import SketchedFormGrowth, SketchedGroupedGrowth, SketchedValueGrowth
 from lit_growattn.growth.solvers import DIRECTIONS, direction, register_direction
 from lit_growattn.growth.stats import FormStats, Moments, NonFiniteStatistics, Sums, flatten_stats, unflatten_stats
 from lit_growattn.growth.value import VALUE_METHODS, GrownValue, ValueGrowth, ValueStats, ValueWeights
@@ -70,9 +78,18 @@ __all__ = [
     "Outcome",
     "STEP_RULES",
     "StepRule",
+    "SketchFormStats",
+    "SketchMoments",
+    "SketchSize",
+    "SketchValueMoments",
+    "SketchValueStats",
+    "SketchedFormGrowth",
+    "SketchedGroupedGrowth",
+    "SketchedValueGrowth",
     "Sums",
     "TEMPERATURES",
     "TRUNCATIONS",
+    "TestMatrices",
     "VALUE_METHODS",
     "ValueGrowth",
     "ValueStats",

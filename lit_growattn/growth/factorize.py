@@ -14,6 +14,7 @@ norm of the scores it makes: W ↦ C̄^½W, M ↦ C̄^½MC̄^½, and back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -84,12 +85,21 @@ def sizing_method(method: str, size_by: str | None, name: str = "size_by") -> st
     return size_by
 
 
+def zero_fan_in_columns(u: Tensor, s: Tensor, order: Tensor, tau: Tensor) -> Tensor:
+    """Q columns u_j(σ_j/τ′)^½ (h, e′, k) of the pairs j = order (h, k) of u (h, e′, m), s (h, m), σ_j at least the
+    floor, in working coordinates: zero fan-in columns, whose K columns are zero."""
+    sigma = s.gather(-1, order).clamp_min(FAN_IN_FLOOR * s[:, :1])
+    cols = u.gather(-1, order.unsqueeze(1).expand(-1, u.shape[1], -1))
+    return cols * (sigma / tau[:, None]).sqrt().unsqueeze(1)
+
+
 class FormGrowth(FormShape):
     """The α-independent part of growing one form, computed once and reused for every step-size candidate.
 
     w_q, w_k (h, e′, d), log_tau (h,): the form's current parameters; moments: `FormStats.means()`;
     method: one of METHODS; truncation: euclidean | whitened; rcond: relative eigenvalue cut-off of C̄⁺, C̄^{±½};
-    size_by: the direction whose bottleneck sizes a baseline's growth (see `sizing_method`).
+    size_by: the direction whose bottleneck sizes a baseline's growth (see `sizing_method`); ridge: natural's
+    (`solvers.natural`; None: the pseudo-inverse).
     """
 
     def __init__(
@@ -103,17 +113,22 @@ class FormGrowth(FormShape):
         truncation: str = "euclidean",
         rcond: float = 1e-6,
         size_by: str | None = None,
+        ridge: float | None = None,
     ):
         check_choice("method", method, METHODS)
         check_choice("truncation", truncation, TRUNCATIONS)
-        self.method, self.truncation, self.rcond, self.moments = method, truncation, rcond, moments
+        self.method, self.truncation, self.rcond, self.ridge, self.moments = method, truncation, rcond, ridge, moments
         self.sizing_method = sizing_method(method, size_by)
         self.dtype = w_q.dtype
         self.w_q, self.w_k, self.log_tau = (t.detach().double() for t in (w_q, w_k, log_tau))
-        self.m = self.log_tau.exp()[:, None, None] * self.w_q @ self.w_k.mT
         self._roots = psd_sqrt(moments.c, rcond) if truncation == "whitened" else None
         self._directions: dict[str, Tensor] = {}
         self._bottlenecks: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+
+    @functools.cached_property
+    def m(self) -> Tensor:
+        """The current bilinear form M = τ W_Q W_Kᵀ (h, e′, e′)."""
+        return self.log_tau.exp()[:, None, None] * self.w_q @ self.w_k.mT
 
     @classmethod
     def from_form(cls, form, moments: Moments, method: str = "natural", **kwargs) -> FormGrowth:
@@ -125,7 +140,7 @@ class FormGrowth(FormShape):
         if method not in self._directions:
             tau_q = self.log_tau.exp()[:, None, None] * self.w_q
             m_energy = factored_score_energy(tau_q, self.w_k, self.moments.c)
-            self._directions[method] = direction(method, self.moments, m_energy, self.rcond)
+            self._directions[method] = direction(method, self.moments, m_energy, self.rcond, self.ridge)
         return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -133,7 +148,7 @@ class FormGrowth(FormShape):
         and ‖ΔM‖²_F per head (h,) in the same coordinates."""
         if method not in self._bottlenecks:
             delta = self._to_work(self.direction(method))
-            basis_q, basis_k = column_basis(self._cols_to_work(self.w_q)), column_basis(self._cols_to_work(self.w_k))
+            basis_q, basis_k = column_basis(self._cols(self.w_q, 0)), column_basis(self._cols(self.w_k, 0))
             u, s, vh = torch.linalg.svd(project_out(delta, basis_q, basis_k))
             self._bottlenecks[method] = u, s, vh.mT, delta.square().sum((-2, -1))
         return self._bottlenecks[method]
@@ -150,7 +165,7 @@ class FormGrowth(FormShape):
         """First-order loss decrease −⟨N̄, σ_j u_j v_jᵀ⟩ of appending bottleneck pair j at α = 1, per head (h, e′),
         in the order `append` takes the pairs (σ descending); against this form's N̄ or a given one (h, e′, e′)."""
         u, s, v, _ = self.bottleneck(self.sizing_method)
-        u, v = self._cols_from_work(u), self._cols_from_work(v)
+        u, v = self._cols(u, 1), self._cols(v, 1)
         n = self.moments.n if n is None else n
         return -s * torch.einsum("hej,hef,hfj->hj", u, n.to(u.dtype), v)
 
@@ -200,31 +215,43 @@ class FormGrowth(FormShape):
             old = (slice(None), slice(None), slice(0, d))
             carries = {"w_q": Carry(old, 1 / c, 1 / c**2), "w_k": Carry(old, 1 / c, 1 / c**2)}
         carries["log_tau"] = Carry((slice(None),))
-        m_new = tau[:, None, None] * w_q @ w_k.mT
         return Growth(
             w_q=w_q.to(self.dtype),
             w_k=w_k.to(self.dtype),
             log_tau=log_tau.to(self.dtype),
             carries=carries,
-            predicted_decrease=-float((self.moments.n * (m_new - self.m)).sum()),
+            predicted_decrease=self._first_order(tau, w_q, w_k),
             discarded_energy=discarded,
             spectrum=spectrum,
             alpha=alpha,
             method=method,
         )
 
-    def _replace(self, method: str, alpha: float, d_new: int, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _first_order(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:
+        """The predicted decrease −⟨N̄, M′ − M⟩, summed over heads, of the grown form M′_j = τ′_j W_Q,j′ W_K,g(j)′ᵀ: tau
+        = τ′ (H,), w_q (H, e′, d′) and w_k (KV, e′, d′) are the grown form's whole weights in float64 (KV = H here),
+        whatever the mode. The one meaning of this hook for every query/key growth, full or sketched (`GroupedGrowth`,
+        `sketched.SketchedForm`): each computes ⟨N̄, ·⟩ from what its statistics hold."""
+        m_new = tau[:, None, None] * w_q @ w_k.mT
+        return -float((self.moments.n * (m_new - self.m)).sum())
+
+    def _replaced_pairs(self, method: str, alpha: float) -> tuple[Tensor, Tensor, Tensor]:
+        """SVD u (h, e′, k), s (h, k) descending, v (h, e′, k) of M + αΔM in the truncation's coordinates."""
         u, s, vh = torch.linalg.svd(self._to_work(self.m + alpha * self.direction(method)))
+        return u, s, vh.mT
+
+    def _replace(self, method: str, alpha: float, d_new: int, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        u, s, v = self._replaced_pairs(method, alpha)
         kept = s[:, :d_new]
         live = kept > VANISH * s[:, :1]
         root = (kept * live / tau[:, None]).sqrt().unsqueeze(1)
-        w_q, w_k = u[:, :, :d_new] * root, vh[:, :d_new].mT * root
+        w_q, w_k = u[:, :, :d_new] * root, v[:, :, :d_new] * root
         if not live.all():
             # Vanishing pairs (trailing, as σ is sorted) take the bottleneck pairs in order, as zero fan-in.
             order = (torch.arange(d_new, device=s.device) - live.sum(-1, keepdim=True)).clamp_min(0)
             w_q = torch.where(live.unsqueeze(1), w_q, self._zero_fan_in(method, order, tau))
         discarded = s[:, d_new:].square().sum(-1) + (kept.square() * ~live).sum(-1)
-        return self._cols_from_work(w_q), self._cols_from_work(w_k), discarded, kept * live
+        return self._cols(w_q, 1), self._cols(w_k, 1), discarded, kept * live
 
     def _append(self, method: str, alpha: float, p: int, tau: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         u, s, v, energy = self.bottleneck(method)
@@ -234,14 +261,11 @@ class FormGrowth(FormShape):
         order = torch.arange(p, device=s.device).expand(self.n_head, p)
         new_q = torch.where(live.unsqueeze(1), u[:, :, :p] * root, self._zero_fan_in(method, order, tau))
         discarded = (alpha**2 * (energy - (sigma.square() * live).sum(-1))).clamp_min(0)
-        return self._cols_from_work(new_q), self._cols_from_work(v[:, :, :p] * root), discarded, sigma
+        return self._cols(new_q, 1), self._cols(v[:, :, :p] * root, 1), discarded, sigma
 
     def _zero_fan_in(self, method: str, order: Tensor, tau: Tensor) -> Tensor:
-        """Q columns u_j(σ_j/τ′)^½ (h, e′, k) of the bottleneck pairs j = order (h, k), in working coordinates."""
-        u, s, _, _ = self.bottleneck(method)
-        sigma = s.gather(-1, order).clamp_min(FAN_IN_FLOOR * s[:, :1])
-        cols = u.gather(-1, order.unsqueeze(1).expand(-1, self.e_in, -1))
-        return cols * (sigma / tau[:, None]).sqrt().unsqueeze(1)
+        """Q columns of the bottleneck pairs j = order (h, k) as zero fan-in (`zero_fan_in_columns`)."""
+        return zero_fan_in_columns(*self.bottleneck(method)[:2], order, tau)
 
     def _random_pairs(self, method: str, p: int, c: float, generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Baselines: N(0, σ²) columns, σ the RMS of the head's (rescaled) old columns; `zero` has zero K columns."""
@@ -260,8 +284,6 @@ class FormGrowth(FormShape):
     def _to_work(self, a: Tensor) -> Tensor:
         return a if self._roots is None else self._roots[0] @ a @ self._roots[0]
 
-    def _cols_to_work(self, w: Tensor) -> Tensor:
-        return w if self._roots is None else self._roots[0] @ w
-
-    def _cols_from_work(self, w: Tensor) -> Tensor:
-        return w if self._roots is None else self._roots[1] @ w
+    def _cols(self, w: Tensor, which: int) -> Tensor:
+        """Columns into (which = 0) or out of (which = 1) the truncation's coordinates."""
+        return w if self._roots is None else self._roots[which] @ w

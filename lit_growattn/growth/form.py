@@ -9,11 +9,13 @@ values: a candidate to rate or a growth to install (`factorize.Growth` is one, w
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from lit_growattn.growth.sketch import SketchFormStats, SketchSize, TestMatrices
 from lit_growattn.growth.stats import FormStats
 from lit_growattn.growth.unit import GrowableUnit
 
@@ -68,12 +70,24 @@ class FormShape(GrowableUnit):
     def held_weights(self) -> FormWeights:
         return FormWeights.of(self)
 
-    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32) -> FormStats:
-        return FormStats.empty_like(self, method, dtype=dtype)
+    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
+                   seed: int = 0, tests: TestMatrices | None = None) -> FormStats | SketchFormStats:
+        if sketch is None:
+            return FormStats.empty_like(self, method, dtype=dtype)
+        return SketchFormStats.empty_like(self, sketch, seed, dtype=dtype, tests=tests)
 
-    def sums_numel(self, method: str) -> int:
-        """C̄ (e′²) and N (h·e′²), and C⁺NC⁺ (h·e′²) for pinv."""
+    def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:
+        """C̄ (e′²) and N (h·e′²), and C⁺NC⁺ (h·e′²) for pinv; sketched, C̄ and the range and co-range sketches
+        (h·e′·k + kv·e′·l)."""
+        if sketch is not None:
+            return self.e_in * (self.e_in + self.n_head * sketch.k + self.n_kv_head * sketch.l)
         return self.e_in * self.e_in * (1 + self.n_head * (2 if method == "pinv" else 1))
+
+    def tests_numel(self, sketch: SketchSize | None) -> int:
+        """Ω (e′·k) and the Ψ_j (h·e′·l) a sketch draws beside its sums; none without one."""
+        if sketch is None:
+            return 0
+        return sum(math.prod(shape) for shape in SketchFormStats.test_shapes(self.n_head, self.e_in, sketch).values())
 
 
 @dataclass

@@ -71,16 +71,19 @@ def growth_for(form, moments: Moments, method: str = "natural", **kwargs) -> For
 class GroupedGrowth(FormShape):
     """The α-independent part of growing one grouped form (API of `factorize.FormGrowth`).
 
-    w_q (H, e′, d), w_k (KV, e′, d), log_tau (H,); moments with n (H, e′, e′); rotary: leading rotary columns.
+    w_q (H, e′, d), w_k (KV, e′, d), log_tau (H,); moments with n (H, e′, e′); rotary: leading rotary columns;
+    ridge: natural's (`solvers.natural`).
     """
 
     def __init__(self, w_q: Tensor, w_k: Tensor, log_tau: Tensor, moments: Moments, method: str = "natural", *,
-                 rotary: int = 0, truncation: str = "euclidean", rcond: float = 1e-6, size_by: str | None = None):
+                 rotary: int = 0, truncation: str = "euclidean", rcond: float = 1e-6, size_by: str | None = None,
+                 ridge: float | None = None):
         check_choice("method", method, METHODS)
         check_choice("truncation", truncation, TRUNCATIONS)
         if w_q.shape[0] % w_k.shape[0]:
             raise ValueError(f"{w_q.shape[0]} query heads cannot share {w_k.shape[0]} key heads evenly")
-        self.method, self.rotary, self.rcond, self.moments, self.dtype = method, rotary, rcond, moments, w_q.dtype
+        self.method, self.rotary, self.rcond, self.ridge = method, rotary, rcond, ridge
+        self.moments, self.dtype = moments, w_q.dtype
         self.sizing_method = sizing_method(method, size_by)
         self.w_q, self.w_k, self.log_tau = (t.detach().double() for t in (w_q, w_k, log_tau))
         self.group = w_q.shape[0] // w_k.shape[0]
@@ -96,7 +99,7 @@ class GroupedGrowth(FormShape):
         if method not in self._directions:
             tau_q = self.log_tau.exp()[:, None, None] * self.w_q
             energy = factored_score_energy(tau_q, self.keys_per_head(self.w_k), self.moments.c)
-            self._directions[method] = direction(method, self.moments, energy, self.rcond)
+            self._directions[method] = direction(method, self.moments, energy, self.rcond, self.ridge)
         return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -173,11 +176,17 @@ class GroupedGrowth(FormShape):
             spectrum = sigma
         w_q, w_k = torch.cat([c * self.w_q, new_q], -1), torch.cat([c * self.w_k, new_k], -1)
         old = Carry((slice(None), slice(None), slice(0, d)), 1 / c, 1 / c**2)
-        change = tau[:, None, None] * new_q @ self.keys_per_head(new_k).mT  # M′ − M: the old part is unchanged
         return Growth(w_q=w_q.to(self.dtype), w_k=w_k.to(self.dtype), log_tau=log_tau.to(self.dtype),
                       carries={"w_q": old, "w_k": old, "log_tau": Carry((slice(None),))},
-                      predicted_decrease=-float((self.moments.n * change).sum()), discarded_energy=discarded,
+                      predicted_decrease=self._first_order(tau, w_q, w_k), discarded_energy=discarded,
                       spectrum=spectrum, alpha=alpha, method=method)
+
+    def _first_order(self, tau: Tensor, w_q: Tensor, w_k: Tensor) -> float:  # see FormGrowth._first_order
+        # An append leaves the old columns' part of M as it was (also under rescale, τ′c² = τ): M_j′ − M_j is
+        # τ′_j Q_new,j K_new,gᵀ, the appended columns alone, which spares the cancellation of two large inner products.
+        new_q, new_k = w_q[..., self.d_head:], w_k[..., self.d_head:]
+        change = tau[:, None, None] * new_q @ self.keys_per_head(new_k).mT
+        return -float((self.moments.n * change).sum())
 
     def _random_pairs(self, method: str, p: int, c: float, generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Baselines: N(0, σ²) columns, σ the RMS of the head's (rescaled) old columns; `zero`: zero K columns."""

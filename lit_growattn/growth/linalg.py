@@ -19,6 +19,19 @@ def psd_pinv(a: Tensor, rcond: float) -> Tensor:
     return (v * inv.unsqueeze(-2)) @ v.mT
 
 
+def psd_ridge_inverse(a: Tensor, ridge: float | None, rcond: float) -> Tensor:
+    """(a + ρI)⁻¹ of symmetric PSD matrices a (…, e, e), float64, with ρ = ridge × a's mean eigenvalue (tr(a)/e, per
+    matrix), so that the ridge is a share of the data's own scale. ridge None or 0: the pseudo-inverse `psd_pinv` with
+    its cut-off, the limit ρ → 0 on the range of a, where statistics of inputs X′ (N̄ = ΣX′ᵀGX′) live."""
+    if not ridge:
+        return psd_pinv(a, rcond)
+    if ridge < 0:
+        raise ValueError(f"ridge must be ≥ 0 (a multiple of the mean eigenvalue), got {ridge}")
+    w, v = torch.linalg.eigh(a.double())
+    shifted = w + ridge * w.mean(-1, keepdim=True)
+    return (v / shifted.unsqueeze(-2)) @ v.mT
+
+
 def psd_sqrt(a: Tensor, rcond: float) -> tuple[Tensor, Tensor]:
     """(a^½, a^-½) of a symmetric PSD matrix a (…, e, e), float64.
 
@@ -57,3 +70,29 @@ def factored_score_energy(left: Tensor, right: Tensor, c: Tensor) -> Tensor:
     """score_energy(left @ rightᵀ, c) for left, right (h, e, d) without the (h, e, e) product:
     Σ_heads tr((Lᵀ c L)(Rᵀ c R)), d×d matrices only (d ≪ e before a growth)."""
     return ((left.mT @ c @ left) * (right.mT @ c @ right)).sum()
+
+
+def thin_svd(left: Tensor, right: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The SVD u diag(s) vᵀ of left @ rightᵀ for thin factors left (…, m, r), right (…, n, r), without the m × n
+    product: two QRs and the SVD of an r × r core. u (…, m, r′), s (…, r′) descending, v (…, n, r′), r′ = min(m, n, r);
+    pairs beyond the product's rank have s at round-off and orthonormal, otherwise arbitrary, u and v."""
+    q_left, t_left = torch.linalg.qr(left)
+    q_right, t_right = torch.linalg.qr(right)
+    u, s, vh = torch.linalg.svd(t_left @ t_right.mT, full_matrices=False)
+    return q_left @ u, s, q_right @ vh.mT
+
+
+def orthonormal_completion(u: Tensor, extra: int) -> Tensor:
+    """`extra` orthonormal columns (…, m, extra) orthogonal to the orthonormal columns of u (…, m, k), k + extra ≤ m:
+    the next columns of the Householder QR of u, so without the m × m complete basis."""
+    reflectors, tau = torch.geqrf(u)
+    padded = torch.cat([reflectors, reflectors.new_zeros(*u.shape[:-1], extra)], -1)
+    return torch.linalg.householder_product(padded, tau)[..., u.shape[-1]:]
+
+
+def canonical_signs(u: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Singular pairs (columns of u (…, m, k) and v (…, n, k)) with each pair's sign made canonical: the largest
+    entry of u positive. A pair and its negation give the same matrix; fixing the sign makes two computations of one
+    matrix (full and sketched statistics, or round-off apart) give the same columns."""
+    sign = torch.where(u.gather(-2, u.abs().argmax(-2, keepdim=True)) < 0, -1.0, 1.0)
+    return u * sign, v * sign

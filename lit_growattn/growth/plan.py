@@ -65,6 +65,7 @@ class GrowthPlan:
         rcond: float = 1e-6,
         generator: torch.Generator | None = None,
         size_by: str | None = None,
+        ridge: float | None = None,
     ) -> GrowthPlan:
         """Plans the growth of `forms` (name → query/key form or value map, in the order of `stats`, reduced sums);
         forms with shared keys (GQA) or rotary columns grow by `grouped.GroupedGrowth`, value maps by
@@ -74,7 +75,9 @@ class GrowthPlan:
         with that threshold, `grow_by` then only caps it (None: no cap). Always width + p ≤ max_width (one int or
         per name; None: no cap) ≤ the form's own bound (e′ for query/key, min(e′, e) for values).
         Forms with equal `group_of(name)` (e.g. the layer) get the same p, the largest, since they share a width.
-        size_by: the direction that sizes the baselines' growth (`factorize.sizing_method`).
+        size_by: the direction that sizes the baselines' growth (`factorize.sizing_method`). ridge: the natural
+        direction's (`solvers.natural`; None: the pseudo-inverse). Sketched sums (`sketch`) grow by the sketched
+        growths.
         Raises NonFiniteStatistics (from the means) when the statistics hold NaN/inf.
         """
         if len(stats) != len(forms):
@@ -82,7 +85,7 @@ class GrowthPlan:
         if dynamic_rank is None and grow_by is None:
             raise ValueError("give grow_by, or dynamic_rank to choose it from the spectrum")
         growths = {
-            name: growth_for(form, s.means(), method, truncation=truncation, rcond=rcond, size_by=size_by)
+            name: growth_for(form, s.means(), method, truncation=truncation, rcond=rcond, size_by=size_by, ridge=ridge)
             for (name, form), s in zip(forms.items(), stats)
         }
         d_new = {}

@@ -12,7 +12,7 @@ from typing import Callable
 
 from torch import Tensor
 
-from lit_growattn.growth.linalg import psd_pinv, score_energy
+from lit_growattn.growth.linalg import psd_ridge_inverse, score_energy
 from lit_growattn.growth.stats import Moments
 from lit_growattn.growth.registry import registrar
 
@@ -23,9 +23,11 @@ register_direction = registrar(DIRECTIONS, "growth direction")
 
 
 @register_direction("natural")
-def natural(mo: Moments, rcond: float) -> Tensor:
-    """ΔM = −C̄⁺N̄C̄⁺: Gauss–Newton in score space, Kronecker-factored (C̄ΔMC̄ = −N̄ on range(C̄)); always descent."""
-    cp = psd_pinv(mo.c, rcond)
+def natural(mo: Moments, rcond: float, ridge: float | None = None) -> Tensor:
+    """ΔM = −C̄⁺N̄C̄⁺: Gauss–Newton in score space, Kronecker-factored (C̄ΔMC̄ = −N̄ on range(C̄)); always descent.
+    With a ridge, C̄ + ρI in place of C̄ (ρ = ridge × C̄'s mean eigenvalue, `linalg.psd_ridge_inverse`): the step
+    no longer amplifies the directions the inputs barely span, where N̄ is mostly noise."""
+    cp = psd_ridge_inverse(mo.c, ridge, rcond)
     return -(cp @ mo.n @ cp)
 
 
@@ -43,7 +45,13 @@ def pinv(mo: Moments, rcond: float) -> Tensor:
     return -mo.p
 
 
-def direction(method: str, mo: Moments, m_energy: Tensor, rcond: float = 1e-6) -> Tensor:
+def energy_scale(current: Tensor, target: Tensor) -> Tensor | float:
+    """√(target / current): the factor that gives a direction of energy `current` the energy `target`; 1 when either
+    is zero (a degenerate side is left unscaled)."""
+    return (target / current).sqrt() if target > 0 and current > 0 else 1.0
+
+
+def direction(method: str, mo: Moments, m_energy: Tensor, rcond: float = 1e-6, ridge: float | None = None) -> Tensor:
     """The normalised direction (h, e′, e′) of `method` for a form whose current bilinear form M has the score
     energy m_energy = Σ_heads tr(MᵀC̄MC̄) (`linalg.score_energy`, or `factored_score_energy` from W_Q, W_K).
 
@@ -51,12 +59,11 @@ def direction(method: str, mo: Moments, m_energy: Tensor, rcond: float = 1e-6) -
     Σ_i ‖X_i ΔM X_iᵀ‖² = Σ_i tr(ΔMᵀC_iΔMC_i) is approximated by n·tr(ΔMᵀC̄ΔMC̄) (Kronecker factorisation,
     E[C⊗C] ≈ C̄⊗C̄, exact for one instance); the same approximation on both sides leaves their ratio honest,
     and the causal mask, which drops the same half of both score maps, is ignored. A degenerate side (M = 0,
-    or ΔM = 0 on the data) leaves the direction unscaled.
+    or ΔM = 0 on the data) leaves the direction unscaled. ridge: natural's (`natural`); the other directions take
+    none.
     """
     if method not in DIRECTIONS:
         raise ValueError(f"method {method!r} has no direction; directions: {', '.join(DIRECTIONS)}")
-    delta = DIRECTIONS[method](mo, rcond)
-    current = score_energy(delta, mo.c)
-    if m_energy > 0 and current > 0:
-        delta = delta * (m_energy / current).sqrt()
-    return delta
+    # Only natural takes a ridge: the registry's functions, a user's included, are called as (moments, rcond).
+    delta = natural(mo, rcond, ridge) if method == "natural" else DIRECTIONS[method](mo, rcond)
+    return delta * energy_scale(score_energy(delta, mo.c), m_energy)

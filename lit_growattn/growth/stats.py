@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -44,6 +44,9 @@ class Sums:
     rcond: float
     instances: Tensor
     weight: Tensor
+    # The positions among `update`'s captured arguments (0: the first) of those that carry the loss's gradient: under
+    # 16-mixed a GradScaler's scale multiplies them, and only them, so the caller divides those by it before `update`.
+    gradient_parts: ClassVar[tuple[int, ...]] = (1,)
 
     @property
     def names(self) -> list[str]:

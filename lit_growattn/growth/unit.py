@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from lit_growattn.growth.sketch import SketchSize, TestMatrices
     from lit_growattn.growth.stats import Sums
 
 HeadSize = Literal["d_head", "d_v"]  # which head size a column widens (query/key or value): its key in an event record
@@ -49,10 +50,21 @@ class GrowableUnit:
         """The weights the unit holds now (the same tensors, not copies): its FormWeights or ValueWeights."""
         raise NotImplementedError
 
-    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32) -> Sums:
-        """Empty sums for the unit's statistics."""
+    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
+                   seed: int = 0, tests: TestMatrices | None = None) -> Sums:
+        """Empty sums for the unit's statistics: the full ones, or with `sketch` a sketch of that size whose test
+        matrices are drawn from `seed`, or are `tests` (another sketch's of that seed, shared) (growth.sketch; the
+        method then only matters to the growth, which refuses pinv)."""
         raise NotImplementedError
 
-    def sums_numel(self, method: str) -> int:
-        """The elements of the unit's statistics for `method` (docs/value.md, growth.stats)."""
+    def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:
+        """The elements of the unit's statistics for `method`, or of its sketch of size `sketch` (docs/value.md,
+        growth.stats, growth.sketch), without the two scalars instances and weight."""
+        raise NotImplementedError
+
+    def tests_numel(self, sketch: SketchSize | None) -> int:
+        """The elements of the test matrices a sketch of size `sketch` draws beside its sums (growth.sketch; each
+        sketch's, which AutoSchedule's half of the window shares with the whole); 0 without a sketch. Only asked
+        under sketched statistics (contract.SketchCapture). Memory that the
+        statistics window holds as long as the sums (`callback.memory`)."""
         raise NotImplementedError

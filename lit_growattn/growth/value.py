@@ -9,7 +9,8 @@ so growing d is growing a factored linear map, not a bilinear form.
 Statistics, per sequence i with G_Y,i = ∂L/∂Y_i of the mean loss, summed and averaged as `stats.FormStats` does:
     C_j = Σ_i P_ijᵀ P_ij (H, e′, e′),   N_j = Σ_i P_ijᵀ G_Y,i (H, e′, e) = ∂L/∂W_M,j.
 Directions: `natural` ΔW_j = −C̄_j⁺ N̄_j, the Gauss–Newton step of min Σ_i ‖P_ij ΔW + η G_Y,i‖² (one-sided: the
-output is linear in W_M, so its space needs no preconditioner); `gradient` ΔW_j = −N̄_j. Each is scaled so that
+output is linear in W_M, so its space needs no preconditioner), or with a ridge −(C̄_j + ρ_jI)⁻¹N̄_j, ρ_j = ridge ×
+C̄_j's mean eigenvalue; `gradient` ΔW_j = −N̄_j. Each is scaled so that
 α = 1 moves the output by its own RMS, head by head: Σ_j tr(ΔW_jᵀ C̄_j ΔW_j) = Σ_j tr(W_M,jᵀ C̄_j W_M,j).
 Bottleneck: a first-order change of the factors, δW_V W_O,j + W_V δW_O,j with δW_V shared by a group, reaches
 only part of ΔW; new rank comes from the rest, R_j = (I − P_V)(ΔW_j − A W_O,j) with A the group's least-squares
@@ -24,6 +25,7 @@ columns the group's heads share, and the baselines `random`/`zero` append N(0, �
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +33,9 @@ from torch import Tensor
 
 from lit_growattn.growth.choices import BASELINES, check_choice
 from lit_growattn.growth.factorize import FAN_IN_FLOOR, VANISH, Carry, Outcome, sizing_method
-from lit_growattn.growth.linalg import column_basis, psd_pinv
+from lit_growattn.growth.linalg import canonical_signs, column_basis, psd_pinv, psd_ridge_inverse
+from lit_growattn.growth.sketch import SketchSize, SketchValueStats, TestMatrices
+from lit_growattn.growth.solvers import energy_scale
 from lit_growattn.growth.stats import Moments, Sums
 from lit_growattn.growth.unit import GrowableUnit
 
@@ -87,12 +91,26 @@ class ValueShape(GrowableUnit):
     def held_weights(self) -> ValueWeights:
         return ValueWeights.of(self)
 
-    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32) -> ValueStats:
-        return ValueStats.empty_like(self, dtype=dtype)
+    def empty_sums(self, method: str, dtype: torch.dtype = torch.float32, sketch: SketchSize | None = None,
+                   seed: int = 0, tests: TestMatrices | None = None) -> ValueStats | SketchValueStats:
+        if sketch is None:
+            return ValueStats.empty_like(self, dtype=dtype)
+        return SketchValueStats.empty_like(self, sketch, seed, dtype=dtype, tests=tests)
 
-    def sums_numel(self, method: str) -> int:
-        """C (h·e′²) and N (h·e′·e), whatever the method."""
+    def sums_numel(self, method: str, sketch: SketchSize | None = None) -> int:
+        """C (h·e′²) and N (h·e′·e), whatever the method; sketched, the range, co-range and Nyström sketches
+        (kv·e′·k + h·e·l + h·e′·k_c)."""
+        if sketch is not None:
+            return (self.n_kv_head * self.e_in * sketch.k + self.n_head * self.e_out * sketch.l
+                    + self.n_head * self.e_in * sketch.k_c)
         return self.n_head * self.e_in * (self.e_in + self.e_out)
+
+    def tests_numel(self, sketch: SketchSize | None) -> int:
+        """The Ω_j (h·e·k), Ψ (e′·l) and Ω_c (e′·k_c) a sketch draws beside its sums; none without one."""
+        if sketch is None:
+            return 0
+        shapes = SketchValueStats.test_shapes(self.n_head, self.e_in, self.e_out, sketch)
+        return sum(math.prod(shape) for shape in shapes.values())
 
 
 @dataclass
@@ -165,30 +183,33 @@ class ValueStats(Sums):
         return out
 
 
-def value_direction(method: str, moments: Moments, w_m: Tensor, rcond: float = 1e-6) -> Tensor:
+def value_direction(method: str, moments: Moments, w_m: Tensor, rcond: float = 1e-6,
+                    ridge: float | None = None) -> Tensor:
     """ΔW (H, e′, e) of a value `method` (natural | gradient), scaled to the output energy of the current W_M
-    (H, e′, e) (module docstring); a degenerate side (W_M = 0, or ΔW = 0 on the data) leaves it unscaled."""
+    (H, e′, e) (module docstring); a degenerate side (W_M = 0, or ΔW = 0 on the data) leaves it unscaled. ridge:
+    natural's C̄_j + ρ_jI in place of C̄_j, ρ_j = ridge × C̄_j's mean eigenvalue (None: the pseudo-inverse)."""
     check_choice("value method", method, VALUE_DIRECTIONS)
-    delta = -(psd_pinv(moments.c, rcond) @ moments.n) if method == "natural" else -moments.n
+    delta = -(psd_ridge_inverse(moments.c, ridge, rcond) @ moments.n) if method == "natural" else -moments.n
     current, moved = (w_m * (moments.c @ w_m)).sum(), (delta * (moments.c @ delta)).sum()
-    return delta * (current / moved).sqrt() if current > 0 and moved > 0 else delta
+    return delta * energy_scale(moved, current)
 
 
 class ValueGrowth(ValueShape):
     """The α-independent part of growing one value map, computed once and reused for every step-size candidate
     (the API of `factorize.FormGrowth`, append only). w_v (KV, e′, d), w_o (H, d, e); moments: `ValueStats.means()`;
     method: natural | gradient | random | zero; truncation: euclidean only; size_by: the direction that sizes a
-    baseline's growth."""
+    baseline's growth; ridge: natural's (`value_direction`)."""
 
     def __init__(self, w_v: Tensor, w_o: Tensor, moments: Moments, method: str = "natural", *,
-                 truncation: str = "euclidean", rcond: float = 1e-6, size_by: str | None = None):
+                 truncation: str = "euclidean", rcond: float = 1e-6, size_by: str | None = None,
+                 ridge: float | None = None):
         check_choice("value method", method, VALUE_METHODS)
         if truncation != "euclidean":
             raise ValueError(f"truncation={truncation!r} whitens a query/key form's two sides by the input covariance; "
                              "the value side truncates in euclidean coordinates only")
         if w_o.shape[0] % w_v.shape[0]:
             raise ValueError(f"{w_o.shape[0]} query heads cannot share {w_v.shape[0]} value heads evenly")
-        self.method, self.rcond, self.moments, self.dtype = method, rcond, moments, w_v.dtype
+        self.method, self.rcond, self.ridge, self.moments, self.dtype = method, rcond, ridge, moments, w_v.dtype
         self.sizing_method = sizing_method(method, size_by)
         self.w_v, self.w_o = w_v.detach().double(), w_o.detach().double()
         self.group = self.n_head // self.n_kv_head
@@ -209,7 +230,7 @@ class ValueGrowth(ValueShape):
 
     def direction(self, method: str) -> Tensor:
         if method not in self._directions:
-            self._directions[method] = value_direction(method, self.moments, self.matrix(), self.rcond)
+            self._directions[method] = value_direction(method, self.moments, self.matrix(), self.rcond, self.ridge)
         return self._directions[method]
 
     def bottleneck(self, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -230,12 +251,10 @@ class ValueGrowth(ValueShape):
             # Heads of a group side by side: (KV, e′, g·e).
             stacked = residual.reshape(kv, g, e_in, e_out).permute(0, 2, 1, 3).reshape(kv, e_in, g * e_out)
             u, s, wh = torch.linalg.svd(stacked, full_matrices=False)
-            # Each pair's sign made canonical (largest entry of u positive): a pair and its negation give the same
-            # W_M, and a run whose statistics differ by round-off (compiled kernels) then grows the same columns.
-            sign = torch.where(u.gather(1, u.abs().argmax(1, keepdim=True)) < 0, -1.0, 1.0)  # (KV, 1, k)
-            u, wh = u * sign, wh * sign.mT
+            # Canonical signs: a run whose statistics differ by round-off (compiled kernels) grows the same columns.
+            u, w = canonical_signs(u, wh.mT)
             energy = delta.square().sum((-2, -1)).reshape(kv, g).sum(-1)
-            self._bottlenecks[method] = u, s, wh.mT, energy
+            self._bottlenecks[method] = u, s, w, energy
         return self._bottlenecks[method]
 
     def _rows_per_head(self, w: Tensor) -> Tensor:
@@ -290,14 +309,18 @@ class ValueGrowth(ValueShape):
             discarded = (alpha**2 * (energy - (sigma.square() * live).sum(-1))).clamp_min(0)
             spectrum = sigma
         w_v, w_o = torch.cat([self.w_v, new_v], -1), torch.cat([self.w_o, new_o], -2)
-        change = self.per_head(new_v) @ new_o  # W_M′ − W_M: the old part is unchanged
         return GrownValue(
             w_v=w_v.to(self.dtype), w_o=w_o.to(self.dtype),
             carries={"w_v": Carry((slice(None), slice(None), slice(0, d))),
                      "w_o": Carry((slice(None), slice(0, d), slice(None)))},
-            predicted_decrease=-float((self.moments.n * change).sum()), discarded_energy=discarded,
+            predicted_decrease=self._first_order(new_v, new_o), discarded_energy=discarded,
             spectrum=spectrum, alpha=alpha, method=method,
         )
+
+    def _first_order(self, new_v: Tensor, new_o: Tensor) -> float:
+        """−⟨N̄, W_M′ − W_M⟩ summed over heads for appended V columns new_v (KV, e′, p) and O rows new_o (H, p, e):
+        the old part is unchanged, so W_M,j′ − W_M,j = new_v new_o,j."""
+        return -float((self.moments.n * (self.per_head(new_v) @ new_o)).sum())
 
     def _random_columns(self, method: str, p: int, generator) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Baselines: N(0, σ²) V columns and O rows, σ the RMS of the head's old ones; `zero`: zero O rows."""

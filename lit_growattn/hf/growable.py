@@ -17,7 +17,9 @@ back. A state dict of the former layout (v_proj/o_proj, GPT-2's v_proj/c_proj mo
 Statistics capture (`capture` set, grad enabled) records G X′ per query head as `attention.qk` does (docs/design.md §4):
 `extend` appends E = 0 (b, H, s, e′) to q and X′ to k (E.grad = G X′), `explicit` builds the score map and hooks
 its gradient (cheaper on CPU; the callback's capture=auto picks it there). The value map's capture appends X′ to
-the values, so the same attention call returns A·X′ per query head (`ValueMap.values`).
+the values, so the same attention call returns A·X′ per query head (`ValueMap.values`). With `sketch` set (here and
+on the value map), both record the sketch's products instead, through k + l extra query/key columns after RoPE and
+the norms, keys per KV head (`attention.sketch`, docs/design.md §12).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import augment, causal_scores
+from lit_growattn.attention.sketch import explicit_products, extend_queries_keys
 from lit_growattn.attention.value import ValueMap, from_linear
 from lit_growattn.growth.form import FormShape
+from lit_growattn.growth.sketch import TestMatrices
 from lit_growattn.hf.surgery import generated_class, native_subclass, replace_attention
 
 _CLASSES: dict[str, type[nn.Module]] = {}
@@ -72,7 +76,8 @@ class GrowableAttention(FormShape, nn.Module):
         self.w_k = nn.Parameter(w_k.detach().clone().contiguous())
         self.log_tau = nn.Parameter(torch.full((w_q.shape[0],), float(scaling), dtype=w_q.dtype).log())
         self.capture: str | None = None
-        self.captured: list[tuple[Tensor, Tensor]] = []
+        self.sketch: TestMatrices | None = None
+        self.captured: list[tuple[Tensor, ...]] = []
 
     @torch.no_grad()
     def set_weights(self, w_q: Tensor, w_k: Tensor, log_tau: Tensor) -> None:
@@ -117,8 +122,9 @@ class GrowableAttention(FormShape, nn.Module):
     def bias_row_parameters(self) -> list[nn.Parameter]:
         return [self.w_q, self.w_k] if self.qk_bias else []
 
-    def take_captured(self) -> list[tuple[Tensor, Tensor]]:
-        """The (X′, G X′) pairs recorded since the last call; G X′ is (b, H, s, e′)."""
+    def take_captured(self) -> list[tuple[Tensor, ...]]:
+        """The (X′, G X′) pairs recorded since the last call, G X′ (b, H, s, e′); with `sketch` set, the
+        (X′, G X′Ω (b, H, s, k), Σ_{j∈g} G_jᵀX′Ψ_j (b, KV, s, l)) triples of `growth.SketchFormStats.update`."""
         out, self.captured = self.captured, []
         return out
 
@@ -153,7 +159,11 @@ class GrowableAttention(FormShape, nn.Module):
             raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
         if capturing and self.capture == "explicit":
             return self._attend_explicit(augment(x, self.qk_bias).detach(), q, k, v, attention_mask, dropout)
-        if capturing:
+        if capturing and self.sketch is not None:
+            kept = augment(x, self.qk_bias).detach()
+            record = lambda gy, gw: self.captured.append((kept, gy.to(kept.dtype), gw.to(kept.dtype)))  # noqa: E731
+            q, k = extend_queries_keys(self.sketch, kept, q, k, record)
+        elif capturing:
             kept = augment(x, self.qk_bias).detach()
             b, s, e_in = kept.shape
             ext = q.new_zeros(b, self.n_head, s, e_in, requires_grad=True)
@@ -166,8 +176,8 @@ class GrowableAttention(FormShape, nn.Module):
         return interface(self, q, k, v, attention_mask, dropout=dropout, scaling=1.0, **kwargs)
 
     def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor, attention_mask, dropout: float):
-        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′; returns (b, s, H, v's width),
-        None."""
+        """softmax(q·kᵀ + mask)·v with the score map's gradient G recorded as G·X′ (with `sketch`: as G X′Ω and
+        Σ_{j∈g} G_jᵀX′Ψ_j); returns (b, s, H, v's width), None."""
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         if attention_mask is None:  # sdpa's is_causal path: the model passed no mask
@@ -176,7 +186,12 @@ class GrowableAttention(FormShape, nn.Module):
             scores = (q @ k.transpose(-1, -2)).masked_fill(~attention_mask, float("-inf"))
         else:  # additive
             scores = q @ k.transpose(-1, -2) + attention_mask
-        scores.register_hook(lambda grad: self.captured.append((xa, grad.to(xa.dtype) @ xa.unsqueeze(1))))
+        if self.sketch is not None:
+            sketch = self.sketch
+            scores.register_hook(lambda grad: self.captured.append(
+                (xa, *explicit_products(sketch, xa, grad, self.n_kv_head))))
+        else:
+            scores.register_hook(lambda grad: self.captured.append((xa, grad.to(xa.dtype) @ xa.unsqueeze(1))))
         weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
         weights = nn.functional.dropout(weights, p=dropout, training=self.training)
         return (weights @ v).transpose(1, 2), None
