@@ -24,9 +24,9 @@ from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
 SKETCH_CROSSOVER = {"cpu": 2.0, "cuda": 2.0}
 # p, the columns an event appends to a head, when the statistics choose it (AutoSchedule, rank_threshold).
 CHOSEN_COLUMNS = 8
-# natural's ridge under the sketch when growth.ridge is null: the pseudo-inverse's amplified tail, which no sketch
-# captures, was noise on real text, and ridge 1.0 was better held out on both sides (docs/design.md,
-# sketched statistics).
+# natural's ridge under the sketch when growth.ridge is null: the pseudo-inverse direction lies in N̄'s tail, which no
+# sketch of N̄'s leading directions holds, and the ridge caps that amplification; at 1.0 a sketch held most of it and
+# kept its held-out gain (docs/design.md §12, studies/sketch).
 SKETCH_RIDGE = 1.0
 
 Firsts = dict[str, dict[int, object]]  # per side that grows ("query/key form", "value map"), each layer's first unit
