@@ -4,7 +4,7 @@ capture, and what the sketched and full top-p changes gain held out, for the gra
 natural (ridge 1.0) directions.
 
     python studies/sketch/energy.py --text ../shared/data/tinyshakespeare.txt   # the runs → results.json, results.md
-    python studies/sketch/energy.py --report                                    # results.md and the plot again
+    python studies/sketch/energy.py --report                                    # results.md, results_share.png
 
 A read-only probe (`EnergyProbe`, a callback placed before the growth callback) reads, at the start of the batch
 where an event happens, the window's reduced full sums and their half (`StatsWindow.stats`, `.half`) of every unit
@@ -45,11 +45,11 @@ DIRECTIONS = {"gradient": ("gradient", None), "natural pinv": ("natural", None),
 DRAWS = 5
 AUTO_P = 8  # the pairs an event may append per head when AutoSchedule chooses (the sketch's default size rule)
 OUT = STUDY / "results.json"
-WHAT = ("runs[config]: seconds (the run), probe_seconds, final val loss, the growth events (step, sizes, α) and units: "
-        "one record per event × unit about to grow (layer, side d_head | d_v, width before, p, ks) with, per direction, "
-        "stable_rank and top_p (of the full bottleneck's energy), share[k] {mean, min} over heads × draws, and held_out "
-        "and in_sample gains {full, k} ÷ the full gradient's held-out gain at that event (gradient_held_out: its raw "
-        "value)")
+WHAT = ("runs[config]: seconds (the run), probe_seconds, final val loss, the growth events (step, sizes, α) and "
+        "units: one record per event × unit about to grow (layer, side d_head | d_v, width before, p, ks) with, per "
+        "direction, stable_rank and top_p (of the full bottleneck's energy), share[k] {mean, min} over heads × draws, "
+        "and held_out and in_sample gains {full, k} ÷ the full gradient's held-out gain at that event "
+        "(gradient_held_out: its raw value)")
 
 
 def default_k(p: int) -> int:
@@ -257,15 +257,16 @@ def tables(results: dict) -> str:
         if not units:
             continue
         ks = units[0]["ks"]
-        lines += [f"## {config} (p {units[0]['p']}, k {', '.join(map(str, ks))}; final val loss {run['final_loss']:.4f}, "
-                  f"{run['seconds']:.0f} s, probe {run['probe_seconds']:.0f} s)", ""]
+        lines += [f"## {config} (p {units[0]['p']}, k {', '.join(map(str, ks))}; final val loss "
+                  f"{run['final_loss']:.4f}, {run['seconds']:.0f} s, probe {run['probe_seconds']:.0f} s)", ""]
         head = "| event | layer | side | width |" + "".join(f" {d} share k {k} |" for d in DIRECTIONS for k in ks)
         lines += [head, "|" + "---|" * (4 + len(DIRECTIONS) * len(ks))]
         for u in units:
             lines.append(f"| {u['event']} | {u['layer']} | {u['side']} | {u['width']} |" + "".join(
                 f" {cell(u['directions'][d]['share'][str(k)])} |" for d in DIRECTIONS for k in ks))
         lines.append("")
-        head = "| event | layer | side |" + "".join(f" {d} held out {v} |" for d in DIRECTIONS for v in ["full", *map(str, ks)])
+        variants = ["full", *map(str, ks)]
+        head = "| event | layer | side |" + "".join(f" {d} held out {v} |" for d in DIRECTIONS for v in variants)
         lines += [head, "|" + "---|" * (3 + len(DIRECTIONS) * (1 + len(ks)))]
         for u in units:
             lines.append(f"| {u['event']} | {u['layer']} | {u['side']} |" + "".join(
@@ -280,9 +281,24 @@ def tables(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def raw(unit: dict, direction: str, variant: str, measure: str = "held_out") -> float:
+    """A gain as measured (the records keep it ÷ the full gradient's held-out gain at that event)."""
+    return unit["directions"][direction][measure][variant] * unit["gradient_held_out"]
+
+
+def pooled(units: list[dict], direction: str, variant: str, measure: str = "held_out") -> float:
+    """A unit's gains pooled over its events, in units of the full gradient's in-sample gain (positive at every
+    event): Σ_e gain_e / Σ_e (full gradient's in-sample gain)_e. The pre-registered ratio to the full gradient's
+    held-out gain is kept per event (results.md), but it is ill-conditioned where that gain is near zero or negative
+    (noise-dominated windows), and a sum of such denominators can change sign."""
+    scale = sum(raw(u, "gradient", "full", "in_sample") for u in units)
+    return sum(raw(u, direction, variant, measure) for u in units) / scale
+
+
 def summary_rows(results: dict) -> list[dict]:
-    """Per config × layer × side × direction: over its events, the mean and min of the mean share at each k, the
-    lowest min, and the mean held-out gains (full, each k)."""
+    """Per config × layer × side × direction: over its events, the mean share at each k per event, the lowest share of
+    any head × draw, the held-out and in-sample gains pooled over events (`pooled`; full, then each k), the stable
+    ranks, and the events where the full gradient's held-out gain is not positive."""
     rows = []
     for config, run in results["runs"].items():
         keys = sorted({(u["layer"], u["side"]) for u in run["units"]}, key=lambda t: (t[1], t[0]))
@@ -294,28 +310,38 @@ def summary_rows(results: dict) -> list[dict]:
                              "ks": ks, **{f"share {k}": [u["directions"][d]["share"][k]["mean"] for u in units]
                                           for k in ks},
                              **{f"min {k}": min(u["directions"][d]["share"][k]["min"] for u in units) for k in ks},
-                             **{f"held {v}": sum(u["directions"][d]["held_out"][v] for u in units) / len(units)
-                                for v in ["full", *ks]},
-                             "stable_rank": [u["directions"][d]["stable_rank"] for u in units]})
+                             **{f"held {v}": pooled(units, d, v) for v in ["full", *ks]},
+                             "in_sample": pooled(units, d, "full", "in_sample"),
+                             "held_per_event": [u["directions"][d]["held_out"]["full"] for u in units],
+                             "stable_rank": [u["directions"][d]["stable_rank"] for u in units],
+                             "gradient_not_positive": sum(u["gradient_held_out"] <= 0 for u in units)})
     return rows
 
 
 def summary_table(results: dict) -> str:
-    ks = summary_rows(results)[0]["ks"] if any(run["units"] for run in results["runs"].values()) else []
-    lines = ["| config | layer | side | direction | events | stable rank |"
-             + "".join(f" share k {k}: mean over events (lowest event; lowest head × draw) |" for k in ks)
-             + f" held-out gain full / {' / '.join(f'k {k}' for k in ks)} |",
-             "|" + "---|" * (7 + len(ks))]
-    for r in summary_rows(results):
+    rows = summary_rows(results)
+    ks = rows[0]["ks"] if rows else []
+    names = ["k = p + 1", "default k"] if len(ks) == 2 else [f"k {k}" for k in ks]
+    lines = ["Share: mean over events of the per-event mean (lowest event; lowest head × draw), at each k of column "
+             "k. Gains pooled over events in % of the full gradient's in-sample gain (`pooled`): held out for the "
+             "full top-p change, then the sketched ones at each k, and in sample for the full one. Last column: events "
+             "where the full gradient's held-out gain is ≤ 0.", "",
+             "| config | layer | side | direction | events | k | stable rank |"
+             + "".join(f" share, {n} |" for n in names)
+             + f" held out: full / {' / '.join(names)} | in sample: full | gradient held out ≤ 0 |",
+             "|" + "---|" * (10 + len(ks))]
+    for r in rows:
         sr = r["stable_rank"]
 
         def shared(k: str) -> str:
             means = r[f"share {k}"]
             return f"{sum(means) / len(means):.2f} ({min(means):.2f}; {r[f'min {k}']:.2f})"
 
+        held = " / ".join(f"{100 * r['held ' + v]:.1f}" for v in ["full", *r["ks"]])
+        shares = "".join(f" {shared(k)} |" for k in r["ks"])
         lines.append(f"| {r['config']} | {r['layer']} | {r['side']} | {r['direction']} | {r['events']} | "
-                     f"{min(sr):.2f}–{max(sr):.2f} |" + "".join(f" {shared(k)} |" for k in r["ks"])
-                     + " " + " / ".join(f"{r['held ' + v]:.2f}" for v in ["full", *r["ks"]]) + " |")
+                     f"{', '.join(r['ks'])} | {min(sr):.2f}–{max(sr):.2f} |{shares} {held} | "
+                     f"{100 * r['in_sample']:.0f} | {r['gradient_not_positive']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -326,7 +352,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(DIRECTIONS), figsize=(5 * len(DIRECTIONS), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(DIRECTIONS), figsize=(5 * len(DIRECTIONS), 4.8), sharey=True)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     series = 0
     for config, run in results["runs"].items():
@@ -347,18 +373,20 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("event (optimizer step)")
         ax.axhline(0.9, color="grey", lw=0.8, ls=":")
         ax.set_ylim(0, 1.02)
-    axes[0].set_ylabel("share of the full top-p energy (mean over heads × 5 draws)")
-    axes[-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle("Sketched top-p columns: share of the full bottleneck's top-p energy (solid: k 24; dashed: k p + 1)")
-    fig.tight_layout()
+    axes[0].set_ylabel("share (mean over heads × draws)")
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=4)
+    fig.suptitle("Share of the full bottleneck's top-p energy in the sketched top-p columns, per event "
+                 "(solid: default k 24; dashed: k p + 1; dotted: 0.9)")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def report(results: dict, out: Path) -> None:
-    (out.parent / "results.md").write_text(tables(results) + "\n## Summary over events\n\n" + summary_table(results))
+    """<out>.md (the tables) and <out>_share.png (the plot) beside the results <out>.json."""
+    out.with_suffix(".md").write_text(tables(results) + "\n## Summary over events\n\n" + summary_table(results))
     if any(run["units"] for run in results["runs"].values()):
-        plot(results, out.parent / "energy_share.png")
+        plot(results, out.with_name(f"{out.stem}_share.png"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -369,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ks", type=int, nargs="+", help="sketch sizes (default: p + 1 and max(24, 2p + 8))")
     parser.add_argument("--draws", type=int, default=DRAWS)
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--report", action="store_true", help="only write results.md and the plot from --out")
+    parser.add_argument("--report", action="store_true", help="only write the tables and the plot from --out")
     args = parser.parse_args(argv)
     results = json.loads(args.out.read_text()) if args.out.exists() else {"what": WHAT, "runs": {}}
     if not args.report:
