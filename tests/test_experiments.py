@@ -337,3 +337,37 @@ def test_the_spend_budget_summary_judges_its_criteria_and_checks_the_reused_rows
     assert "2layer pystdlib b2 seed 0: first phase equal" in shown
     assert "seed 0: growths before step 350 equal" in shown and "seed 1: growths before step 350 DIFFER" in shown
     assert (tmp_path / "loss_vs_kcache.png").stat().st_size > 0
+
+
+def test_sketch_energy_share_is_one_when_the_sketch_spans_the_inputs_and_the_probe_changes_nothing(tmp_path):
+    """studies/sketch/energy.py on a tiny text_grow_both (e′ 16, float64): a sketch with k ≥ e′ reconstructs N̄ (and the
+    value side's C̄) exactly, so every direction's sketched top-p columns hold all of the full top-p energy and gain
+    what the full ones gain held out; a smaller sketch does not (for the pseudo-inverse natural direction); and the
+    probe leaves training as it is."""
+    import random
+
+    spec = importlib.util.spec_from_file_location("sketch_energy", REPO / "studies" / "sketch" / "energy.py")
+    energy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(energy)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(random.Random(0).choices("abcdefghij klmnop\n", k=20000)))
+    tiny = [f"--data.init_args.path={corpus}", "--trainer.limit_val_batches=1",
+            "--data.init_args.samples_per_epoch=128", "--trainer.max_epochs=3", "--trainer.callbacks.init_args.statistics.batches=2",
+            "--trainer.precision=64-true", "--model.init_args.n_embd=16"]  # growths at steps 2 and 4, d 2 → 9 → 16
+    out = tmp_path / "results.json"
+    energy.main(["--text", str(corpus), "--configs", "text_grow_both", "--ks", "16", "8", "--draws", "2",
+                 "--out", str(out), *[f"--override={o}" for o in tiny[1:]]])
+    run = json.loads(out.read_text())["runs"]["text_grow_both"]
+    assert [(u["event"], u["layer"], u["side"]) for u in run["units"]] == [
+        (event, layer, side) for event in ("epoch 1", "epoch 2") for side in ("d_head", "d_v") for layer in (0, 1)]
+    for unit in run["units"]:
+        for name, d in unit["directions"].items():
+            assert d["share"]["16"]["min"] == pytest.approx(1.0, abs=1e-9), (unit["event"], unit["side"], name)
+            assert d["held_out"]["16"] == pytest.approx(d["held_out"]["full"], rel=1e-7, abs=1e-9)
+            assert d["share"]["8"]["min"] <= d["share"]["8"]["mean"] <= 1.0 + 1e-9
+        assert unit["directions"]["gradient"]["held_out"]["full"] == 1.0
+    assert min(u["directions"]["natural pinv"]["share"]["8"]["mean"] for u in run["units"]) < 0.9
+    assert (tmp_path / "results.md").read_text().count("| epoch 1 | 0 | d_v |") == 3  # shares, gains, spectra
+    assert (tmp_path / "results_share.png").stat().st_size > 0
+    plain = energy.run_config("configs/text_grow_both.yaml", tiny, str(tmp_path / "logs"), probe=False)
+    assert plain["final_loss"] == run["final_loss"] and plain["events"] == run["events"]
