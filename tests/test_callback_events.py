@@ -452,8 +452,8 @@ def test_sketch_event_equals_full(tmp_path, method, full_ridge):
             tol = sketch_tolerance(16, cond)
             for a, b in zip(got_products, want_products, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=tol * float(b.abs().max()))
-            assert (want["sketch"], got["sketch"]) == (None, {"k": 16, "l": 24, "k_c": 16})
-            assert got.keys() == want.keys() and got["alpha"] == want["alpha"]
+            assert (want.get("sketch"), got["sketch"]) == (None, {"k": 16, "l": 24, "k_c": 16})
+            assert got.keys() - {"sketch"} == want.keys() and got["alpha"] == want["alpha"]
             for key in got.keys() - {"sketch", "timings", "seconds", "decisions", "discarded_energy"}:
                 expected = pytest.approx(want[key], rel=tol) if isinstance(want[key], float) else want[key]
                 assert got[key] == expected, key

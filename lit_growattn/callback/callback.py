@@ -227,7 +227,7 @@ class GrowAttentionCallback(Callback):
         capped = self._capped_text(pl_module)
         where = {"event": point.name, "step": trainer.global_step, "epoch": trainer.current_epoch, "batch": batch_idx,
                  **{f"{key}_before": sizes for key, sizes in self._sizes(pl_module).items()},
-                 **({"capped": capped} if capped else {}), "sketch": report.sketch_record(self.window.sketch)}
+                 **({"capped": capped} if capped else {}), **report.sketch_record(self.window.sketch)}
         if not forms:
             return self._skip(trainer, pl_module, where, f"nothing has room left to grow ({capped})")
         window = self.window

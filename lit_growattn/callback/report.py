@@ -24,9 +24,10 @@ def say(trainer: L.Trainer, text: str) -> None:
     (bar.print if bar is not None and hasattr(bar, "print") else print)(text)
 
 
-def sketch_record(sketch: SketchSize | None) -> dict[str, int] | None:
-    """An event record's `sketch`: the sizes of the sketched statistics it grew from (None: the full statistics)."""
-    return None if sketch is None else {"k": sketch.k, "l": sketch.l, "k_c": sketch.k_c}
+def sketch_record(sketch: SketchSize | None) -> dict[str, dict[str, int]]:
+    """An event record's `sketch` entry: the sizes of the sketched statistics it grew from; none from the full
+    statistics, so that their records stay those of runs and checkpoints from before the sketch."""
+    return {} if sketch is None else {"sketch": {"k": sketch.k, "l": sketch.l, "k_c": sketch.k_c}}
 
 
 def sketch_line(sketch: SketchSize | None, reason: str, default_ridge: float | None) -> str:
