@@ -19,10 +19,14 @@ from lit_growattn.module import GrowAttentionLM
 
 CPU = torch.device("cpu")  # on a GPU, scripts/bench_gpu.py
 
-VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin", "value", "both")
+VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin", "value", "both",
+            "sketch_qk", "sketch_value", "sketch_both")
 # The round_robin variant: capture="auto" on a third of the layers, as GrowAttentionCallback(layers_per_step=n/3).
 # value: the value maps' capture alone (growth.grow: value); both: it with the query/key capture="auto" (grow: both).
+# sketch_*: the same sides under statistics.sketch: on (capture "auto"), through the callback's own StatsWindow.
 ROUND_ROBIN_SHARE = 3
+SKETCH = growth.SketchSize.of(24)  # statistics.sketch_size's default: k 24, l 36, k_c 24
+SKETCH_SIDES = {"qk": "qk", "value": "value", "both": "both_sides"}  # variant suffix → key infix
 
 
 # -- configuration ---------------------------------------------------------------------------------
