@@ -63,6 +63,8 @@ class Preset:
     sweep_seqs: tuple[int, ...]
     sweep_tokens: int
     epoch_steps: int = 1000  # epoch assumed for the growth event's share
+    crossover_widths: tuple[int, ...] = (64, 128, 256, 512)  # n_embd of the sketch_crossover's one-layer GPTs
+    crossover_tokens: tuple[int, int] = (256, 4)  # their sequence length and batch
 
 
 DEFAULT = Shape(n_layer=6, n_embd=256, n_head=8, d_head=8, seq_len=256, batch=8)  # the shape of docs/design.md §4
@@ -76,7 +78,7 @@ PRESETS = {
     "quick": Preset(
         shapes=(TINY, replace(TINY, seq_len=256, batch=2)), repeats=5, fit_repeats=3, fit_warmup=3, fit_steps=8,
         growth_shape=TINY, growth_micro_batches=2, grow_by=4, growth_repeats=3, sweep_seqs=(32, 64, 128, 256, 512),
-        sweep_tokens=512,
+        sweep_tokens=512, crossover_widths=(32, 64), crossover_tokens=(64, 2),
     ),
 }
 
