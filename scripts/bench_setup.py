@@ -63,7 +63,7 @@ class Preset:
     sweep_seqs: tuple[int, ...]
     sweep_tokens: int
     epoch_steps: int = 1000  # epoch assumed for the growth event's share
-    crossover_widths: tuple[int, ...] = (64, 128, 256, 512)  # n_embd of the sketch_crossover's one-layer GPTs
+    crossover_widths: tuple[int, ...] = (64, 128, 256, 512, 1024)  # n_embd of the sketch_crossover's one-layer GPTs
     crossover_tokens: tuple[int, int] = (256, 4)  # their sequence length and batch
 
 
