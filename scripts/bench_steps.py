@@ -112,7 +112,8 @@ class StatsRig:
             side = variant.removeprefix("sketch_")
             return (self.auto if side != "value" else None), "natural", side != "qk", True
         mode, _, method = (self.auto, "", "") if variant in ("round_robin", "both") else variant.partition("_")
-        return (None if variant in ("normal", "value") else mode), method or "natural", variant in ("value", "both"), False
+        qk = None if variant in ("normal", "value") else mode
+        return qk, method or "natural", variant in ("value", "both"), False
 
     def sums(self, variant: str) -> tuple[list, list]:
         """The query/key and value sums a variant folds into."""
