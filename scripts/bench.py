@@ -22,6 +22,12 @@ Measurements (one function each):
    events, *_alloc_peak_ratio) and the captured G X′ pairs held until on_after_backward.
 5. capture_sweep: one attention layer (QKForm.attend fwd+bwd+fold) at a fixed token count over sequence
    lengths, to check the callback's capture="auto" rule.
+6. sketched statistics (statistics.sketch, size k 24, l 36, k_c 24): variants sketch_qk, sketch_value, sketch_both of
+   measurement 2 (sketch_*_step_cost_ratio, sketch_vs_full_*_ratio), and per shape their memory (sums + the extra
+   peak of a statistics step, full vs sketch, sketch_memory_ratio) (bench_sketch.py).
+7. sketch_crossover: one-layer GPTs over n_embd, both sides, sketch vs full statistics step; κ = e′*/(k + l) at the
+   width e′* where they cost the same (callback/checks.py SKETCH_CROSSOVER).
+8. llama1b (--llama1b only, several CPU-minutes): two Llama-3.2-1B-shaped layers, plain vs full vs sketch.
 
 Timing rules (docs/design.md §9): warm-up excluded, variants interleaved in rotating order inside one process,
 per-repeat ratios against the normal step of the same repeat, medians over repeats. The machine may be
@@ -30,6 +36,7 @@ default (--threads): see its help for why.
 
     python scripts/bench.py            # full CPU run (several minutes on 2 cores)
     python scripts/bench.py --quick    # small shapes, < 1 minute, same keys
+    python scripts/bench.py --llama1b  # the full run and measurement 8
     python scripts/bench.py --accelerator gpu   # the GPU benchmark (bf16): runs scripts/bench_gpu.py
 """
 
@@ -48,10 +55,16 @@ from bench_common import json_only_stdout
 from bench_setup import PRESETS, Env
 from bench_steps import measure_growth_event, measure_lightning_vs_plain, measure_stats_steps
 from bench_memory import measure_capture_sweep, measure_memory
+from bench_sketch import measure_crossover, measure_llama1b, measure_sketch_memory
+
+
+SKETCH_KEYS = ("sketch_qk_step_cost_ratio", "sketch_value_step_cost_ratio", "sketch_both_sides_step_cost_ratio",
+               "sketch_vs_full_qk_ratio", "sketch_vs_full_value_ratio", "sketch_vs_full_both_sides_ratio",
+               "sketch_memory_ratio", "sketch_sums_ratio")
 
 
 # -- driver ----------------------------------------------------------------------------------------
-def run(preset_name: str, env: Env) -> dict:
+def run(preset_name: str, env: Env, llama1b: bool = False) -> dict:
     p = PRESETS[preset_name]
     default = p.shapes[0]
     started = time.perf_counter()
@@ -73,14 +86,20 @@ def run(preset_name: str, env: Env) -> dict:
     env.log("4. memory")
     for s in p.shapes:
         per_shape[s.name].update(measure_memory(s, env))
+        per_shape[s.name].update(measure_sketch_memory(s, env))
     env.log("5. capture sweep")
     sweep = measure_capture_sweep(default, p, env)
+    env.log("7. sketch crossover")
+    result["sketch_crossover"] = measure_crossover(p, env)
+    if llama1b:
+        env.log("8. llama1b")
+        result["llama1b"] = measure_llama1b(p.repeats, env)
 
     top_keys = ("stats_step_cost_ratio", "explicit_step_cost_ratio", "stats_vs_naive_cost_ratio",
                 "stats_step_cost_ratio_pinv", "explicit_step_cost_ratio_pinv", "stats_vs_naive_cost_ratio_pinv",
                 "auto_capture", "auto_step_cost_ratio", "round_robin_step_cost_ratio", "value_step_cost_ratio",
                 "both_sides_step_cost_ratio", "stats_peak_memory_ratio", "explicit_peak_memory_ratio",
-                "stats_alloc_peak_ratio", "explicit_alloc_peak_ratio")
+                "stats_alloc_peak_ratio", "explicit_alloc_peak_ratio", *SKETCH_KEYS)
     result.update({key: throughput.pop(key) for key in ("lightning_vs_plain_throughput",
                                                         "budget_spent_vs_lightning_step_ratio")})
     result.update({k: first[k] for k in top_keys})
@@ -111,7 +130,11 @@ def run(preset_name: str, env: Env) -> dict:
         "growth_event_full_seconds <= 2": result["growth_event_full_seconds"] <= 2.0,
         "stats_peak_memory_ratio <= 1.3": result["stats_peak_memory_ratio"] <= 1.3,
         "auto_peak_memory_ratio <= 1.3": result["auto_peak_memory_ratio"] <= 1.3,
+        **{f"sketch_both_sides_step_cost_ratio <= 1.5 ({name})": r["sketch_both_sides_step_cost_ratio"] <= 1.5
+           for name, r in per_shape.items()},
     }
+    if llama1b:
+        result["targets"].update(result["llama1b"]["target"])
     result["bench_seconds"] = time.perf_counter() - started
     return result
 
@@ -130,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU intra-op threads (0: torch's default). Default 1: on a busy machine a 2-thread "
                              "OpenMP team stalls at every barrier while another job holds a core, which swamps the "
                              "differences measured here (docs/performance.md)")
+    parser.add_argument("--llama1b", action="store_true", help="also measurement 8, two Llama-3.2-1B-shaped layers "
+                        "(several CPU-minutes; not with --quick)")
     parser.add_argument("--verbose", action="store_true", help="progress on stderr")
     args = parser.parse_args(argv)
     if args.accelerator == "gpu":  # fused kernels, bf16, grown vs static
@@ -143,11 +168,13 @@ def main(argv: list[str] | None = None) -> None:
         return bench_gpu.main(["--dry-run"] if args.quick else [])
     if args.bf16:
         parser.error("--bf16 is the GPU benchmark's precision: add --accelerator gpu (the CPU benchmark runs in float32)")
+    if args.llama1b and args.quick:
+        parser.error("--llama1b is a full-size measurement: leave out --quick (the tests smoke it at a reduced size)")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     env = Env(args.logger, log=(lambda msg: print(msg, file=sys.stderr, flush=True)) if args.verbose else (lambda msg: None))
     with json_only_stdout():
-        result = run("quick" if args.quick else "full", env)
+        result = run("quick" if args.quick else "full", env, llama1b=args.llama1b)
     print(json.dumps(result, indent=2))
 
 

@@ -19,10 +19,14 @@ from lit_growattn.module import GrowAttentionLM
 
 CPU = torch.device("cpu")  # on a GPU, scripts/bench_gpu.py
 
-VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin", "value", "both")
+VARIANTS = ("normal", "extend", "explicit", "extend_pinv", "explicit_pinv", "round_robin", "value", "both",
+            "sketch_qk", "sketch_value", "sketch_both")
 # The round_robin variant: capture="auto" on a third of the layers, as GrowAttentionCallback(layers_per_step=n/3).
 # value: the value maps' capture alone (growth.grow: value); both: it with the query/key capture="auto" (grow: both).
+# sketch_*: the same sides under statistics.sketch: on (capture "auto"), through the callback's own StatsWindow.
 ROUND_ROBIN_SHARE = 3
+SKETCH = growth.SketchSize.of(24)  # statistics.sketch_size's default: k 24, l 36, k_c 24
+SKETCH_SIDES = {"qk": "qk", "value": "value", "both": "both_sides"}  # variant suffix → key infix
 
 
 # -- configuration ---------------------------------------------------------------------------------
@@ -59,6 +63,8 @@ class Preset:
     sweep_seqs: tuple[int, ...]
     sweep_tokens: int
     epoch_steps: int = 1000  # epoch assumed for the growth event's share
+    crossover_widths: tuple[int, ...] = (64, 128, 256, 512, 1024)  # n_embd of the sketch_crossover's one-layer GPTs
+    crossover_tokens: tuple[int, int] = (256, 4)  # their sequence length and batch
 
 
 DEFAULT = Shape(n_layer=6, n_embd=256, n_head=8, d_head=8, seq_len=256, batch=8)  # the shape of docs/design.md §4
@@ -72,7 +78,7 @@ PRESETS = {
     "quick": Preset(
         shapes=(TINY, replace(TINY, seq_len=256, batch=2)), repeats=5, fit_repeats=3, fit_warmup=3, fit_steps=8,
         growth_shape=TINY, growth_micro_batches=2, grow_by=4, growth_repeats=3, sweep_seqs=(32, 64, 128, 256, 512),
-        sweep_tokens=512,
+        sweep_tokens=512, crossover_widths=(32, 64), crossover_tokens=(64, 2),
     ),
 }
 

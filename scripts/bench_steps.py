@@ -8,18 +8,19 @@ import tempfile
 import time
 import warnings
 from dataclasses import asdict
+from typing import Callable
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from bench_common import StepTimer, plain_step_times
-from bench_setup import (CPU, ROUND_ROBIN_SHARE, VARIANTS, Env, Preset, Shape, auto_capture, fold, make_lm,
-                         make_trainer, median, named_forms, named_values, set_capture, token_data)
+from bench_setup import (CPU, ROUND_ROBIN_SHARE, SKETCH, SKETCH_SIDES, VARIANTS, Env, Preset, Shape, auto_capture,
+                         fold, make_lm, make_trainer, median, named_forms, named_values, set_capture, token_data)
 
 from lit_growattn import growth, AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.callback.event import plan_growth
-from lit_growattn.callback.window import NamedForms
+from lit_growattn.callback.window import NamedForms, StatsWindow
 from lit_growattn.module import GrowAttentionLM
 
 
@@ -83,56 +84,98 @@ def measure_lightning_vs_plain(shape: Shape, p: Preset, env: Env) -> dict:
 
 
 # -- 2. statistics step vs normal step -------------------------------------------------------------
-def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
-    lm = make_lm(shape)
-    forms, values = named_forms(lm), named_values(lm)
-    opt = lm.configure_optimizers()["optimizer"]
-    inputs, labels = (t for t in token_data(shape, 1).tensors)
-    stats = {
-        "natural": [growth.FormStats.empty_like(f, "natural") for _, _, f in forms],  # gradient: same sums
-        "pinv": [growth.FormStats.empty_like(f, "pinv") for _, _, f in forms],
-        "value": [growth.ValueStats.empty_like(v) for _, _, v in values],
-    }
+class StatsRig:
+    """A model's training step per variant (VARIANTS): capture set before it, the captured tuples folded after the
+    backward as the callback's on_after_backward does, the optimizer step. The sketched variants go through the
+    callback's own StatsWindow (test matrices handed to the units, sums of size SKETCH)."""
 
-    auto = auto_capture(inputs)
-    n_layer = len(lm.model.blocks)
-    per_step = max(1, n_layer // ROUND_ROBIN_SHARE)
-    in_turn = [(layer, name, f) for layer, name, f in forms if layer < per_step]
+    def __init__(self, loss: Callable[[], torch.Tensor], forms: NamedForms, values: NamedForms, optimizer,
+                 variants: tuple[str, ...] = VARIANTS, auto: str = "explicit"):
+        self.loss, self.forms, self.values, self.opt, self.auto = loss, forms, values, optimizer, auto
+        dtype = forms[0][2].leading_tensor.dtype
+        self.stats = {  # only the sums the variants use (the full value sums are large at wide shapes)
+            "natural": [f.empty_sums("natural", dtype) for _, _, f in forms],  # gradient: same sums
+            "pinv": [f.empty_sums("pinv", dtype) for _, _, f in forms] if any("pinv" in v for v in variants) else [],
+            "value": [v.empty_sums("natural", dtype) for _, _, v in values]
+            if any(v in ("value", "both") for v in variants) else [],
+        }
+        self.windows = {"qk": StatsWindow("natural", sketch=SKETCH), "value": StatsWindow("natural", sketch=SKETCH)}
+        self.layers = {layer for layer, _, _ in forms}
+        n_layer = len(self.layers)
+        self.per_step = max(1, n_layer // ROUND_ROBIN_SHARE)
+        self.in_turn = [(layer, name, f) for layer, name, f in forms if layer < self.per_step]
+        self.round_robin_layers = f"{self.per_step} of {n_layer}"
 
-    def step(variant: str) -> tuple[float, float]:
+    def sides(self, variant: str) -> tuple[str | None, str, bool, bool]:
+        """(query/key capture mode or None, its sums' method, value side captured, sketched)."""
+        if variant.startswith("sketch_"):
+            side = variant.removeprefix("sketch_")
+            return (self.auto if side != "value" else None), "natural", side != "qk", True
+        mode, _, method = (self.auto, "", "") if variant in ("round_robin", "both") else variant.partition("_")
+        qk = None if variant in ("normal", "value") else mode
+        return qk, method or "natural", variant in ("value", "both"), False
+
+    def sums(self, variant: str) -> tuple[list, list]:
+        """The query/key and value sums a variant folds into."""
+        _, method, _, sketched = self.sides(variant)
+        if sketched:
+            return self.windows["qk"].stats or [], self.windows["value"].stats or []
+        return self.stats[method], self.stats["value"]
+
+    def step(self, variant: str) -> tuple[float, float]:
         """One training step; returns (step seconds, of which folding seconds)."""
-        sides = variant in ("value", "both")
-        mode, _, method = (auto, "", "") if variant in ("round_robin", "both") else variant.partition("_")
-        mode = None if variant in ("normal", "value") else mode
-        set_capture(in_turn if variant == "round_robin" else forms, mode)
-        set_capture(values, auto if sides else None)
+        mode, method, value, sketched = self.sides(variant)
+        if sketched:
+            for key, units, on in (("qk", self.forms, mode is not None), ("value", self.values, value)):
+                if on:
+                    self.windows[key].begin_step("bench", units, self.layers, self.auto, {})
+        else:
+            set_capture(self.in_turn if variant == "round_robin" else self.forms, mode)
+            set_capture(self.values, self.auto if value else None)
         t0 = time.perf_counter()
-        loss = lm.loss(lm(inputs), labels)
-        opt.zero_grad(set_to_none=True)
+        loss = self.loss()
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
         t1 = time.perf_counter()
+        qk_sums, value_sums = self.sums(variant)
         if mode is not None:
-            fold(forms, stats[method or "natural"])
-        if sides:
-            fold(values, stats["value"])
+            fold(self.forms, qk_sums)
+        if value:
+            fold(self.values, value_sums)
         t2 = time.perf_counter()
-        opt.step()
+        self.opt.step()
         t3 = time.perf_counter()
-        set_capture(forms, None)
-        set_capture(values, None)
+        for key, units in (("qk", self.forms), ("value", self.values)):
+            self.windows[key].end_step(units)  # capture and test matrices off, anything left dropped
         return t3 - t0, t2 - t1
 
-    for v in VARIANTS:  # warm-up: first use of each path (allocator, AdamW state, kernels)
-        step(v)
-    times = {v: [] for v in VARIANTS}
-    folds = {v: [] for v in VARIANTS}
-    for r in range(p.repeats):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]  # rotate: no fixed position
-        for v in order:
-            t, f = step(v)
-            times[v].append(t)
-            folds[v].append(f)
-        env.log(f"  {shape.name} repeat {r}: " + " ".join(f"{v} {times[v][-1]:.3f}" for v in VARIANTS))
+    def interleaved(self, variants: tuple[str, ...], repeats: int, log: Callable[[str], None] = lambda m: None,
+                    label: str = "") -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """Per variant the step and fold seconds of each repeat: one warm-up step each, then the variants in an
+        order rotated every repeat (docs/design.md §9)."""
+        for v in variants:  # warm-up: first use of each path (allocator, AdamW state, kernels, sums)
+            self.step(v)
+        times, folds = {v: [] for v in variants}, {v: [] for v in variants}
+        for r in range(repeats):
+            for v in variants[r % len(variants):] + variants[: r % len(variants)]:  # rotate: no fixed position
+                t, f = self.step(v)
+                times[v].append(t)
+                folds[v].append(f)
+            log(f"  {label} repeat {r}: " + " ".join(f"{v} {times[v][-1]:.3f}" for v in variants))
+        return times, folds
+
+
+def lm_rig(shape: Shape, variants: tuple[str, ...] = VARIANTS) -> StatsRig:
+    lm = make_lm(shape)
+    inputs, labels = (t for t in token_data(shape, 1).tensors)
+    return StatsRig(lambda: lm.loss(lm(inputs), labels), named_forms(lm), named_values(lm),
+                    lm.configure_optimizers()["optimizer"], variants, auto_capture(inputs))
+
+
+def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
+    rig = lm_rig(shape)
+    auto = rig.auto
+    times, folds = rig.interleaved(VARIANTS, p.repeats, env.log, shape.name)
 
     def ratio(a: str, b: str) -> float:
         return median(x / y for x, y in zip(times[a], times[b]))
@@ -152,8 +195,27 @@ def measure_stats_steps(shape: Shape, p: Preset, env: Env) -> dict:
         "round_robin_step_cost_ratio": ratio("round_robin", "normal"),
         "value_step_cost_ratio": ratio("value", "normal"),
         "both_sides_step_cost_ratio": ratio("both", "normal"),
-        "round_robin_layers_per_step": f"{per_step} of {n_layer}",
+        "round_robin_layers_per_step": rig.round_robin_layers,
+        **sketch_ratios(times, folds, auto),
     }
+
+
+def sketch_ratios(times: dict[str, list[float]], folds: dict[str, list[float]], auto: str) -> dict:
+    """The sketched variants' keys: ÷ the normal step and ÷ the full statistics of the same side, medians of the
+    per-repeat ratios (listed, so that their spread can be read)."""
+    full = {"qk": auto, "value": "value", "both": "both"}  # the full statistics of each side, capture "auto"
+    out: dict = {}
+    per_repeat: dict = {}
+    for side, key in SKETCH_SIDES.items():
+        sk = f"sketch_{side}"
+        for name, base in ((f"sketch_{key}_step_cost_ratio", "normal"), (f"sketch_vs_full_{key}_ratio", full[side])):
+            if sk in times and base in times:
+                per_repeat[name] = [x / y for x, y in zip(times[sk], times[base])]
+                out[name] = median(per_repeat[name])
+        if sk in folds:
+            out.setdefault("sketch_fold_s", {})[side] = median(folds[sk])
+    out["sketch_per_repeat_ratios"] = per_repeat
+    return out
 
 
 # -- 3. growth event -------------------------------------------------------------------------------

@@ -31,6 +31,9 @@ HEADLINE = (
     "stats_peak_memory_ratio",
     "explicit_peak_memory_ratio",
 )
+SKETCH_KEYS = ("sketch_qk_step_cost_ratio", "sketch_value_step_cost_ratio", "sketch_both_sides_step_cost_ratio",
+               "sketch_vs_full_qk_ratio", "sketch_vs_full_value_ratio", "sketch_vs_full_both_sides_ratio",
+               "sketch_memory_ratio")
 
 
 def finite_positive(value) -> bool:
@@ -45,7 +48,7 @@ def test_bench_quick_prints_one_json_object_with_finite_positive_keys():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)  # nothing but the JSON object on stdout
-    bad = {key: result.get(key) for key in HEADLINE if not finite_positive(result.get(key))}
+    bad = {key: result.get(key) for key in HEADLINE + SKETCH_KEYS if not finite_positive(result.get(key))}
     assert not bad, f"missing or not finite positive: {bad}"
     assert result["auto_capture"] in ("extend", "explicit")
     assert len(result["shapes"]) == 2
@@ -53,6 +56,18 @@ def test_bench_quick_prints_one_json_object_with_finite_positive_keys():
         for key in ("stats_step_cost_ratio", "explicit_step_cost_ratio", "stats_vs_naive_cost_ratio",
                     "stats_step_cost_ratio_pinv", "stats_peak_memory_ratio", "explicit_peak_memory_ratio"):
             assert finite_positive(shape[key]), (name, key, shape[key])
+        for key in SKETCH_KEYS:  # smoke, not targets: their medians and the per-repeat ratios they come from
+            assert finite_positive(shape[key]), (name, key, shape[key])
+            if key != "sketch_memory_ratio":
+                repeats = shape["sketch_per_repeat_ratios"][key]
+                assert len(repeats) >= 5 and all(finite_positive(x) for x in repeats), (name, key, repeats)
+        for key in ("stats_sums_bytes", "stats_extra_peak_bytes", "stats_memory_bytes"):
+            assert set(shape[key]) == {"full", "sketch"}, (name, key)
+        assert all(finite_positive(shape["stats_sums_bytes"][k]) for k in ("full", "sketch"))
+        assert f"sketch_both_sides_step_cost_ratio <= 1.5 ({name})" in result["targets"]
+    crossover = result["sketch_crossover"]
+    assert crossover["widths"] and all(finite_positive(w["sketch_vs_full"]) for w in crossover["widths"].values())
+    assert crossover["kappa"] == "none in range" or finite_positive(crossover["kappa"])
     assert all(finite_positive(s) for s in result["growth_event"]["growth_event_seconds_per_method"].values())
     assert result["growth_event"]["growth_event_full_pieces"]["d_head_after"] == [
         result["growth_event"]["growth_shape"]["d_head_after"]
@@ -67,7 +82,7 @@ def test_bench_uses_only_public_names_of_the_package():
     """No private name of lit_growattn (a `_name` imported or reached as an attribute) in the CPU benchmark."""
     import ast
 
-    modules = ["bench.py", "bench_setup.py", "bench_steps.py", "bench_memory.py", "bench_common.py"]
+    modules = ["bench.py", "bench_setup.py", "bench_steps.py", "bench_memory.py", "bench_sketch.py", "bench_common.py"]
     tree = ast.Module([node for m in modules for node in ast.parse((REPO / "scripts" / m).read_text()).body], [])
     ours = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
             and (node.module or "").startswith("lit_growattn") for alias in node.names}
@@ -94,3 +109,36 @@ def test_the_gpu_options_go_to_the_gpu_benchmark_and_are_refused_on_cpu(monkeypa
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert refusal in capsys.readouterr().err
+
+
+def test_sketch_crossover_interpolates_where_sketch_over_full_falls_through_one():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_sketch import crossing
+
+    assert crossing([100, 400], [2.0, 0.5]) == pytest.approx(200.0)  # log-midway: ratios 2 and 1/2
+    assert crossing([100, 400], [2.0, 1.5]) is None
+    assert crossing([100, 400], [0.9, 0.5]) is None
+
+
+def test_llama1b_measurement_smoke_at_a_reduced_size():
+    """--llama1b's measurement (two Llama-3.2-1B-shaped layers) at a few hundredths of its size: its keys and the
+    memory check (the units' sums_numel + tests_numel against the allocated sums, inside statistics_memory)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_sketch
+    from bench_setup import Env
+
+    r = bench_sketch.measure_llama1b(2, Env("none"), layers=2, hidden=128, heads=4, kv_heads=2, seq_len=64)
+    assert all(finite_positive(r["step_cost_ratio"][k]) for k in ("full", "sketch"))
+    assert finite_positive(r["sketch_vs_full"]) and finite_positive(r["sketch_memory_ratio"])
+    assert all(finite_positive(r["stats_sums_bytes"][k]) for k in ("full", "sketch"))
+    assert list(r["target"]) == ["sketch_memory_ratio <= 1/16"]
+
+
+def test_llama1b_is_refused_with_quick(capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--llama1b"])
+    assert "--llama1b is a full-size measurement" in capsys.readouterr().err

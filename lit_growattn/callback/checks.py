@@ -19,8 +19,8 @@ from lit_growattn.contract import NamedForm, SketchCapture, missing
 from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
 
 # `auto` sketches when e′ ≥ κ·(k + l): a statistics step then widens attention by k + l columns instead of e′, and
-# both paths keep C̄ (e′²). Provisional: 2.0 from that arithmetic on both devices, until the bench's crossover sweep
-# (scripts/bench.py, measurement `sketch_crossover`; docs/performance.md) measures κ per device.
+# both paths keep C̄ (e′²). 2.0 from that arithmetic; on CPU the bench's crossover sweep (scripts/bench.py, measurement
+# `sketch_crossover`; docs/performance.md) measured 1.97, so 2.0 stays; cuda provisional until a GPU run measures it.
 SKETCH_CROSSOVER = {"cpu": 2.0, "cuda": 2.0}
 # p, the columns an event appends to a head, when the statistics choose it (AutoSchedule, rank_threshold).
 CHOSEN_COLUMNS = 8
