@@ -31,6 +31,18 @@ def cpu_allocation_peak(fn: Callable[[], None]) -> int:
     return peak
 
 
+def allocation_peak(fn: Callable[[], None], device: torch.device) -> int:
+    """Peak of the bytes allocated on `device` while fn runs, above the level at its start."""
+    if device.type != "cuda":
+        return cpu_allocation_peak(fn)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start
+
+
 def measure_memory(shape: Shape, env: Env) -> dict:
     lm = make_lm(shape)
     forms = named_forms(lm)

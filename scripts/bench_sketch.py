@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from bench_memory import cpu_allocation_peak
+from bench_memory import allocation_peak
 from bench_setup import SKETCH, Env, Preset, Shape, auto_capture, median
 from bench_steps import StatsRig, lm_rig
 
@@ -40,7 +40,7 @@ def statistics_memory(rig: StatsRig) -> dict:
     """Both sides' statistics memory, full vs sketch, of `rig`'s model (its variants: MEMORY_VARIANTS)."""
     for v in MEMORY_VARIANTS:  # first steps: sums, optimizer state and lazily created state exist before the peaks
         rig.step(v)
-    peak = {v: cpu_allocation_peak(lambda: rig.step(v)) for v in MEMORY_VARIANTS}
+    peak = {v: allocation_peak(lambda: rig.step(v), rig.device) for v in MEMORY_VARIANTS}
     units = rig.forms + rig.values
     sums = {"full": sums_bytes(units, rig.stats["natural"] + rig.stats["value"], False),
             "sketch": sums_bytes(units, rig.windows["qk"].stats + rig.windows["value"].stats, True)}
@@ -98,17 +98,18 @@ def measure_crossover(p: Preset, env: Env) -> dict:
 
 # -- 8. Llama-3.2-1B-shaped stack (--llama1b) -------------------------------------------------------
 def measure_llama1b(repeats: int, env: Env, layers: int = 2, hidden: int = 2048, heads: int = 32, kv_heads: int = 8,
-                    seq_len: int = 1024) -> dict:
+                    seq_len: int = 1024, device: torch.device = torch.device("cpu")) -> dict:
     """`layers` Llama layers (head_dim hidden/heads, intermediate 4·hidden, vocabulary 256, random weights) made
-    growable: plain vs full (capture auto) vs sketch, both sides, at batch 1."""
+    growable, on `device`: plain vs full (capture auto) vs sketch, both sides, at batch 1."""
     from bench_hf import llama  # the bench's HF model builder (transformers only when asked)
     from lit_growattn.hf import GrowableAttention, make_growable
 
     model = llama(layers, hidden, heads, kv_heads)
     make_growable(model)
+    model.to(device)
     forms = [NamedForm(m.layer_idx, name, m) for name, m in model.named_modules() if isinstance(m, GrowableAttention)]
     values = [NamedForm(f.layer, f"{f.name}.value", f.form.value) for f in forms]
-    ids = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
 
     def loss() -> torch.Tensor:
         logits = model(input_ids=ids[:, :-1], use_cache=False).logits
@@ -120,6 +121,7 @@ def measure_llama1b(repeats: int, env: Env, layers: int = 2, hidden: int = 2048,
     ratio = lambda a, b: [x / y for x, y in zip(times[a], times[b])]  # noqa: E731
     memory = statistics_memory(rig)
     return {
+        "device": str(device),
         "shape": {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv_heads,
                   "head_dim": hidden // heads, "intermediate": 4 * hidden, "seq_len": seq_len, "batch": 1},
         "auto_capture": rig.auto,

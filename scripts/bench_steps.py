@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from bench_common import StepTimer, plain_step_times
+from bench_common import StepTimer, plain_step_times, sync
 from bench_setup import (CPU, ROUND_ROBIN_SHARE, SKETCH, SKETCH_SIDES, VARIANTS, Env, Preset, Shape, auto_capture,
                          fold, make_lm, make_trainer, median, named_forms, named_values, set_capture, token_data)
 
@@ -92,7 +92,7 @@ class StatsRig:
     def __init__(self, loss: Callable[[], torch.Tensor], forms: NamedForms, values: NamedForms, optimizer,
                  variants: tuple[str, ...] = VARIANTS, auto: str = "explicit"):
         self.loss, self.forms, self.values, self.opt, self.auto = loss, forms, values, optimizer, auto
-        dtype = forms[0][2].leading_tensor.dtype
+        dtype, self.device = forms[0][2].leading_tensor.dtype, forms[0][2].leading_tensor.device
         self.stats = {  # only the sums the variants use (the full value sums are large at wide shapes)
             "natural": [f.empty_sums("natural", dtype) for _, _, f in forms],  # gradient: same sums
             "pinv": [f.empty_sums("pinv", dtype) for _, _, f in forms] if any("pinv" in v for v in variants) else [],
@@ -136,14 +136,17 @@ class StatsRig:
         loss = self.loss()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        sync(self.device)
         t1 = time.perf_counter()
         qk_sums, value_sums = self.sums(variant)
         if mode is not None:
             fold(self.forms, qk_sums)
         if value:
             fold(self.values, value_sums)
+        sync(self.device)
         t2 = time.perf_counter()
         self.opt.step()
+        sync(self.device)
         t3 = time.perf_counter()
         for key, units in (("qk", self.forms), ("value", self.values)):
             self.windows[key].end_step(units)  # capture and test matrices off, anything left dropped

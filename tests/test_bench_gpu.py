@@ -20,6 +20,9 @@ STEP_KEYS = {
     "gpu_tests": {"passed", "failed", "skipped", "pytest_exit_code", "tests", "checks"},
     "bench_gpu": {"device", "torch", "lightning", "precision", "compile", "setup", "throughput", "statistics_step",
                   "sdpa_backends", "targets", "bench_seconds", "checks"},
+    "sketch_1b": {"device", "shape", "auto_capture", "step_s", "step_cost_ratio", "sketch_vs_full",
+                  "per_repeat_sketch_vs_full", "stats_sums_bytes", "stats_extra_peak_bytes", "stats_memory_bytes",
+                  "plain_step_peak_bytes", "sketch_sums_ratio", "sketch_memory_ratio", "target", "checks"},
     "mfu": {"setup", "matmul_peak_tflops", "flops_per_token", "tokens_per_s", "mfu", "statistics_step", "checks"},
     "text_growth": {"corpus", "batch_size", "block_size", "steps", "growth_lines", "d_head", "step_s_per_epoch",
                     "step_s_before_after_growth", "val_loss", "checks"},
@@ -51,6 +54,7 @@ def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
         "bench_gpu: stats_step_cost_ratio <= 1.5": None,
         "bench_gpu: both_sides_step_cost_ratio <= 1.5": None,
         "bench_gpu: no math fallback at any d_head": None,
+        "sketch_1b: sketch_memory_ratio <= 1/16": None,
         "text_growth: text run grows at every event": True,
         "seed001: lambda moves": True,
         "seed001: entropy callback logs": True,
@@ -74,6 +78,11 @@ def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
     for row in backends["per_d_head"].values():
         assert "flash" in row["padded_train"] and "flash" in row["padded_extend"], row
     assert "math" in backends["per_d_head"]["1"]["unpadded_train"]
+
+    # The 1B measurement at a tiny size (where e′ is too small for the sketch to be smaller): every step was timed.
+    sketch = steps["sketch_1b"]
+    assert sketch["device"] == "cpu" and sketch["sketch_sums_ratio"] > 0 and sketch["stats_memory_bytes"]["full"] > 0
+    assert all(t > 0 for t in sketch["step_s"].values()) and set(sketch["step_s"]) == {"normal", "both", "sketch_both"}
 
     # MFU: 6 FLOPs per weight and token (tied embedding counted once, no position table), plus the causal score
     # and value products, 3 × (s + 1) × n_head · (d_head + d_v) per layer; against the measured matmul peak.

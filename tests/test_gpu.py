@@ -11,14 +11,16 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lit_growattn import GrowAttentionCallback, growth
+from lit_growattn import AtSteps, GrowAttentionCallback, GrowthSettings, growth
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.sdpa import causal_attention
 from lit_growattn.commands.cli import main
 from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
 
+from callback_helpers import sketch_tolerance
 from conftest import REPO
+from test_callback_events import _sketch_or_full_run as sketch_or_full_run
 from test_compile import _fit as compiled_growth_fit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -87,6 +89,24 @@ def test_statistics_captured_on_cuda_equal_the_cpus():
     for layer, (want, got) in enumerate(zip(sums["cpu"], sums["cuda"])):
         for name, w, g in zip(want.names, want.tensors(), got.tensors()):
             assert_near(g.cpu(), w, torch.float32, f"form {layer} {name}")
+
+
+@pytest.mark.filterwarnings("ignore:statistics.sketch_size=16 keeps k \\+ l = 40 columns per head")
+def test_sketched_growth_on_cuda_equals_the_cpus(tmp_path):
+    """statistics.sketch: on, both sides, float64: the test matrices, captures and reconstruction on CUDA give the
+    event the CPU gives (the same record and the same grown function, to the round-off of sums over e′ terms)."""
+    schedule = lambda: GrowthSettings(grow="both", method="natural", columns=2, value_columns=2)  # noqa: E731
+    runs = {device: sketch_or_full_run(tmp_path / device, AtSteps([4]), schedule(), True, 5, accelerator=accelerator)
+            for device, accelerator in (("cpu", "cpu"), ("cuda", "gpu"))}
+    want, got = runs["cpu"], runs["cuda"]
+    assert len(want.history) == len(got.history) == 1 and got.history[0].keys() == want.history[0].keys()
+    for key in got.history[0].keys() - {"timings", "seconds", "decisions", "discarded_energy"}:
+        expected = want.history[0][key]
+        assert got.history[0][key] == (pytest.approx(expected, rel=1e-9) if isinstance(expected, float) else expected), key
+    (want_products, cond), (got_products, _) = want.events[0], got.events[0]
+    tol = sketch_tolerance(16, cond)
+    for a, b in zip(got_products, want_products, strict=True):
+        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=tol * float(b.abs().max()))
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])

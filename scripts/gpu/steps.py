@@ -142,7 +142,20 @@ def bench(dry_run: bool, work: Path) -> dict:
     return {**result, "checks": result["targets"] if not dry_run else dict.fromkeys(result["targets"])}
 
 
-# -- 3. model FLOPs utilisation on a GPT-2-small shape -----------------------------------------------------
+# -- 3. sketched statistics at Llama-3.2-1B shapes (scripts/bench.py --llama1b on the GPU) -----------------
+def sketch_1b(dry_run: bool, work: Path) -> dict:
+    """Two Llama-3.2-1B-shaped layers, both sides: a plain step, the full statistics step and the sketched one, their
+    times (medians of interleaved repeats) and the statistics' memory (sums + the step's extra allocation peak)."""
+    from bench_setup import Env
+    from bench_sketch import measure_llama1b
+
+    device = device_of(dry_run)
+    sizes = dict(layers=1, hidden=64, heads=4, kv_heads=2, seq_len=32) if dry_run else {}
+    result = measure_llama1b(1 if dry_run else 5, Env(logger="none", log=print), device=device, **sizes)
+    return {**result, "checks": dict.fromkeys(result["target"]) if dry_run else result["target"]}
+
+
+# -- 4. model FLOPs utilisation on a GPT-2-small shape -----------------------------------------------------
 GPT2_SMALL = bench_gpu.Setup(n_layer=12, n_embd=768, n_head=12, d_v=64, d_head=64, d_head_grown=64, seq_len=1024,
                              batch=16, epoch_steps=0, warmup_steps=0, repeats=10, d_heads=(), vocab=50304)
 GPT2_DRY_RUN = replace(GPT2_SMALL, n_layer=2, n_embd=32, n_head=2, d_v=16, d_head=16, d_head_grown=16, seq_len=32,
@@ -183,7 +196,7 @@ def mfu(dry_run: bool, work: Path) -> dict:
     }
 
 
-# -- 4. a text growth run: configs/text_grow.yaml at GPU batch sizes, bf16-mixed ---------------------------
+# -- 5. a text growth run: configs/text_grow.yaml at GPU batch sizes, bf16-mixed ---------------------------
 def repository_text() -> str:
     """The corpus: this repository's own documentation and code (about 0.7 MB of English and Python), so that
     the run needs no file from elsewhere."""
@@ -226,7 +239,7 @@ def text_growth(dry_run: bool, work: Path) -> dict:
     }
 
 
-# -- 5. seed 001's tiny config (low-rank DINT conversion, then SFT) in bf16 --------------------------------
+# -- 6. seed 001's tiny config (low-rank DINT conversion, then SFT) in bf16 --------------------------------
 def seed001(dry_run: bool, work: Path) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -282,7 +295,7 @@ def seed001(dry_run: bool, work: Path) -> dict:
     }
 
 
-STEPS = {"environment": environment, "gpu_tests": gpu_tests, "bench_gpu": bench, "mfu": mfu,
+STEPS = {"environment": environment, "gpu_tests": gpu_tests, "bench_gpu": bench, "sketch_1b": sketch_1b, "mfu": mfu,
          "text_growth": text_growth, "seed001": seed001}
 
 
