@@ -409,14 +409,14 @@ def test_the_demo_config_prints_its_growth_lines_between_progress_bars(tmp_path,
 
 
 # -- sketched statistics: the event the full statistics give ---------------------------------------------------------
-def _sketch_or_full_run(tmp_path, schedule, growth_settings, sketch, max_steps, accelerator="cpu", **module_args):
+def _sketch_or_full_run(tmp_path, schedule, growth_settings, sketch, max_steps, **module_args):
     """A float64 run of the tiny GPT growing both sides, its statistics sketched with k = e′ = 16 (exact for any
     statistics) or kept in full."""
     L.seed_everything(0)
     data = recall_data(batch_size=8, examples=64)
     statistics = StatisticsSettings(batches=4, **({"sketch": "on", "sketch_size": 16} if sketch else {}))
     recorder = SketchEventProbe(schedule, growth=growth_settings, statistics=statistics)
-    trainer(tmp_path, [recorder], max_epochs=2, max_steps=max_steps, precision="64-true", accelerator=accelerator,
+    trainer(tmp_path, [recorder], max_epochs=2, max_steps=max_steps, precision="64-true",
             enable_checkpointing=False).fit(tiny_module(data, dropout=0.0, **module_args), data)
     return recorder
 

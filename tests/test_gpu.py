@@ -11,16 +11,15 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lit_growattn import AtSteps, GrowAttentionCallback, GrowthSettings, growth
+from lit_growattn import GrowAttentionCallback, growth
 from lit_growattn.attention import QKForm
 from lit_growattn.attention.sdpa import causal_attention
+from lit_growattn.growth.sketch import SketchFormStats, SketchSize, SketchValueStats
 from lit_growattn.commands.cli import main
 from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT
 
-from callback_helpers import sketch_tolerance
 from conftest import REPO
-from test_callback_events import _sketch_or_full_run as sketch_or_full_run
 from test_compile import _fit as compiled_growth_fit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -91,22 +90,51 @@ def test_statistics_captured_on_cuda_equal_the_cpus():
             assert_near(g.cpu(), w, torch.float32, f"form {layer} {name}")
 
 
-@pytest.mark.filterwarnings("ignore:statistics.sketch_size=16 keeps k \\+ l = 40 columns per head")
-def test_sketched_growth_on_cuda_equals_the_cpus(tmp_path):
-    """statistics.sketch: on, both sides, float64: the test matrices, captures and reconstruction on CUDA give the
-    event the CPU gives (the same record and the same grown function, to the round-off of sums over e′ terms)."""
-    schedule = lambda: GrowthSettings(grow="both", method="natural", columns=2, value_columns=2)  # noqa: E731
-    runs = {device: sketch_or_full_run(tmp_path / device, AtSteps([4]), schedule(), True, 5, accelerator=accelerator)
-            for device, accelerator in (("cpu", "cpu"), ("cuda", "gpu"))}
-    want, got = runs["cpu"], runs["cuda"]
-    assert len(want.history) == len(got.history) == 1 and got.history[0].keys() == want.history[0].keys()
-    for key in got.history[0].keys() - {"timings", "seconds", "decisions", "discarded_energy"}:
-        expected = want.history[0][key]
-        assert got.history[0][key] == (pytest.approx(expected, rel=1e-9) if isinstance(expected, float) else expected), key
-    (want_products, cond), (got_products, _) = want.events[0], got.events[0]
-    tol = sketch_tolerance(16, cond)
-    for a, b in zip(got_products, want_products, strict=True):
-        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=tol * float(b.abs().max()))
+@pytest.mark.parametrize("capture", ["extend", "explicit"])
+def test_sketched_statistics_captured_on_cuda_equal_the_cpus(capture):
+    """statistics.sketch: on, both sides: the sketch columns through CUDA's attention kernels, the test matrices on
+    the GPU and the folded sums give the CPU's sums."""
+    torch.manual_seed(0)
+    on_cpu = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32, d_head=3, d_v=16))
+    models = {"cpu": on_cpu, "cuda": copy.deepcopy(on_cpu).to(CUDA)}
+    idx = torch.randint(0, 64, (4, 32))
+    size = SketchSize.of(4)
+    sums = {}
+    for device, model in models.items():
+        attns = [block.attn for block in model.blocks]
+        sums[device] = []
+        for i, attn in enumerate(attns):
+            (form,) = attn.qk_forms()
+            qk = SketchFormStats.empty_like(form, size, seed=i)
+            value = SketchValueStats.empty_like(attn.value, size, seed=10 + i)
+            form.capture, form.sketch = capture, qk.tests
+            attn.value.capture, attn.value.sketch = True, value.tests
+            sums[device] += [(form, qk), (attn.value, value)]
+        tokens = idx.to(next(model.parameters()).device)
+        F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        for unit, stats in sums[device]:
+            unit.capture, unit.sketch = None, None
+            for captured in unit.take_captured():
+                stats.update(*captured)
+    for n, ((_, want), (_, got)) in enumerate(zip(sums["cpu"], sums["cuda"], strict=True)):
+        assert got.tests.checksum == want.tests.checksum
+        for name, w, g in zip(want.names, want.tensors(), got.tensors(), strict=True):
+            assert_near(g.cpu(), w, torch.float32, f"unit {n} {name}")
+
+
+@pytest.mark.filterwarnings("ignore:statistics.sketch_size=.* columns per head")
+def test_sketched_growth_under_bf16_mixed_on_cuda(tmp_path, tiny_cli_args):
+    cli = main(["--config", str(REPO / "configs/mqar_grow.yaml"), *tiny_cli_args, "--trainer.max_epochs=2",
+                "--trainer.accelerator=gpu", "--trainer.precision=bf16-mixed",
+                "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+                "--trainer.callbacks.init_args.statistics.batches=2",
+                "--trainer.callbacks.init_args.statistics.sketch=on", "--data.init_args.num_train_examples=256",
+                "--data.init_args.num_val_examples=64"], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)]
+    assert [event["skipped"] for event in grow.history] == [False] and "sketch" in grow.history[0], grow.history
+    assert cli.model.model.head_sizes() == [4, 4]
+    assert math.isfinite(cli.trainer.callback_metrics["val/loss"])
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
