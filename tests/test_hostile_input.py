@@ -158,6 +158,38 @@ def test_resuming_inside_a_statistics_window_with_other_window_settings_is_refus
     refused(done, "inside the statistics window of growth 'epoch 1'", named, "resume with", "outside the window")
 
 
+def test_a_window_cut_short_by_a_resume_warns_and_grows_at_alpha_zero(tmp_path, in_window_run, cli):
+    """The checkpoint was written after the window's first micro-batch, before the batches it keeps for the step-size
+    search; the resumed run starts epoch 1, where the growth is due, so the window never sees the rest. The growth
+    goes ahead from what was gathered, says so, and installs at α = 0 instead of rating candidates on no batch."""
+    with pytest.warns(UserWarning, match="its statistics window was cut short") as caught:
+        done = cli(*RECALL, *logs(tmp_path), "--trainer.max_epochs=2", "--trainer.limit_train_batches=4",
+                   "--trainer.accumulate_grad_batches=2", "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+                   "--trainer.callbacks.init_args.statistics.batches=3", f"--ckpt_path={in_window_run}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (warning,) = [str(w.message) for w in caught if "cut short" in str(w.message)]
+    assert "the new columns go in at α = 0 (the function unchanged)" in warning
+    assert "growth at step 1 (epoch 1): d_head 1→8 per layer, α=0, no kept batches to rate it on" in done.stdout
+    assert "nan" not in done.stdout.split("growth summary")[0]
+
+
+def test_a_growth_whose_window_a_resume_skipped_is_skipped_with_a_warning(tmp_path, cli):
+    """Stopped after the first optimizer step, before the window (the last 2 micro-batches of epoch 0); the resumed
+    run starts epoch 1, where the growth is due, without a batch of statistics: the event is skipped and says why."""
+    common = [*RECALL, "--trainer.max_epochs=2", "--trainer.limit_train_batches=4", "--trainer.accumulate_grad_batches=2",
+              "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+              "--trainer.callbacks.init_args.statistics.batches=2"]
+    assert cli(*common, *logs(tmp_path / "first"), "--trainer.max_steps=1").returncode == 0
+    (last,) = (tmp_path / "first").rglob("last.ckpt")
+    with pytest.warns(UserWarning, match="growth at epoch 1 skipped: no statistics were gathered for it"):
+        done = cli(*common, *logs(tmp_path / "resumed"), f"--ckpt_path={last}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "growth at step 1 (epoch 1): skipped, no statistics were gathered for it (as when a run resumes" in done.stdout
+    (state,) = [v for k, v in torch.load(next((tmp_path / "resumed").rglob("last.ckpt")), weights_only=False)[
+        "callbacks"].items() if k.startswith("GrowAttentionCallback")]
+    assert [(e["skipped"], e["d_head"]) for e in state["history"]] == [(True, [1])]
+
+
 @pytest.mark.parametrize("saved_by", ["this version", "a version without the sketch settings"])
 def test_resuming_a_full_statistics_window_with_the_sketch_on_is_refused(tmp_path, in_window_run, cli, saved_by):
     """The window's sums are full statistics: going on under statistics.sketch: on would fold sketches into them. A

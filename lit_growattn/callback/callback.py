@@ -232,9 +232,17 @@ class GrowAttentionCallback(Callback):
             return self._skip(trainer, pl_module, where, f"nothing has room left to grow ({capped})")
         window = self.window
         if window.event != point.name or window.stats is None:
-            return self._skip(trainer, pl_module, where, "no statistics were gathered for it")
+            return self._skip(trainer, pl_module, where, "no statistics were gathered for it (as when a run resumes "
+                              "from a checkpoint written before its statistics window and Lightning goes on with the "
+                              "next epoch)")
         if not window.reduced:
-            window.close(trainer.strategy, trainer.world_size, pl_module.device)  # a window cut short
+            window.close(trainer.strategy, trainer.world_size, pl_module.device)
+            unrated = "" if window.kept else (
+                "; none of its batches kept for the step-size search were seen, so the new columns go in at α = 0 "
+                "(the function unchanged)")
+            warnings.warn(f"growth at {point.name}: its statistics window was cut short (as when a run resumes from a "
+                          "checkpoint written inside it and Lightning goes on with the next epoch); it grows from "
+                          f"the statistics gathered before the cut{unrated}")
         window.to(pl_module.device)
         # Under a 16-mixed GradScaler overflowed steps are dropped: a short window (or a layer's few round-robin
         # turns) can end with nothing. Layers without statistics keep their size; the others still grow.

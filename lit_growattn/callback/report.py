@@ -3,6 +3,8 @@ TensorBoard scalars and figures, and the custom-scalar layout that groups them."
 
 from __future__ import annotations
 
+import math
+
 from fractions import Fraction
 
 import lightning as L
@@ -100,10 +102,9 @@ def event_line(event: dict) -> str:
         return f"{where}: skipped, {event['reason']}; {kept}"
     if not grew(event):
         return f"growth check at step {event['step']} (epoch {event['epoch']}): no layer grows, {kept}{decided}"
-    return (
-        f"{where}: {_sizes(event)}, α={_alpha(event['alpha'])}, "
-        f"loss {event['loss_before']:.4g}→{event['loss_after']:.4g} on the kept batches, {event['seconds']:.2g} s{decided}"
-    )
+    rated = ("no kept batches to rate it on" if math.isnan(event["loss_before"])
+             else f"loss {event['loss_before']:.4g}→{event['loss_after']:.4g} on the kept batches")
+    return f"{where}: {_sizes(event)}, α={_alpha(event['alpha'])}, {rated}, {event['seconds']:.2g} s{decided}"
 
 
 def summary_table(history: list[dict]) -> str:
