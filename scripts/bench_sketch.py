@@ -71,13 +71,14 @@ def crossing(widths: list[int], ratios: list[float]) -> float | None:
     return None
 
 
-def measure_crossover(p: Preset, env: Env) -> dict:
-    """One-layer GPTs at each p.crossover_widths (heads n_embd/32, d_head 8), both sides: full vs sketch step."""
+def measure_crossover(p: Preset, env: Env, device: torch.device = torch.device("cpu")) -> dict:
+    """One-layer GPTs at each p.crossover_widths (heads n_embd/32, d_head 8) on `device`, both sides: full vs sketch
+    step."""
     seq_len, batch = p.crossover_tokens
     rows, widths, ratios = {}, [], []
     for n in p.crossover_widths:
         shape = Shape(n_layer=1, n_embd=n, n_head=max(1, n // 32), d_head=8, seq_len=seq_len, batch=batch)
-        rig = lm_rig(shape, ("both", "sketch_both"))
+        rig = lm_rig(shape, ("both", "sketch_both"), device)
         times, _ = rig.interleaved(("both", "sketch_both"), p.repeats, env.log, f"crossover n_embd {n}")
         per_repeat = [s / f for s, f in zip(times["sketch_both"], times["both"])]
         e_in = rig.forms[0][2].e_in
@@ -88,7 +89,8 @@ def measure_crossover(p: Preset, env: Env) -> dict:
         ratios.append(median(per_repeat))
     e_star = crossing(widths, ratios)
     return {
-        "shape": f"1 layer, heads n_embd/32, d_head 8, s {seq_len}, b {batch}, both sides, capture auto",
+        "device": str(device),
+        "shape": f"1 layer, heads n_embd/32, d_head 8, s {seq_len}, b {batch}, both sides, capture {rig.auto}",
         "sketch_size": {"k": SKETCH.k, "l": SKETCH.l, "k_c": SKETCH.k_c},
         "widths": rows,
         "e_in_crossing": e_star if e_star is not None else "none in range",

@@ -168,9 +168,9 @@ class StatsRig:
         return times, folds
 
 
-def lm_rig(shape: Shape, variants: tuple[str, ...] = VARIANTS) -> StatsRig:
-    lm = make_lm(shape)
-    inputs, labels = (t for t in token_data(shape, 1).tensors)
+def lm_rig(shape: Shape, variants: tuple[str, ...] = VARIANTS, device: torch.device = CPU) -> StatsRig:
+    lm = make_lm(shape).to(device)
+    inputs, labels = (t.to(device) for t in token_data(shape, 1).tensors)
     return StatsRig(lambda: lm.loss(lm(inputs), labels), named_forms(lm), named_values(lm),
                     lm.configure_optimizers()["optimizer"], variants, auto_capture(inputs))
 

@@ -23,6 +23,7 @@ STEP_KEYS = {
     "sketch_1b": {"device", "shape", "auto_capture", "step_s", "step_cost_ratio", "sketch_vs_full",
                   "per_repeat_sketch_vs_full", "stats_sums_bytes", "stats_extra_peak_bytes", "stats_memory_bytes",
                   "plain_step_peak_bytes", "sketch_sums_ratio", "sketch_memory_ratio", "target", "checks"},
+    "sketch_crossover": {"device", "shape", "sketch_size", "widths", "e_in_crossing", "kappa", "checks"},
     "mfu": {"setup", "matmul_peak_tflops", "flops_per_token", "tokens_per_s", "mfu", "statistics_step", "checks"},
     "text_growth": {"corpus", "batch_size", "block_size", "steps", "growth_lines", "d_head", "step_s_per_epoch",
                     "step_s_before_after_growth", "val_loss", "checks"},

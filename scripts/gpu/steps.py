@@ -155,6 +155,18 @@ def sketch_1b(dry_run: bool, work: Path) -> dict:
     return {**result, "checks": dict.fromkeys(result["target"]) if dry_run else result["target"]}
 
 
+def sketch_crossover(dry_run: bool, work: Path) -> dict:
+    """The width e′ where the sketched statistics step gets cheaper than the full one on this GPU (κ of `auto`)."""
+    from bench_setup import PRESETS, Env
+    from bench_sketch import measure_crossover
+
+    preset = PRESETS["quick" if dry_run else "full"]
+    if not dry_run:  # a GPU's kernels need more work per call than the CPU preset's 1,024 tokens to be timed at all
+        preset = replace(preset, crossover_widths=(128, 256, 512, 1024, 2048, 4096), crossover_tokens=(1024, 2))
+    result = measure_crossover(preset, Env(logger="none", log=print), device_of(dry_run))
+    return {**result, "checks": {}}
+
+
 # -- 4. model FLOPs utilisation on a GPT-2-small shape -----------------------------------------------------
 GPT2_SMALL = bench_gpu.Setup(n_layer=12, n_embd=768, n_head=12, d_v=64, d_head=64, d_head_grown=64, seq_len=1024,
                              batch=16, epoch_steps=0, warmup_steps=0, repeats=10, d_heads=(), vocab=50304)
@@ -295,7 +307,8 @@ def seed001(dry_run: bool, work: Path) -> dict:
     }
 
 
-STEPS = {"environment": environment, "gpu_tests": gpu_tests, "bench_gpu": bench, "sketch_1b": sketch_1b, "mfu": mfu,
+STEPS = {"environment": environment, "gpu_tests": gpu_tests, "bench_gpu": bench, "sketch_1b": sketch_1b,
+         "sketch_crossover": sketch_crossover, "mfu": mfu,
          "text_growth": text_growth, "seed001": seed001}
 
 
