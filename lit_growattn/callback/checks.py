@@ -19,9 +19,10 @@ from lit_growattn.contract import NamedForm, SketchCapture, missing
 from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
 
 # `auto` sketches when e′ ≥ κ·(k + l): a statistics step then widens attention by k + l columns instead of e′, and
-# both paths keep C̄ (e′²). 2.0 from that arithmetic; on CPU the bench's crossover sweep (scripts/bench.py, measurement
-# `sketch_crossover`; docs/performance.md) measured 1.97, so 2.0 stays; cuda provisional until a GPU run measures it.
-SKETCH_CROSSOVER = {"cpu": 2.0, "cuda": 2.0}
+# both paths keep C̄ (e′²). Measured where the sketched step costs the same as the full one (scripts/bench.py's
+# `sketch_crossover` on CPU, 1.97; the GPU check's on an H200, 4.29: its fused kernels make the full path's wide
+# call cheaper; docs/performance.md).
+SKETCH_CROSSOVER = {"cpu": 2.0, "cuda": 4.3}
 # p, the columns an event appends to a head, when the statistics choose it (AutoSchedule, rank_threshold).
 CHOSEN_COLUMNS = 8
 # natural's ridge under the sketch when growth.ridge is null: the pseudo-inverse direction lies in N̄'s tail, which no

@@ -221,8 +221,8 @@ class StatisticsSettings:
             captured with k + l extra attention columns instead of e′; exact when a head's statistics have rank
             ≤ k; docs/design.md, sketched statistics) | auto (off for pinv, registered directions, line_search
             full_rank and units without sketch capture (contract.SketchCapture); otherwise on when the full
-            statistics exceed max_memory_gb and the sketch fits, or when e′ ≥ a provisional crossover (2, until
-            measured per device) × (k + l)). Under the sketch, method natural uses growth.ridge, 1.0 unless set.
+            statistics exceed max_memory_gb and the sketch fits, or when e′ ≥ the measured crossover κ·(k + l),
+            κ 2.0 on CPU and 4.3 on CUDA). Under the sketch, method natural uses growth.ridge, 1.0 unless set.
         sketch_size: k, the sketch's range columns per head (its co-range has ⌈3k/2⌉, the value side's Nyström sketch
             k); null: max(24, 2·p + 8), p the most columns one event appends to a head (growth.columns,
             value_columns, max_columns; 8 when AutoSchedule or rank_threshold chooses).
