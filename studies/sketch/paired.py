@@ -10,7 +10,7 @@ three rows each:
     auto    configs/text_auto.yaml (query/key, AutoSchedule budget 4, random columns sized by natural)
 
     python studies/sketch/paired.py --text ../shared/data/tinyshakespeare.txt --seeds 0 1 2 3 4 5
-    python studies/sketch/paired.py --report    # paired.md from paired.json
+    python studies/sketch/paired.py --report    # paired.md and paired.png from paired.json
 
 Results go to --out (default studies/sketch/paired.json) after each run, as runs[config][row][seed]; a run already
 there is skipped, so the grid can stop and go on.
@@ -85,7 +85,7 @@ def report(results: dict) -> str:
              "|---|---|---|---|---|---|"]
     for config, runs in results["runs"].items():
         cells, verdicts = [], []
-        for a, b in (("sketch", "full"), ("full ridge", "full"), ("sketch", "full ridge")):
+        for a, b in COMPARISONS:
             p = paired(runs, a, b)
             cells.append("–" if p is None else f"{p['mean']:+.2f} ± {p['se']:.2f} ({p['n']})")
         p = paired(runs, "sketch", "full")
@@ -104,6 +104,36 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+COMPARISONS = (("sketch", "full"), ("full ridge", "full"), ("sketch", "full ridge"))
+
+
+def plot(results: dict, path: Path) -> None:
+    """Per config and comparison: each seed's paired difference (dots) and the mean ± standard error (bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(results["runs"])
+    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 3.4), sharey=True, squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        for x, (a, b) in enumerate(COMPARISONS):
+            p = paired(results["runs"][config], a, b)
+            if p is None:
+                continue
+            ax.scatter([x] * p["n"], p["per_seed"], s=12, color="0.6", zorder=2)
+            ax.errorbar([x + 0.15], [p["mean"]], yerr=[p["se"]], fmt="o", color="C0", capsize=4, zorder=3)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.axhspan(-MARGIN, MARGIN, color="C2", alpha=0.12, lw=0)
+        ax.set_xticks(range(len(COMPARISONS)), [f"{a}\n− {b}" for a, b in COMPARISONS], fontsize=8)
+        ax.set_title(f"{config} ({CONFIGS[config].removeprefix('configs/')})", fontsize=9)
+    axes[0][0].set_ylabel("final validation loss difference (%)")
+    fig.suptitle(f"paired by seed; band ±{MARGIN} %", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--text", help="the corpus (a text file); required unless --report")
@@ -112,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--out", type=Path, default=OUT, help="the results JSON, read first and updated after each run")
     parser.add_argument("--override", nargs="+", action="extend", default=[], help="extra CLI overrides for every run")
-    parser.add_argument("--report", action="store_true", help="write paired.md beside --out from its runs")
+    parser.add_argument("--report", action="store_true", help="write paired.md and paired.png beside --out")
     args = parser.parse_args(argv)
     results = read_results(parser, args.out, WHAT)
     if (recorded := results.setdefault("override", args.override)) != args.override and not args.report:
@@ -120,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                      "another --out")
     if args.report:
         (args.out.parent / "paired.md").write_text(report(results), encoding="utf-8")
+        plot(results, args.out.parent / "paired.png")
         return
     if args.text is None or not Path(args.text).is_file():
         parser.error(f"--text {args.text} is not a file (give the corpus, or --report)")
