@@ -138,7 +138,7 @@ UNSET = "(--trainer.callbacks.init_args.{}=null)"
     (lambda: StatisticsSettings(sketch="yes"), "statistics.sketch must be one of off, on, auto; got 'yes'"),
     (lambda: StatisticsSettings(sketch="on", sketch_size=0),
      "statistics.sketch_size must be positive (or null for max(24, 2·p + 8)), got 0"),
-    (lambda: StatisticsSettings(sketch_size=24),
+    (lambda: StatisticsSettings(sketch="off", sketch_size=24),
      "statistics.sketch_size sizes the sketch, and statistics.sketch is off: set statistics.sketch to on or auto, or "
      f"set statistics.sketch_size to null {UNSET.format('statistics.sketch_size')}"),
     (lambda: GrowthSettings(ridge=-1), "growth.ridge must be ≥ 0 (a multiple of the input covariance's mean "
@@ -256,7 +256,8 @@ def test_auto_keeps_the_full_statistics_for_pinv_full_rank_and_units_that_captur
     assert resolve(auto, units(2048), search=StepSearch(line_search="full_rank")) == (
         None, "auto: step_search.line_search='full_rank' installs M + αΔM at full rank")
     assert resolve(auto, units(2048, sketch=False)) == (None, "auto: _Form of layer 0 captures no sketch")
-    assert resolve(StatisticsSettings(), units(2048)) == (None, "statistics.sketch: off")
+    assert resolve(StatisticsSettings(sketch="off"), units(2048)) == (None, "statistics.sketch: off")
+    assert resolve(StatisticsSettings(), units(2048)) == (K24, "auto: e′ = 2048 ≥ 2·(k + l) = 120 on cpu")
 
 
 def test_auto_sketches_when_the_full_statistics_exceed_max_memory_and_the_sketch_fits():

@@ -233,7 +233,7 @@ class StatisticsSettings:
     capture: Capture = "auto"
     layers_per_event: int | None = None
     max_memory_gb: float | None = None
-    sketch: SketchMode | bool = "off"  # bool: YAML 1.1 reads an unquoted on/off as true/false
+    sketch: SketchMode | bool = "auto"  # bool: YAML 1.1 reads an unquoted on/off as true/false
     sketch_size: int | None = None
 
     def __post_init__(self):
