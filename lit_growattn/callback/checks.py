@@ -9,14 +9,17 @@ import math
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy,
+                                          Strategy)
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_growattn import growth
 from lit_growattn.callback.memory import size_text, window_bytes
 from lit_growattn.callback.settings import GrowthSettings, ScheduleKind, StatisticsSettings, StepSearch, unset
-from lit_growattn.contract import NamedForm, SketchCapture, missing
+from lit_growattn.contract import NamedForm, SketchCapture, check_shardable, missing
 from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
+from lit_growattn.training import fsdp2
 
 # `auto` sketches when e′ ≥ κ·(k + l): a statistics step then widens attention by k + l columns instead of e′, and
 # both paths keep C̄ (e′²). 2.0 from that arithmetic; on CPU the bench's crossover sweep (scripts/bench.py, measurement
@@ -32,13 +35,38 @@ SKETCH_RIDGE = 1.0
 Firsts = dict[str, dict[int, object]]  # per side that grows ("query/key form", "value map"), each layer's first unit
 
 
+# A sharded run that a growth can re-shard, named in every refusal of another sharding strategy.
+MODEL_PARALLEL = ("strategy=ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) (FSDP2, which the "
+                  "module's configure_model applies), or strategy='ddp'")
+
+
 def check_strategy(strategy: Strategy) -> None:
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+    """Accepts a single device, DDP, and ModelParallelStrategy without tensor parallelism."""
+    if isinstance(strategy, ModelParallelStrategy):
+        if refusal := fsdp2.tensor_parallel_refusal(strategy.device_mesh):
+            raise RuntimeError(refusal)
+        return
+    # DeepSpeedStrategy is a DDPStrategy: refused by name before DDP is accepted.
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         raise RuntimeError(
-            f"GrowAttentionCallback supports single-device and DDP training, not {type(strategy).__name__}: "
-            "FSDP and DeepSpeed shard parameters, and resizing a sharded parameter needs a full re-shard. "
-            "Use strategy='ddp' (any number of nodes) or 'ddp_spawn'."
+            f"GrowAttentionCallback cannot grow under {type(strategy).__name__}: it shards parameters in a way a growth "
+            f"cannot re-shard (FSDP1, DeepSpeed). Use {MODEL_PARALLEL}."
         )
+
+
+def check_model_parallel(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Under ModelParallelStrategy: refuses a module whose blocks a growth cannot rebuild, and the weight-averaging
+    callbacks, whose averaged copy of the module is not sharded alike."""
+    if not isinstance(trainer.strategy, ModelParallelStrategy):
+        return
+    check_shardable(pl_module)
+    for callback in trainer.callbacks:
+        if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
+            name = type(callback).__name__
+            raise ValueError(
+                f"{name} cannot be combined with GrowAttentionCallback under ModelParallelStrategy yet: its averaged "
+                f"copy of the module is not sharded, and a growth does not re-shard it. Use strategy='ddp' with {name}"
+            )
 
 
 def growing_layers(settings: GrowthSettings, pl_module: L.LightningModule, named: list[NamedForm],
