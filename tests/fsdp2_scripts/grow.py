@@ -5,7 +5,7 @@ Lightning's launcher starts this script again for rank 1, so it is a script, not
 
 Each rank writes OUT_DIR/<strategy>_<rank>.pt: the event history; the full optimizer state by parameter name just
 before and just after the growth; how that state and the parameters are held after the growth (DTensor, placements,
-FSDP roots); the widths forward uses after the run; the final full parameters.
+FSDP roots); the validation loss after the run and the widths forward uses then; the final full parameters.
 """
 
 import os
@@ -23,6 +23,7 @@ from callback_helpers import recall_data, tiny_module  # noqa: E402
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings  # noqa: E402
 from lit_growattn.attention.qk import QKForm  # noqa: E402
 from lit_growattn.attention.value import ValueMap  # noqa: E402
+from lit_growattn.training.fsdp2 import reshard_all  # noqa: E402
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -32,6 +33,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def optimizer_state(trainer, pl_module) -> dict[str, dict[str, torch.Tensor]]:
     (optimizer,) = trainer.optimizers
+    reshard_all(pl_module)  # after the validation's forward passes the root holds its parameters unsharded
     return {name: {key: full(value) for key, value in optimizer.state[p].items()}
             for name, p in pl_module.named_parameters() if p in optimizer.state}
 
@@ -100,11 +102,13 @@ def main(kind: str, out: str) -> None:
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2" else "ddp"
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true", max_epochs=3,
                         callbacks=[grow], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, deterministic=True)
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1, deterministic=True)
     trainer.fit(module, data)
+    # Lightning calls configure_model again: the module is already sharded
+    (validated,) = trainer.validate(module, datamodule=data, verbose=False)
     inputs, _ = next(iter(data.train_dataloader()))
     result = {
-        "history": grow.history, "before": grow.before, "after": grow.after, "layout": grow.layout,
+        "val_loss": validated["val/loss"], "history": grow.history, "before": grow.before, "after": grow.after, "layout": grow.layout,
         "sizes": {"d_head": module.head_sizes(), "d_v": module.value_sizes()},
         "forward_widths": forward_widths(module, inputs),
         "params": {name: full(p) for name, p in module.named_parameters()},
