@@ -107,6 +107,8 @@ class GatheredBlocks:
         self.meshes: dict[int, DeviceMesh] = {}
 
     def __enter__(self) -> GatheredBlocks:
+        if not self.layers:
+            return self
         reshard_all(self.module)
         blocks = self.module.blocks()
         for layer in self.layers:
@@ -117,6 +119,8 @@ class GatheredBlocks:
 
     def restore(self) -> None:
         """The sharded blocks back in place, every parameter registered sharded (as the optimizer knows them)."""
+        if not self.layers:
+            return
         blocks = self.module.blocks()
         for layer, block in self.sharded.items():
             blocks[layer] = block
@@ -124,12 +128,13 @@ class GatheredBlocks:
 
     def reshard(self) -> None:
         """The plain copies, sharded as the blocks they replace were, in their place for good."""
+        if not self.layers:
+            return
         blocks = self.module.blocks()
         for layer, block in self.plain.items():
             shard_block(block, self.meshes[layer])
             blocks[layer] = block
-        if self.plain:
-            relazy(self.module)
+        relazy(self.module)
         self.sharded = {}
 
     def __exit__(self, *exc) -> None:
