@@ -5,7 +5,8 @@ Lightning's launcher starts this script again for rank 1, so it is a script, not
 
 Each rank writes OUT_DIR/<strategy>_<rank>.pt: the event history; the full optimizer state by parameter name just
 before and just after the growth; how that state and the parameters are held after the growth (DTensor, placements,
-FSDP roots); the validation loss after the run and the widths forward uses then; the final full parameters.
+FSDP roots); the validation loss after the run and the widths forward uses then; the final full parameters. The
+checkpoint of each epoch goes to OUT_DIR/<strategy>_checkpoints (under FSDP2 a distributed checkpoint: a folder).
 """
 
 import os
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -101,8 +103,9 @@ def main(kind: str, out: str) -> None:
                     statistics=StatisticsSettings(batches=2))
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2" else "ddp"
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true", max_epochs=3,
-                        callbacks=[grow], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1, deterministic=True)
+                        callbacks=[grow, ModelCheckpoint(os.path.join(out, f"{kind}_checkpoints"))], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=1, deterministic=True)
     trainer.fit(module, data)
     # Lightning calls configure_model again: the module is already sharded
     (validated,) = trainer.validate(module, datamodule=data, verbose=False)
