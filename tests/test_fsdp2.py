@@ -36,15 +36,18 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("fsdp2")
 
 
+def run(out, kind: str, name: str) -> list[dict]:
+    """What grow.py records on each rank for the run `name` under `kind` (fsdp2 or ddp)."""
+    done = subprocess.run([sys.executable, str(SCRIPT), kind, name, str(out)], cwd=out, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(out / f"{kind}_{name}_{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def runs(out):
-    """{"fsdp2": [rank 0, rank 1], "ddp": [...]}: what grow.py records on each rank."""
-    for kind in ("fsdp2", "ddp"):
-        done = subprocess.run([sys.executable, str(SCRIPT), kind, str(out)], cwd=out, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr[-4000:]
-    return {kind: [torch.load(out / f"{kind}_{rank}.pt", weights_only=False) for rank in (0, 1)]
-            for kind in ("fsdp2", "ddp")}
+    """{"fsdp2": [rank 0, rank 1], "ddp": [...]}: one growth at epoch 1 under each."""
+    return {kind: run(out, kind, "at_epochs") for kind in ("fsdp2", "ddp")}
 
 
 def event(record: dict) -> dict:
@@ -128,11 +131,24 @@ def test_a_distributed_checkpoint_after_growth_holds_the_grown_shapes(runs, out)
     Resuming from it is not supported yet: the module is built, and sharded, at the hparams' sizes first."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    (folder,) = (out / "fsdp2_checkpoints").iterdir()  # the last epoch's (ModelCheckpoint keeps one)
+    (folder,) = (out / "fsdp2_at_epochs_checkpoints").iterdir()  # the last epoch's (ModelCheckpoint keeps one)
     saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     sizes = runs["fsdp2"][0]["params"]
     for name in GROWN:
         assert tuple(saved[f"state_dict.{name}"].size) == tuple(sizes[name].shape), name
+
+
+def test_auto_schedule_decides_the_same_on_every_rank_under_fsdp2(out):
+    """Its decisions are rank 0's, broadcast; the blocks it grows are rebuilt alike on every rank."""
+    first, second = run(out, "fsdp2", "auto")
+    assert first["history"] == second["history"] and [e["step"] for e in first["history"]] == [4, 8, 12]
+    assert {d["side"] for e in first["history"] for d in e["decisions"]} == {"d_head", "d_v"}
+    for record in (first, second):
+        sizes = record["sizes"]
+        assert record["forward_widths"] == sizes and sizes == {k: first["history"][-1][k] for k in ("d_head", "d_v")}
+    grown = sizes["d_head"] + sizes["d_v"]  # every layer has as many key heads as value heads
+    assert max(grown) > 2 and sum(grown) <= 4 * len(grown)  # it grew, within a mean head size of 4
+    assert all(torch.equal(first["params"][k], second["params"][k]) for k in first["params"])
 
 
 class FakeMesh:

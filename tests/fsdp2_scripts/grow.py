@@ -1,12 +1,13 @@
 """One growth run on 2 CPU processes (gloo), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
 Lightning's launcher starts this script again for rank 1, so it is a script, not a function of the test.
 
-    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} OUT_DIR
+    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto} OUT_DIR
 
-Each rank writes OUT_DIR/<strategy>_<rank>.pt: the event history; the full optimizer state by parameter name just
-before and just after the growth; how that state and the parameters are held after the growth (DTensor, placements,
-FSDP roots); the validation loss after the run and the widths forward uses then; the final full parameters. The
-checkpoint of each epoch goes to OUT_DIR/<strategy>_checkpoints (under FSDP2 a distributed checkpoint: a folder).
+Each rank writes OUT_DIR/<strategy>_<run>_<rank>.pt: the event history; the full optimizer state by parameter name
+just before and just after the first growth; how that state and the parameters are held one step after it (DTensor,
+placements, FSDP roots); the validation loss after the run and the widths forward uses then; the final full
+parameters. The last epoch's checkpoint goes to OUT_DIR/<strategy>_<run>_checkpoints (under FSDP2 a distributed
+checkpoint: a folder).
 """
 
 import os
@@ -22,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from callback_helpers import recall_data, tiny_module  # noqa: E402
-from lit_growattn import AtEpochs, GrowAttentionCallback, GrowthSettings, StatisticsSettings  # noqa: E402
+from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings  # noqa: E402
 from lit_growattn.attention.qk import QKForm  # noqa: E402
 from lit_growattn.attention.value import ValueMap  # noqa: E402
 from lit_growattn.training.fsdp2 import reshard_all  # noqa: E402
@@ -57,13 +58,16 @@ def layout(trainer, pl_module) -> dict:
 
 
 class Recorder(GrowAttentionCallback):
-    """The growth callback, recording the optimizer state around its event and the layout after the next step."""
+    """The growth callback, recording the optimizer state around its first event and the layout after the next
+    step."""
 
     def _grow(self, trainer, pl_module, point, batch_idx):
-        self.before = optimizer_state(trainer, pl_module)
+        first = not self.history
+        before = optimizer_state(trainer, pl_module) if first else None
         super()._grow(trainer, pl_module, point, batch_idx)
-        self.after = optimizer_state(trainer, pl_module)
-        self.grown_at = trainer.global_step
+        if first:
+            self.before, self.after = before, optimizer_state(trainer, pl_module)
+            self.grown_at = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
@@ -95,28 +99,46 @@ def forward_widths(pl_module, inputs) -> dict[str, list[int]]:
     return seen
 
 
-def main(kind: str, out: str) -> None:
+# The runs, by name: the data (2 ranks, so a rank's epoch holds examples / batch_size / 2 batches), the module's
+# arguments besides tiny_module's, the epochs and the growth callback's arguments.
+RUNS = {
+    # One event at epoch 1 (step 2), both sides 2 columns wider, then 4 more steps.
+    "at_epochs": dict(batch_size=4, examples=16, module={}, max_epochs=3, callback=lambda: dict(
+        schedule=AtEpochs([1]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
+        statistics=StatisticsSettings(batches=2))),
+    # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
+    # tests/test_callback_ddp.py's run under DDP).
+    "auto": dict(batch_size=32, examples=512, module=dict(d_v=2), max_epochs=2, callback=lambda: dict(
+        schedule=AutoSchedule(budget=4, check_every=4, spend_until=1.0), growth=GrowthSettings(grow="both"),
+        statistics=StatisticsSettings(batches=4))),
+}
+
+
+def main(kind: str, run: str, out: str) -> None:
+    name = f"{kind}_{run}"
+    settings = RUNS[run]
     L.seed_everything(0)
-    data = recall_data(batch_size=4, examples=16)  # 2 ranks × 2 batches of 4 an epoch
-    module = tiny_module(data, dropout=0.0)
-    grow = Recorder(AtEpochs([1]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
-                    statistics=StatisticsSettings(batches=2))
+    data = recall_data(batch_size=settings["batch_size"], examples=settings["examples"])
+    module = tiny_module(data, dropout=0.0, **settings["module"])
+    grow = Recorder(**settings["callback"]())
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2" else "ddp"
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true", max_epochs=3,
-                        callbacks=[grow, ModelCheckpoint(os.path.join(out, f"{kind}_checkpoints"))], logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
+                        max_epochs=settings["max_epochs"], logger=False,
+                        callbacks=[grow, ModelCheckpoint(os.path.join(out, f"{name}_checkpoints"))],
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=1, deterministic=True)
     trainer.fit(module, data)
-    # Lightning calls configure_model again: the module is already sharded
+    # Lightning calls configure_model again: the module is already sharded.
     (validated,) = trainer.validate(module, datamodule=data, verbose=False)
     inputs, _ = next(iter(data.train_dataloader()))
     result = {
-        "val_loss": validated["val/loss"], "history": grow.history, "before": grow.before, "after": grow.after, "layout": grow.layout,
+        "history": [{k: v for k, v in e.items() if k not in ("seconds", "timings")} for e in grow.history],
+        "before": grow.before, "after": grow.after, "layout": grow.layout, "val_loss": validated["val/loss"],
         "sizes": {"d_head": module.head_sizes(), "d_v": module.value_sizes()},
         "forward_widths": forward_widths(module, inputs),
         "params": {name: full(p) for name, p in module.named_parameters()},
     }
-    torch.save(result, os.path.join(out, f"{kind}_{trainer.global_rank}.pt"))
+    torch.save(result, os.path.join(out, f"{name}_{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":
