@@ -49,8 +49,8 @@ def check_strategy(strategy: Strategy) -> None:
     # DeepSpeedStrategy is a DDPStrategy: refused by name before DDP is accepted.
     if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         raise RuntimeError(
-            f"GrowAttentionCallback cannot grow under {type(strategy).__name__}: it shards parameters in a way a growth "
-            f"cannot re-shard (FSDP1, DeepSpeed). Use {MODEL_PARALLEL}."
+            f"GrowAttentionCallback cannot grow under {type(strategy).__name__}: it shards parameters in a way a "
+            f"growth cannot re-shard (FSDP1, DeepSpeed). Use {MODEL_PARALLEL}."
         )
 
 

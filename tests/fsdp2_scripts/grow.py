@@ -53,7 +53,8 @@ def layout(trainer, pl_module) -> dict:
         params[name] = {"dtensor": isinstance(p, DTensor), "placements": str(getattr(p, "placements", None)),
                         "local": p.to_local().numel() if isinstance(p, DTensor) else p.numel(), "numel": p.numel(),
                         "moments_placed_alike": placed_alike, "moments": len(moments)}
-    roots = [name for name, m in pl_module.named_modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root]
+    roots = [name for name, m in pl_module.named_modules()
+             if isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root]
     return {"params": params, "roots": roots}
 
 
