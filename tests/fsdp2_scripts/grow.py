@@ -103,10 +103,11 @@ def forward_widths(pl_module, inputs) -> dict[str, list[int]]:
 # The runs, by name: the data (2 ranks, so a rank's epoch holds examples / batch_size / 2 batches), the module's
 # arguments besides tiny_module's, the epochs and the growth callback's arguments.
 RUNS = {
-    # One event at epoch 1 (step 2), both sides 2 columns wider, then 4 more steps.
+    # Events at epochs 1 and 2 (steps 2 and 4), each growing one layer (layer 0, then 1; the other stays sharded
+    # while the event rates its candidates) on both sides by 2 columns, then 2 more steps.
     "at_epochs": dict(batch_size=4, examples=16, module={}, max_epochs=3, callback=lambda: dict(
-        schedule=AtEpochs([1]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
-        statistics=StatisticsSettings(batches=2))),
+        schedule=AtEpochs([1, 2]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
+        statistics=StatisticsSettings(batches=2, layers_per_event=1))),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
     # tests/test_callback_ddp.py's run under DDP).
     "auto": dict(batch_size=32, examples=512, module=dict(d_v=2), max_epochs=2, callback=lambda: dict(
