@@ -20,7 +20,7 @@ from lit_growattn.growth import loss_rounding
 from lit_growattn.training.optimization import default_optimizer
 
 from callback_helpers import recall_data, tiny_module
-from conftest import REPO
+from conftest import REPO, needs_transformers
 
 SCRIPT = REPO / "tests" / "fsdp2_scripts" / "grow.py"
 EPS = torch.finfo(torch.float32).eps  # the runs train in 32-true: ModelParallelStrategy refuses 64-true
@@ -29,6 +29,19 @@ TOKENS = 16 * 8  # the kept batches the step size is rated on: the window's 16 s
 # What the first event grows (layer 0, both sides): name → the dim it grows along.
 GROWN = {"model.blocks.0.attn.qk.w_q": -1, "model.blocks.0.attn.qk.w_k": -1, "model.blocks.0.attn.value.w_v": -1,
          "model.blocks.0.attn.value.w_o": 1}
+
+
+class FakeMesh:
+    """What the checks read of ModelParallelStrategy's device mesh: its size and its named dimensions' sizes."""
+
+    def __init__(self, data_parallel: int, tensor_parallel: int):
+        self.sizes = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+
+    def size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def __getitem__(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(size=lambda: self.sizes[name])
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +59,7 @@ def run(out, kind: str, name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(out):
-    """{"fsdp2": [rank 0, rank 1], "ddp": [...]}: one growth at epoch 1 under each."""
+    """{"fsdp2": [rank 0, rank 1], "ddp": [...]}: the same two growths, of one layer each, under each."""
     return {kind: run(out, kind, "at_epochs") for kind in ("fsdp2", "ddp")}
 
 
@@ -156,19 +169,6 @@ def test_auto_schedule_decides_the_same_on_every_rank_under_fsdp2(out):
     assert all(torch.equal(first["params"][k], second["params"][k]) for k in first["params"])
 
 
-class FakeMesh:
-    """What the checks read of ModelParallelStrategy's device mesh: its size and its named dimensions' sizes."""
-
-    def __init__(self, data_parallel: int, tensor_parallel: int):
-        self.sizes = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
-
-    def size(self) -> int:
-        return math.prod(self.sizes.values())
-
-    def __getitem__(self, name: str) -> SimpleNamespace:
-        return SimpleNamespace(size=lambda: self.sizes[name])
-
-
 def model_parallel(data_parallel: int, tensor_parallel: int) -> ModelParallelStrategy:
     strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel)
     strategy._device_mesh = FakeMesh(data_parallel, tensor_parallel)  # as its setup_environment leaves it
@@ -190,15 +190,20 @@ def test_tensor_parallelism_is_refused():
     check_strategy(model_parallel(2, 1))
 
 
-def test_tensor_parallelism_is_refused_by_configure_model():
-    module = tiny_module(recall_data())
-    module._device_mesh = FakeMesh(1, 2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 would split attention heads"):
+@pytest.mark.parametrize("setting, mesh, refusal", [
+    ({}, FakeMesh(1, 2), "tensor_parallel_size=2 would split attention heads"),
+    ({"compile": True}, FakeMesh(2, 1), "compile: true does not run under ModelParallelStrategy yet"),
+])
+def test_configure_model_refuses_what_growth_under_fsdp2_cannot_follow(setting, mesh, refusal):
+    module = tiny_module(recall_data(), **setting)
+    module._device_mesh = mesh  # as ModelParallelStrategy's setup_environment leaves it
+    with pytest.raises(ValueError, match=refusal):
         module.configure_model()
 
 
 def test_a_hugging_face_module_is_refused_under_model_parallel_naming_ddp():
     """Not yet: HFCausalLM lacks the blocks FSDP2 shards and rebuilds (the members a module needs are named)."""
+    needs_transformers()
     from lit_growattn.hf.module import HFCausalLM
 
     module = HFCausalLM.__new__(HFCausalLM)  # the check reads its members only
