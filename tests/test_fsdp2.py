@@ -11,12 +11,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-from lit_growattn import AtEpochs, GrowAttentionCallback
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM
+from lit_growattn.analysis import AttentionAnalysisCallback
 from lit_growattn.callback.checks import check_model_parallel, check_strategy
 from lit_growattn.growth import loss_rounding
+from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, shard_model
 from lit_growattn.training.optimization import default_optimizer
 
 from callback_helpers import recall_data, tiny_module
@@ -177,6 +182,21 @@ def model_parallel(data_parallel: int, tensor_parallel: int) -> ModelParallelStr
     return strategy
 
 
+def fake_trainer(callbacks=(), ckpt_path=None) -> SimpleNamespace:
+    """What check_model_parallel reads of a trainer under ModelParallelStrategy(data_parallel_size=2)."""
+    return SimpleNamespace(strategy=model_parallel(2, 1), callbacks=list(callbacks), ckpt_path=ckpt_path)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A process group of this process alone (gloo) and its mesh: FSDP2 shards in-process, each shard whole."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("strategy", [FSDPStrategy, DeepSpeedStrategy])
 def test_other_sharding_strategies_are_refused_naming_model_parallel(strategy):
     fake = SimpleNamespace(strategy=strategy.__new__(strategy), global_rank=0, world_size=1)
@@ -186,19 +206,23 @@ def test_other_sharding_strategies_are_refused_naming_model_parallel(strategy):
 
 
 def test_tensor_parallelism_is_refused():
-    with pytest.raises(RuntimeError, match="tensor_parallel_size=2 would split attention heads across ranks; set "
-                                           "tensor_parallel_size=1 and data_parallel_size=4"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 would split attention heads across ranks; set "
+                                         "tensor_parallel_size=1 and data_parallel_size=4"):
         check_strategy(model_parallel(2, 2))
     check_strategy(model_parallel(2, 1))
 
 
-@pytest.mark.parametrize("setting, mesh, refusal", [
-    ({}, FakeMesh(1, 2), "tensor_parallel_size=2 would split attention heads"),
-    ({"compile": True}, FakeMesh(2, 1), "compile: true does not run under ModelParallelStrategy yet"),
+@pytest.mark.parametrize("setting, mesh, callbacks, refusal", [
+    ({}, FakeMesh(1, 2), [], "tensor_parallel_size=2 would split attention heads"),
+    ({"compile": True}, FakeMesh(2, 1), [], "compile: true does not run under ModelParallelStrategy yet"),
+    # A weight-averaging callback listed before the growth callback calls configure_model from its own setup.
+    ({}, FakeMesh(2, 1), [EMAWeightAveraging()], "EMAWeightAveraging cannot be combined with growth under "
+                                                 "ModelParallelStrategy yet"),
 ])
-def test_configure_model_refuses_what_growth_under_fsdp2_cannot_follow(setting, mesh, refusal):
+def test_configure_model_refuses_what_growth_under_fsdp2_cannot_follow(setting, mesh, callbacks, refusal):
     module = tiny_module(recall_data(), **setting)
     module._device_mesh = mesh  # as ModelParallelStrategy's setup_environment leaves it
+    module._trainer = SimpleNamespace(callbacks=callbacks)
     with pytest.raises(ValueError, match=refusal):
         module.configure_model()
 
@@ -209,16 +233,92 @@ def test_a_hugging_face_module_is_refused_under_model_parallel_naming_ddp():
     from lit_growattn.hf.module import HFCausalLM
 
     module = HFCausalLM.__new__(HFCausalLM)  # the check reads its members only
-    trainer = SimpleNamespace(strategy=model_parallel(2, 1), callbacks=[])
     with pytest.raises(TypeError, match=r"HFCausalLM cannot grow under ModelParallelStrategy \(FSDP2\): it lacks "
                                         r"blocks, build_block \(lit_growattn.contract.ShardableModule\).*"
                                         r"strategy='ddp'"):
-        check_model_parallel(trainer, module)
+        check_model_parallel(fake_trainer(), module)
 
 
-def test_weight_averaging_is_refused_under_model_parallel():
-    trainer = SimpleNamespace(strategy=model_parallel(2, 1), callbacks=[EMAWeightAveraging()])
-    with pytest.raises(ValueError, match="EMAWeightAveraging cannot be combined with GrowAttentionCallback under "
-                                         "ModelParallelStrategy yet.*Use strategy='ddp' with EMAWeightAveraging"):
-        check_model_parallel(trainer, tiny_module(recall_data()))
-    check_model_parallel(SimpleNamespace(strategy=model_parallel(2, 1), callbacks=[]), tiny_module(recall_data()))
+@pytest.mark.parametrize("callback, refusal", [
+    (EMAWeightAveraging(), "EMAWeightAveraging cannot be combined with growth under ModelParallelStrategy yet.*Use "
+                           "strategy='ddp' with EMAWeightAveraging"),
+    (AttentionAnalysisCallback(), "AttentionAnalysisCallback does not run under ModelParallelStrategy yet.*Remove it "
+                                  "from the callbacks, or use strategy='ddp'"),
+])
+def test_callbacks_that_do_not_follow_a_sharded_module_are_refused(callback, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        check_model_parallel(fake_trainer([callback]), tiny_module(recall_data()))
+    check_model_parallel(fake_trainer(), tiny_module(recall_data()))
+
+
+def test_resuming_is_refused_under_model_parallel_naming_what_works():
+    """Before any work: Lightning would load the checkpoint at the built sizes (torch's "Size mismatch" after a
+    growth), and ranks keeping unequal shares of a window would hang in the rating's collectives."""
+    with pytest.raises(ValueError, match=r"resuming from ckpts/epoch=2-step=6.ckpt under ModelParallelStrategy is not "
+                                         r"supported yet\. Start a new run from its weights with --model.init_args."
+                                         r"init_from=<checkpoint> .*save_distributed_checkpoint=False.*strategy='ddp'"):
+        check_model_parallel(fake_trainer(ckpt_path="ckpts/epoch=2-step=6.ckpt"), tiny_module(recall_data()))
+
+
+def test_a_configure_model_of_ones_own_is_refused():
+    class ShardsItsOwnWay(GrowAttentionLM):
+        def configure_model(self):
+            pass
+
+    data = recall_data()
+    module = ShardsItsOwnWay(vocab_size=data.vocab_size, block_size=data.max_seq_len, n_layer=2, n_head=2, n_embd=16,
+                             d_head=2, d_v=8)
+    with pytest.raises(ValueError, match="ShardsItsOwnWay overrides configure_model: under ModelParallelStrategy a "
+                                         "growth re-shards the blocks it grows the project's way.*a custom "
+                                         "configure_model is not supported yet"):
+        check_model_parallel(fake_trainer(), module)
+
+
+def test_growth_needs_the_module_and_every_block_sharded(one_rank_mesh):
+    """At fit start, after configure_model: a growth re-shards the blocks it grows one group each."""
+    module = tiny_module(recall_data())
+    with pytest.raises(ValueError, match="the module itself is not sharded: let configure_model shard the module"):
+        check_sharded_by_blocks(module)
+    fully_shard(module.blocks()[0], mesh=one_rank_mesh)
+    fully_shard(module, mesh=one_rank_mesh)
+    with pytest.raises(ValueError, match=r"but blocks \[1\] are not sharded"):
+        check_sharded_by_blocks(module)
+    sharded = tiny_module(recall_data())
+    shard_model(sharded, one_rank_mesh)
+    check_sharded_by_blocks(sharded)
+
+
+def test_a_failed_event_leaves_the_sharded_blocks_in_place(one_rank_mesh, monkeypatch):
+    """An error inside the event, or in gathering a later block (out of memory), puts back the very block objects
+    the optimizer's parameters belong to; and the grown copies cannot be sharded twice."""
+    module = tiny_module(recall_data())
+    shard_model(module, one_rank_mesh)
+    sharded = list(module.blocks())
+
+    def in_place() -> bool:
+        return all(now is before for now, before in zip(module.blocks(), sharded, strict=True))
+
+    with pytest.raises(ArithmeticError, match="the event failed"):
+        with GatheredBlocks(module, [0, 1]):
+            assert not any(map(is_sharded, module.blocks()))
+            raise ArithmeticError("the event failed")
+    assert in_place()
+
+    build = module.build_block
+
+    def out_of_memory_at_layer_1(layer):
+        if layer == 1:
+            raise MemoryError("out of memory")
+        return build(layer)
+
+    monkeypatch.setattr(module, "build_block", out_of_memory_at_layer_1)
+    with pytest.raises(MemoryError):
+        with GatheredBlocks(module, [0, 1]):
+            pass
+    assert in_place()
+
+    with GatheredBlocks(module, [0]) as gathered:
+        gathered.reshard()
+        with pytest.raises(RuntimeError, match="reshard ran twice"):
+            gathered.reshard()
+    assert module.blocks()[0] is not sharded[0] and is_sharded(module.blocks()[0]) and module.blocks()[1] is sharded[1]

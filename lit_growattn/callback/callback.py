@@ -22,6 +22,7 @@ import warnings
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_growattn import growth
 from lit_growattn.callback import report
@@ -37,7 +38,7 @@ from lit_growattn.callback.settings import GrowthSettings, StatisticsSettings, S
 from lit_growattn.callback.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.grouped import check_modes
 from lit_growattn.contract import NamedForm, check_module, check_value_module, growable_units
-from lit_growattn.training.fsdp2 import GatheredBlocks
+from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks
 from lit_growattn.training.lightning_private import should_update_logs
 
 
@@ -120,6 +121,8 @@ class GrowAttentionCallback(Callback):
         self.settings = dataclasses.replace(self.settings, ridge=ridge)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy, ModelParallelStrategy):  # configure_model has run: its sharding is known
+            check_sharded_by_blocks(pl_module)
         # The optimizers exist from here on: a growth rebuilds exactly one, so refuse others before any step.
         if len(trainer.optimizers) != 1:
             raise ValueError(

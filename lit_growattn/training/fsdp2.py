@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -26,15 +27,26 @@ DATA_PARALLEL = "data_parallel"  # the mesh dimension ModelParallelStrategy name
 TENSOR_PARALLEL = "tensor_parallel"
 
 
-def tensor_parallel_refusal(mesh: DeviceMesh) -> str | None:
-    """Why growth cannot run on ModelParallelStrategy's `mesh` (None: it can): a tensor-parallel dimension would split
-    the attention heads over ranks, and growth reads and rewrites whole heads."""
+def check_data_parallel_only(mesh: DeviceMesh) -> None:
+    """Refuses a tensor-parallel dimension in ModelParallelStrategy's `mesh`: it would split the attention heads over
+    ranks, and growth reads and rewrites whole heads."""
     tensor_parallel = mesh[TENSOR_PARALLEL].size()
-    if tensor_parallel == 1:
-        return None
-    return (f"growth under ModelParallelStrategy supports data parallelism only (FSDP2): tensor_parallel_size="
-            f"{tensor_parallel} would split attention heads across ranks; set tensor_parallel_size=1 and "
-            f"data_parallel_size={mesh.size()}")
+    if tensor_parallel != 1:
+        raise ValueError(f"growth under ModelParallelStrategy supports data parallelism only (FSDP2): "
+                         f"tensor_parallel_size={tensor_parallel} would split attention heads across ranks; set "
+                         f"tensor_parallel_size=1 and data_parallel_size={mesh.size()}")
+
+
+def check_no_weight_averaging(callbacks: Sequence[Callback]) -> None:
+    """Refuses Lightning's weight-averaging callbacks under ModelParallelStrategy: their averaged copy of the module
+    would be a whole, unsharded module (FSDP2 cannot deep-copy a sharded one) that no growth re-shards."""
+    for callback in callbacks:
+        if isinstance(callback, (WeightAveraging, StochasticWeightAveraging)):
+            name = type(callback).__name__
+            raise ValueError(
+                f"{name} cannot be combined with growth under ModelParallelStrategy yet: its averaged copy of the "
+                f"module is not sharded, and a growth does not re-shard it. Use strategy='ddp' with {name}"
+            )
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -52,6 +64,18 @@ def shard_model(module: ShardableModule, mesh: DeviceMesh) -> None:
     for block in module.blocks():
         shard_block(block, mesh)
     fully_shard(module, mesh=mesh)
+
+
+def check_sharded_by_blocks(module: ShardableModule) -> None:
+    """Refuses a module not sharded as `shard_model` leaves it, the module and each block a group of its own: a
+    growth re-shards the blocks it rebuilds that way, which would silently replace any other sharding."""
+    unsharded = [layer for layer, block in enumerate(module.blocks()) if not is_sharded(block)]
+    if is_sharded(module) and not unsharded:
+        return
+    what = f"blocks {unsharded} are" if is_sharded(module) else "the module itself is"
+    raise ValueError(f"growth under ModelParallelStrategy needs {type(module).__name__} sharded as its "
+                     f"configure_model shards it (fully_shard on the module and on each of its blocks), but {what} not "
+                     "sharded: let configure_model shard the module")
 
 
 def reshard_all(module: nn.Module) -> None:
@@ -79,7 +103,8 @@ def relazy(root: nn.Module) -> None:
 def plain_copy(module: ShardableModule, layer: int) -> nn.Module:
     """Block `layer` of `module` as a new plain module holding its full tensors (a collective: every rank calls it):
     built as the module was (`build_block`), on the meta device so that no initialisation is drawn or stored, then
-    given the block's shapes and values. Buffers are not carried: the growable blocks hold none."""
+    given the block's shapes and values. Persistent buffers come with the state dict; non-persistent ones keep the
+    values `build_block` gives them (the growable blocks hold none)."""
     old = module.blocks()[layer]
     full = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in old.state_dict().items()}
     with torch.device("meta"):
@@ -111,10 +136,11 @@ class GatheredBlocks:
             return self
         reshard_all(self.module)
         blocks = self.module.blocks()
-        for layer in self.layers:
+        # Every copy first, then the swaps: a copy that fails (out of memory) leaves the sharded blocks in place.
+        self.plain = {layer: plain_copy(self.module, layer) for layer in self.layers}
+        for layer, copy in self.plain.items():
             self.meshes[layer] = next(blocks[layer].parameters()).device_mesh
-            self.plain[layer] = plain_copy(self.module, layer)
-            self.sharded[layer], blocks[layer] = blocks[layer], self.plain[layer]
+            self.sharded[layer], blocks[layer] = blocks[layer], copy
         return self
 
     def restore(self) -> None:
@@ -130,6 +156,8 @@ class GatheredBlocks:
         """The plain copies, sharded as the blocks they replace were, in their place for good."""
         if not self.layers:
             return
+        if not self.sharded:  # fully_shard cannot shard a module twice
+            raise RuntimeError("GatheredBlocks.reshard ran twice: the grown blocks are sharded already")
         blocks = self.module.blocks()
         for layer, block in self.plain.items():
             shard_block(block, self.meshes[layer])

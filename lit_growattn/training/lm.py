@@ -49,8 +49,10 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         if self.device_mesh is None or fsdp2.is_sharded(self):
             return
         check_shardable(self)
-        if refusal := fsdp2.tensor_parallel_refusal(self.device_mesh):
-            raise ValueError(refusal)
+        fsdp2.check_data_parallel_only(self.device_mesh)
+        # Here, not only in the growth callback's setup: a weight-averaging callback listed before it calls this
+        # method from its own setup, then deep-copies the sharded module, which FSDP2 refuses with no hint.
+        fsdp2.check_no_weight_averaging(self.trainer.callbacks)
         fsdp2.shard_model(self, self.device_mesh[fsdp2.DATA_PARALLEL])
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
