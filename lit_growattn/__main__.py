@@ -59,7 +59,7 @@ def short_report(error: BaseException) -> str:
 # Lightning's WeightAveraging warns that it does not shard its copy whenever the module overrides configure_model, as
 # GrowableLM does for ModelParallelStrategy (FSDP2). Under the strategies a weight-averaging callback may be combined
 # with growth (one device, DDP) configure_model does nothing and the copy was never to be sharded; under
-# ModelParallelStrategy the growth callback refuses weight averaging.
+# ModelParallelStrategy configure_model refuses weight averaging before that copy is made.
 WEIGHT_AVERAGING_SHARDING = r"You're using the WeightAveraging callback with a model that overrides the configure_model"
 
 

@@ -71,9 +71,10 @@ def non_finite(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
     if not named:
         return []
     finite = torch.stack([torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for _, t in named])
-    if any(isinstance(t, DTensor) for _, t in named):
+    if sharded := [t for _, t in named if isinstance(t, DTensor)]:
         finite = finite.int()  # gloo reduces no bool tensors
-        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        # The ranks the tensors are sharded over (FSDP2's data-parallel mesh, one dimension), not every process.
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=sharded[0].device_mesh.get_group())
     return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
 
 
