@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM
 from lit_growattn.analysis import AttentionAnalysisCallback
+from lit_growattn.callback import checks
 from lit_growattn.callback.checks import check_model_parallel, check_strategy
 from lit_growattn.growth import loss_rounding
 from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, shard_model
@@ -187,9 +188,10 @@ def model_parallel(data_parallel: int, tensor_parallel: int) -> ModelParallelStr
     return strategy
 
 
-def fake_trainer(callbacks=(), ckpt_path=None) -> SimpleNamespace:
-    """What check_model_parallel reads of a trainer under ModelParallelStrategy(data_parallel_size=2)."""
-    return SimpleNamespace(strategy=model_parallel(2, 1), callbacks=list(callbacks), ckpt_path=ckpt_path)
+def fake_trainer(callbacks=()) -> SimpleNamespace:
+    """What check_model_parallel reads of a trainer under ModelParallelStrategy(data_parallel_size=2), outside a fit
+    (so resuming from nothing)."""
+    return SimpleNamespace(strategy=model_parallel(2, 1), callbacks=list(callbacks))
 
 
 @pytest.fixture
@@ -256,13 +258,15 @@ def test_callbacks_that_do_not_follow_a_sharded_module_are_refused(callback, ref
     check_model_parallel(fake_trainer(), tiny_module(recall_data()))
 
 
-def test_resuming_is_refused_under_model_parallel_naming_what_works():
+def test_resuming_is_refused_under_model_parallel_naming_what_works(monkeypatch):
     """Before any work: Lightning would load the checkpoint at the built sizes (torch's "Size mismatch" after a
-    growth), and ranks keeping unequal shares of a window would hang in the rating's collectives."""
+    growth), and ranks keeping unequal shares of a window would hang in the rating's collectives. (How the path is
+    known at setup: tests/test_lightning_private.py.)"""
+    monkeypatch.setattr(checks, "resume_checkpoint", lambda trainer: "ckpts/epoch=2-step=6.ckpt")
     with pytest.raises(ValueError, match=r"resuming from ckpts/epoch=2-step=6.ckpt under ModelParallelStrategy is not "
                                          r"supported yet\. Start a new run from its weights with --model.init_args."
                                          r"init_from=<checkpoint> .*save_distributed_checkpoint=False.*strategy='ddp'"):
-        check_model_parallel(fake_trainer(ckpt_path="ckpts/epoch=2-step=6.ckpt"), tiny_module(recall_data()))
+        check_model_parallel(fake_trainer(), tiny_module(recall_data()))
 
 
 def test_a_configure_model_of_ones_own_is_refused():

@@ -50,8 +50,8 @@ def test_lightning_cli_still_has_the_methods_the_project_overrides():
 
 
 def test_the_checkpoint_a_fit_resumes_from_is_known_at_setup(tmp_path):
-    """Read at setup, before Lightning loads the checkpoint (the path need not exist yet: nothing is loaded before
-    the callback stops the run): the ckpt_path given to fit, or the one set on the trainer by hand."""
+    """Read at setup, before Lightning loads the checkpoint (the path need not exist: nothing is loaded before the
+    callback stops the run): the ckpt_path given to fit, or the one set on the trainer by hand; None outside a fit."""
 
     class Stop(Exception):
         pass
@@ -75,3 +75,4 @@ def test_the_checkpoint_a_fit_resumes_from_is_known_at_setup(tmp_path):
     with pytest.raises(Stop):
         trainer.fit(Probe(), data)
     assert at_setup.seen == [str(tmp_path / "given.ckpt"), None, str(tmp_path / "set.ckpt")]
+    assert lightning_private.resume_checkpoint(trainer) is None

@@ -45,13 +45,12 @@ def batches_done_in_epoch(trainer: L.Trainer) -> int:
 
 
 def resume_checkpoint(trainer: L.Trainer) -> str | None:
-    """The checkpoint the running fit resumes from (None: a new run), known already at setup. `trainer.ckpt_path`
-    is only set when Lightning starts loading it (after setup and configure_model), unless set by hand; until then
-    the path is an argument of the running `Trainer._run`, read from its frame."""
-    if trainer.ckpt_path:
-        return str(trainer.ckpt_path)
+    """The checkpoint the running fit of `trainer` resumes from (None: a new run), known already at setup. Lightning
+    sets `trainer.ckpt_path` only when it starts loading (after setup and configure_model) and keeps it after that
+    fit; the path `fit` resolved (one set on the trainer by hand included) is an argument of the running
+    `Trainer._run`, read from its frame."""
     frame = inspect.currentframe()
-    while frame is not None and frame.f_code is not L.Trainer._run.__code__:
+    while frame is not None and not (frame.f_code is L.Trainer._run.__code__ and frame.f_locals["self"] is trainer):
         frame = frame.f_back
     path = None if frame is None else frame.f_locals["ckpt_path"]
     return None if path is None else str(path)
