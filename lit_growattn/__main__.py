@@ -56,8 +56,15 @@ def short_report(error: BaseException) -> str:
     return "\n".join(lines)
 
 
+# Lightning's WeightAveraging warns that it does not shard its copy whenever the module overrides configure_model, as
+# GrowableLM does for ModelParallelStrategy (FSDP2). Under the strategies a weight-averaging callback may be combined
+# with growth (one device, DDP) configure_model does nothing and the copy was never to be sharded; under
+# ModelParallelStrategy configure_model refuses weight averaging before that copy is made.
+WEIGHT_AVERAGING_SHARDING = r"You're using the WeightAveraging callback with a model that overrides the configure_model"
+
+
 def hide_library_noise() -> None:
-    """Two messages Lightning prints on every fit that a user of this command can do nothing about; after
+    """Messages Lightning prints on fits that a user of this command can do nothing about; after
     Lightning is imported (the tips' logger is the one Lightning installs then)."""
     from lightning_utilities.core import rank_zero
 
@@ -65,6 +72,7 @@ def hide_library_noise() -> None:
     # FutureWarning names no code of the user's or ours, and the fix is Lightning's.
     leaf_spec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leaf_spec, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=WEIGHT_AVERAGING_SHARDING, category=UserWarning)
     # Advertising for Lightning's cloud services ("💡 Tip: … install litlogger / litmodels") at INFO level;
     # Lightning has no switch for it, and raising the logger's level would hide its useful lines (devices, limits).
     rank_zero.log.addFilter(lambda record: not record.getMessage().startswith("💡 Tip:"))

@@ -219,6 +219,31 @@ class ValueGrowingModule(Protocol):
         ...
 
 
+@runtime_checkable
+class ShardableModule(Protocol):
+    """What growth under FSDP2 (Lightning's ModelParallelStrategy) needs besides `GrowableModule`: the transformer
+    blocks, FSDP2's unit of sharding, and a way to build one anew, since a growth replaces the blocks it widens
+    instead of editing them (`lit_growattn.training.fsdp2`)."""
+
+    def blocks(self) -> nn.ModuleList:
+        """The transformer blocks, the block of layer i at index i (a growth assigns its new block there)."""
+        ...
+
+    def build_block(self, layer: int) -> nn.Module:
+        """A new block of `layer` as the module was built (its initial head sizes; loading a block's state resizes it,
+        as loading a grown checkpoint does: `Resizable.resize_to`), on the current default device."""
+        ...
+
+
+def check_shardable(pl_module: object) -> None:
+    """Raises TypeError naming what a module to grow under FSDP2 lacks."""
+    if lacks := missing(pl_module, ShardableModule):
+        raise TypeError(
+            f"{type(pl_module).__name__} cannot grow under ModelParallelStrategy (FSDP2): it lacks {', '.join(lacks)} "
+            "(lit_growattn.contract.ShardableModule), as GrowAttentionLM has; train it with strategy='ddp'"
+        )
+
+
 def growable_units(pl_module: object) -> list[NamedForm]:
     """Every growable query/key form, then every growable value map when the module has them (`growable_values`,
     optional: a module without it grows query/key only)."""

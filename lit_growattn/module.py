@@ -19,7 +19,7 @@ from torchmetrics.text import Perplexity
 from lit_growattn.attention.sdpa import SdpaPad
 from lit_growattn.contract import NamedForm
 from lit_growattn.model.config import GPTConfig
-from lit_growattn.model.gpt import GPT
+from lit_growattn.model.gpt import GPT, Block
 from lit_growattn.training.divergence import MAX_NONFINITE_STEPS
 from lit_growattn.training.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.training.lm import NOT_HPARAMS, GrowableLM
@@ -106,6 +106,19 @@ class GrowAttentionLM(GrowableLM):
 
     def value_sizes(self) -> list[int]:
         return self.model.value_sizes()
+
+    # -- what growth under FSDP2 needs (lit_growattn.contract.ShardableModule) ---------------------
+    def blocks(self) -> nn.ModuleList:
+        return self.model.blocks
+
+    def build_block(self, layer: int) -> Block:
+        return Block(self.cfg, layer)
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None and self.model.compiled is not None:
+            raise ValueError("compile: true does not run under ModelParallelStrategy yet (the compiled blocks would "
+                             "not follow the blocks a growth re-shards): set compile: false, or use strategy='ddp'")
+        super().configure_model()
 
     def batch_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, labels = batch

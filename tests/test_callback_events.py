@@ -2,12 +2,10 @@
 carry-over, every attention variant, bad input."""
 
 import math
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_growattn.callback import callback as callback_module
@@ -302,12 +300,6 @@ def test_growth_on_attention_without_qk_pair_is_refused(tmp_path, monkeypatch):
     data = recall_data()
     with pytest.raises(ValueError, match=r"growable_forms\(\) is empty: no attention layer has a growable query/key form"):
         trainer(tmp_path, [GrowAttentionCallback(AtEpochs([1]))]).fit(tiny_module(data, attention="noqk"), data)
-
-
-def test_sharded_strategies_are_refused_at_setup():
-    fake = SimpleNamespace(strategy=FSDPStrategy.__new__(FSDPStrategy), global_rank=0, world_size=1)
-    with pytest.raises(RuntimeError, match="not FSDPStrategy: FSDP and DeepSpeed shard parameters"):
-        GrowAttentionCallback(AtEpochs([1])).setup(fake, None, "fit")
 
 
 def test_nonfinite_statistics_skip_the_growth_and_training_goes_on(tmp_path, monkeypatch):

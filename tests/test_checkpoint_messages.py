@@ -85,6 +85,24 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     assert str(missing.value) == f"no checkpoint file at {str(tmp_path / 'gone.ckpt')!r}; give the path of a .ckpt file"
 
 
+def test_a_distributed_checkpoint_folder_is_named_with_the_setting_that_writes_one_file(tmp_path):
+    """ModelParallelStrategy's default checkpoint is a folder (named like a file): its readers (init_from, export,
+    convert) say what it is and how to get one file instead."""
+    from lit_growattn.training.checkpoint import load_weights
+
+    folder = tmp_path / "epoch=2-step=6.ckpt"
+    folder.mkdir()
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"):
+        (folder / name).write_bytes(b"")
+    want = (f"{str(folder)!r} is a sharded (distributed) checkpoint, a folder of one shard per rank, which cannot be "
+            "read here yet: train with ModelParallelStrategy(..., save_distributed_checkpoint=False), which writes the "
+            "checkpoint as one file")
+    for read in (read_checkpoint, lambda path: load_weights(torch.nn.Linear(2, 2), str(path))):
+        with pytest.raises(ValueError) as refused:
+            read(folder)
+        assert str(refused.value) == want
+
+
 def test_resuming_the_former_value_layout_is_refused_with_both_ways_on():
     from types import SimpleNamespace
 

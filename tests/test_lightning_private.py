@@ -2,6 +2,7 @@
 project relies on: a Lightning upgrade that moves one fails here, by name."""
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -46,3 +47,32 @@ def test_lightning_cli_still_has_the_methods_the_project_overrides():
 
     missing = [name for name in lightning_private.CLI_OVERRIDES if not callable(getattr(LightningCLI, name, None))]
     assert not missing, f"LightningCLI no longer has {missing}: update lit_growattn/commands/cli.py"
+
+
+def test_the_checkpoint_a_fit_resumes_from_is_known_at_setup(tmp_path):
+    """Read at setup, before Lightning loads the checkpoint (the path need not exist: nothing is loaded before the
+    callback stops the run): the ckpt_path given to fit, or the one set on the trainer by hand; None outside a fit."""
+
+    class Stop(Exception):
+        pass
+
+    class AtSetup(L.Callback):
+        def __init__(self):
+            self.seen = []
+
+        def setup(self, trainer, pl_module, stage):
+            self.seen.append(lightning_private.resume_checkpoint(trainer))
+            raise Stop
+
+    data = DataLoader(TensorDataset(torch.randn(2, 2)), batch_size=1)
+    at_setup = AtSetup()
+    trainer = L.Trainer(max_epochs=1, default_root_dir=tmp_path, callbacks=[at_setup], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    for given in [dict(ckpt_path=tmp_path / "given.ckpt"), {}]:
+        with pytest.raises(Stop):
+            trainer.fit(Probe(), data, **given)
+    trainer.ckpt_path = tmp_path / "set.ckpt"
+    with pytest.raises(Stop):
+        trainer.fit(Probe(), data)
+    assert at_setup.seen == [str(tmp_path / "given.ckpt"), None, str(tmp_path / "set.ckpt")]
+    assert lightning_private.resume_checkpoint(trainer) is None

@@ -22,12 +22,14 @@ import warnings
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lit_growattn import growth
 from lit_growattn.callback import report
 from lit_growattn.callback.averaging import check_callbacks, resize_averaged_to
-from lit_growattn.callback.checks import (available_sketch, check_layers_per_event, check_sketch, check_strategy,
-                                          growing_layers, layers_per_step, resolve_sketch, sketch_ridge, width_limits)
+from lit_growattn.callback.checks import (available_sketch, check_layers_per_event, check_model_parallel,
+                                          check_sketch, check_strategy, growing_layers, layers_per_step,
+                                          resolve_sketch, sketch_ridge, width_limits)
 from lit_growattn.callback.event import GrowthEvent
 from lit_growattn.callback.memory import check_statistics_memory, layers_of_event
 from lit_growattn.callback.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
@@ -35,7 +37,8 @@ from lit_growattn.callback.trainer_ops import install_growth, kept_batch_losses,
 from lit_growattn.callback.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.callback.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.grouped import check_modes
-from lit_growattn.contract import check_module, check_value_module, growable_units
+from lit_growattn.contract import NamedForm, check_module, check_value_module, growable_units
+from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks
 from lit_growattn.training.lightning_private import should_update_logs
 
 
@@ -85,6 +88,7 @@ class GrowAttentionCallback(Callback):
             return
         check_strategy(trainer.strategy)
         named = check_module(pl_module)
+        check_model_parallel(trainer, pl_module)
         values = check_value_module(pl_module) if self.settings.grows("value") else []
         layers, firsts = growing_layers(self.settings, pl_module, named, values)
         limits = width_limits(self.settings, firsts, layers)
@@ -117,6 +121,8 @@ class GrowAttentionCallback(Callback):
         self.settings = dataclasses.replace(self.settings, ridge=ridge)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy, ModelParallelStrategy):  # configure_model has run: its sharding is known
+            check_sharded_by_blocks(pl_module)
         # The optimizers exist from here on: a growth rebuilds exactly one, so refuse others before any step.
         if len(trainer.optimizers) != 1:
             raise ValueError(
@@ -255,21 +261,25 @@ class GrowAttentionCallback(Callback):
                           "captured them overflowed); they keep their size, the other layers grow")
         forms = [f for f, _, _ in kept]
         batches = window.kept[self._rank :: self._world]
-        event = GrowthEvent(
-            self.settings,
-            self.search,
-            loss_of=lambda candidates: kept_batch_losses(trainer, pl_module, forms, batches, candidates),
-            install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment),
-            broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
-            allowance=self.schedule.allowance(self.history),
-            fill_to=self.schedule.fill_to(self.history),
-            terms=loss_terms(window.kept),  # every rank's kept batches
-        )
-        try:
-            record, spectra = event.run(forms, [st for _, st, _ in kept], seed=point.at,
-                                        half=None if window.half is None else [h for _, _, h in kept])
-        except growth.NonFiniteStatistics as err:
-            return self._skip(trainer, pl_module, where, str(err))
+        # Under FSDP2 the event plans, rates and grows plain copies of its blocks (elsewhere the forms themselves).
+        with GatheredBlocks(pl_module, sorted({f.layer for f in forms})) as gathered:
+            forms = [NamedForm(f.layer, f.name, pl_module.get_submodule(f.name)) for f in forms]
+            event = GrowthEvent(
+                self.settings,
+                self.search,
+                loss_of=lambda candidates: kept_batch_losses(trainer, pl_module, forms, batches, candidates),
+                install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment,
+                                                     gathered),
+                broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
+                allowance=self.schedule.allowance(self.history),
+                fill_to=self.schedule.fill_to(self.history),
+                terms=loss_terms(window.kept),  # every rank's kept batches
+            )
+            try:
+                record, spectra = event.run(forms, [st for _, st, _ in kept], seed=point.at,
+                                            half=None if window.half is None else [h for _, _, h in kept])
+            except growth.NonFiniteStatistics as err:
+                return self._skip(trainer, pl_module, where, str(err))
         pl_module.record_head_sizes()
         self._finish(trainer, {**where, "skipped": False, **self._sizes(pl_module), **record}, spectra)
 

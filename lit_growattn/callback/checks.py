@@ -9,14 +9,20 @@ import math
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy,
+                                          Strategy)
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lit_growattn import growth
+from lit_growattn.analysis import AttentionAnalysisCallback
 from lit_growattn.callback.memory import size_text, window_bytes
 from lit_growattn.callback.settings import GrowthSettings, ScheduleKind, StatisticsSettings, StepSearch, unset
-from lit_growattn.contract import NamedForm, SketchCapture, missing
+from lit_growattn.contract import NamedForm, SketchCapture, check_shardable, missing
 from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
+from lit_growattn.module import GrowAttentionLM
+from lit_growattn.training import fsdp2
+from lit_growattn.training.lightning_private import resume_checkpoint
+from lit_growattn.training.lm import GrowableLM
 
 # `auto` sketches when e′ ≥ κ·(k + l): a statistics step then widens attention by k + l columns instead of e′, and
 # both paths keep C̄ (e′²). Measured where the sketched step costs the same as the full one (scripts/bench.py's
@@ -33,13 +39,60 @@ SKETCH_RIDGE = 1.0
 Firsts = dict[str, dict[int, object]]  # per side that grows ("query/key form", "value map"), each layer's first unit
 
 
+# A sharded run that a growth can re-shard, named in every refusal of another sharding strategy.
+MODEL_PARALLEL = ("strategy=ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1) (FSDP2, which the "
+                  "module's configure_model applies), or strategy='ddp'")
+
+
 def check_strategy(strategy: Strategy) -> None:
-    if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+    """Accepts a single device, DDP, and ModelParallelStrategy without tensor parallelism."""
+    if isinstance(strategy, ModelParallelStrategy):
+        fsdp2.check_data_parallel_only(strategy.device_mesh)
+        return
+    # DeepSpeedStrategy is a DDPStrategy: refused by name before DDP is accepted.
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
         raise RuntimeError(
-            f"GrowAttentionCallback supports single-device and DDP training, not {type(strategy).__name__}: "
-            "FSDP and DeepSpeed shard parameters, and resizing a sharded parameter needs a full re-shard. "
-            "Use strategy='ddp' (any number of nodes) or 'ddp_spawn'."
+            f"GrowAttentionCallback cannot grow under {type(strategy).__name__}: it shards parameters in a way a "
+            f"growth cannot re-shard (FSDP1, DeepSpeed). Use {MODEL_PARALLEL}."
         )
+
+
+# The configure_model methods that shard as a growth re-shards (`training.fsdp2.shard_model`).
+PROJECT_CONFIGURE_MODELS = (GrowableLM.configure_model, GrowAttentionLM.configure_model)
+
+
+def check_model_parallel(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Under ModelParallelStrategy: refuses a resume, a module whose blocks a growth cannot rebuild or that shards
+    itself in its own way, and the callbacks that do not follow a sharded module (weight averaging, attention
+    analysis)."""
+    if not isinstance(trainer.strategy, ModelParallelStrategy):
+        return
+    if (path := resume_checkpoint(trainer)) is not None:
+        # Lightning loads a checkpoint into the module at the sizes it was built with, before a growth's sizes can be
+        # restored; and every rating forward is a collective, which ranks keeping unequal shares of a window resumed
+        # on another number of ranks would not all reach.
+        raise ValueError(
+            f"resuming from {path} under ModelParallelStrategy is not supported yet. Start a new run from its "
+            "weights with --model.init_args.init_from=<checkpoint> (a single file: train with "
+            "ModelParallelStrategy(..., save_distributed_checkpoint=False) to write one), or train with "
+            "strategy='ddp', which resumes"
+        )
+    check_shardable(pl_module)
+    if type(pl_module).configure_model not in PROJECT_CONFIGURE_MODELS:
+        raise ValueError(
+            f"{type(pl_module).__name__} overrides configure_model: under ModelParallelStrategy a growth re-shards "
+            "the blocks it grows the project's way (fully_shard on each block, lit_growattn.training.fsdp2), which "
+            "would silently replace a sharding of one's own, so a custom configure_model is not supported yet. Use "
+            "the project's configure_model, or strategy='ddp'"
+        )
+    fsdp2.check_no_weight_averaging(trainer.callbacks)
+    for callback in trainer.callbacks:
+        if isinstance(callback, AttentionAnalysisCallback):
+            raise ValueError(
+                "AttentionAnalysisCallback does not run under ModelParallelStrategy yet: it reads the attention of "
+                "unsharded weights, and draws its figures on rank 0 alone, where a sharded model's every forward is "
+                "a collective. Remove it from the callbacks, or use strategy='ddp'"
+            )
 
 
 def growing_layers(settings: GrowthSettings, pl_module: L.LightningModule, named: list[NamedForm],

@@ -16,6 +16,7 @@ from torch import Tensor
 from lit_growattn.callback.averaging import callback_schedulers, grow_averaged
 from lit_growattn.callback.window import NamedForms
 from lit_growattn.growth import Carry, Growth, GrownValue, installed
+from lit_growattn.training.fsdp2 import GatheredBlocks
 from lit_growattn.training.optim_state import carry_state, snapshot_state
 
 
@@ -60,10 +61,11 @@ def loss_terms(batches: list[Any]) -> int:
 
 def install_growth(
     trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, grown: dict[str, Growth | GrownValue],
-    new_second_moment: str,
+    new_second_moment: str, gathered: GatheredBlocks,
 ) -> None:
     """Puts the grown tensors in the forms (named as in `pl_module.named_parameters()`), grows the averaged copies
-    of weight-averaging callbacks alike, and rebuilds what follows."""
+    of weight-averaging callbacks alike, and rebuilds what follows. Under FSDP2 the forms are those of `gathered`'s
+    plain copies of their blocks, which are then sharded in place of the old blocks."""
 
     def resize() -> dict[str, Carry]:
         carries, before = {}, {}
@@ -71,9 +73,11 @@ def install_growth(
             before[name] = {tensor: getattr(form, tensor) for tensor in form.tensor_names()}
             grown[name].install(form)
             carries |= {f"{name}.{param}": carry for param, carry in grown[name].carries.items()}
+        gathered.reshard()
         grow_averaged(trainer, forms, before, carries)
         return carries
 
+    gathered.restore()  # the optimizer's state is read from the parameters it knows: the sharded blocks'
     resize_parameters(trainer, pl_module, resize, new_second_moment)
 
 

@@ -20,6 +20,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
     torch's own messages for a file it will not load this way advise loading it with `weights_only=False`, which
     would run the file's code: none of them is passed on (no `from error`), whatever the refusal."""
+    refuse_distributed_checkpoint(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {str(path)!r}; give the path of a .ckpt file")
     try:
@@ -35,8 +36,21 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return content
 
 
+def refuse_distributed_checkpoint(path: str | os.PathLike) -> None:
+    """Refuses a folder holding torch's distributed checkpoint (its `.metadata` beside one `.distcp` file per rank),
+    which ModelParallelStrategy writes by default and which these readers cannot read yet. (torch's
+    `dcp_to_torch_save` makes one file of it, but without the hyperparameters, which Lightning keeps in `meta.pt`.)"""
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        raise ValueError(
+            f"{str(path)!r} is a sharded (distributed) checkpoint, a folder of one shard per rank, which cannot be "
+            "read here yet: train with ModelParallelStrategy(..., save_distributed_checkpoint=False), which writes "
+            "the checkpoint as one file"
+        )
+
+
 def load_weights(module: nn.Module, path: str) -> None:
     """`init_from`: `module` takes the weights of the checkpoint at `path` (a new run: nothing else is taken)."""
+    refuse_distributed_checkpoint(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"init_from={path!r} does not exist; give the path of a checkpoint file")
     checkpoint = read_checkpoint(path)

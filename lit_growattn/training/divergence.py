@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lit_growattn.training.lightning_private import accumulation_open_after_this_batch
 
@@ -62,10 +64,18 @@ class NonFiniteLosses:
 
 
 def non_finite(tensors: Iterable[tuple[str, Tensor]]) -> list[str]:
-    """The names of the floating-point tensors holding NaN or inf (one device sync for all of them)."""
+    """The names of the floating-point tensors holding NaN or inf (one device sync for all of them). Sharded tensors
+    (FSDP2's DTensors) are checked shard by shard and the answers combined over the ranks (one small all-reduce), so
+    that every rank names the same tensors and raises together."""
     named = [(name, t) for name, t in tensors if t.is_floating_point()]
-    finite = torch.stack([torch.isfinite(t).all() for _, t in named]).tolist() if named else []
-    return [name for (name, _), ok in zip(named, finite) if not ok]
+    if not named:
+        return []
+    finite = torch.stack([torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all() for _, t in named])
+    if sharded := [t for _, t in named if isinstance(t, DTensor)]:
+        finite = finite.int()  # gloo reduces no bool tensors
+        # The ranks the tensors are sharded over (FSDP2's data-parallel mesh, one dimension), not every process.
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN, group=sharded[0].device_mesh.get_group())
+    return [name for (name, _), ok in zip(named, finite.tolist()) if not ok]
 
 
 def first_names(names: list[str]) -> str:

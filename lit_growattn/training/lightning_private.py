@@ -1,7 +1,8 @@
 """Every private attribute of Lightning that lit_growattn reads, in one place.
 
-Lightning has no public API for these three facts, and each is read where a public alternative would cost a
-millisecond per step or would be wrong after a resume. A Lightning upgrade that moves one of them breaks here,
+Lightning has no public API for these four facts, and each is read where a public alternative would cost a
+millisecond per step, would be wrong after a resume, or would come too late (the checkpoint a fit resumes from,
+needed at setup). A Lightning upgrade that moves one of them breaks here,
 and `tests/test_lightning_private.py` says which.
 
 Nor does Lightning expose what a growth must follow in its own callbacks (`callback/averaging.py`): the averaged
@@ -17,6 +18,8 @@ needs it.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging, WeightAveraging
@@ -39,6 +42,18 @@ def accumulation_open_after_this_batch(trainer: L.Trainer) -> bool:
 def batches_done_in_epoch(trainer: L.Trainer) -> int:
     """Training batches of the current epoch already processed (restored from a checkpoint on resume)."""
     return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+
+def resume_checkpoint(trainer: L.Trainer) -> str | None:
+    """The checkpoint the running fit of `trainer` resumes from (None: a new run), known already at setup. Lightning
+    sets `trainer.ckpt_path` only when it starts loading (after setup and configure_model) and keeps it after that
+    fit; the path `fit` resolved (one set on the trainer by hand included) is an argument of the running
+    `Trainer._run`, read from its frame."""
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_code is L.Trainer._run.__code__ and frame.f_locals["self"] is trainer):
+        frame = frame.f_back
+    path = None if frame is None else frame.f_locals["ckpt_path"]
+    return None if path is None else str(path)
 
 
 def averaged_model(callback: Callback) -> nn.Module | None:

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
 
+from lit_growattn.contract import check_shardable
+from lit_growattn.training import fsdp2
 from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
 from lit_growattn.training.divergence import DivergenceGuard
 from lit_growattn.training.optimization import GrowthOptimization
@@ -39,6 +41,19 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def loss(logits: Tensor, labels: Tensor) -> Tensor:
         """Labels come shifted (labels[:, t] is the target at t); -100 marks a position without one."""
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+    def configure_model(self) -> None:
+        """Under ModelParallelStrategy, FSDP2 on its data-parallel mesh: one group per transformer block, the rest in
+        the root's (`training.fsdp2`); nothing under other strategies. Lightning calls it again for validate or test
+        after fit, when the module is already sharded."""
+        if self.device_mesh is None or fsdp2.is_sharded(self):
+            return
+        check_shardable(self)
+        fsdp2.check_data_parallel_only(self.device_mesh)
+        # Here, not only in the growth callback's setup: a weight-averaging callback listed before it calls this
+        # method from its own setup, then deep-copies the sharded module, which FSDP2 refuses with no hint.
+        fsdp2.check_no_weight_averaging(self.trainer.callbacks)
+        fsdp2.shard_model(self, self.device_mesh[fsdp2.DATA_PARALLEL])
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown

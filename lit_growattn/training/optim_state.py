@@ -1,13 +1,15 @@
 """Carry an optimizer's state over to a new optimizer whose parameters were resized or replaced.
 
 Adam keeps per-parameter moments keyed by the Parameter object; a growth event creates new Parameter
-objects, so the state is matched by parameter name and copied slice by slice.
+objects, so the state is matched by parameter name and copied slice by slice. Under FSDP2 the moments of a grown
+parameter are DTensors: grown on their full tensor, then sharded as the new parameter.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lit_growattn.growth import SECOND_MOMENT_POLICIES, Carry, SecondMoment, check_choice
 
@@ -53,9 +55,14 @@ def carry_state(
 def _grow_moment(key: str, value, param: Tensor, carry: Carry, new_second_moment: str):
     if not torch.is_tensor(value) or value.ndim == 0:
         return value  # `step` and other scalars are kept
+    if isinstance(value, DTensor):
+        # FSDP2: grown whole, then sharded as the new parameter is. Every rank holds the same full tensor, so each
+        # keeps its own shard without communication (src_data_rank=None).
+        grown = _grow_moment(key, value.full_tensor(), param, carry, new_second_moment)
+        return distribute_tensor(grown, param.device_mesh, param.placements, src_data_rank=None)
     second = key in SECOND_MOMENT_KEYS
     old = value * (carry.second_scale if second else carry.first_scale)
     fill = old.mean() if second and new_second_moment == "mean" else 0.0
-    grown = torch.full_like(param, fill, dtype=value.dtype, memory_format=torch.contiguous_format)
+    grown = torch.full(param.shape, fill, dtype=value.dtype, device=param.device)
     grown[carry.old_index] = old
     return grown

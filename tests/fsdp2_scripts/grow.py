@@ -1,0 +1,147 @@
+"""One growth run on 2 CPU processes (gloo), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
+Lightning's launcher starts this script again for rank 1, so it is a script, not a function of the test.
+
+    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto} OUT_DIR
+
+Each rank writes OUT_DIR/<strategy>_<run>_<rank>.pt: the event history; the full optimizer state by parameter name
+just before and just after the first growth; how that state and the parameters are held one step after it (DTensor,
+placements, FSDP roots); the validation loss after the run and the widths forward uses then; the final full
+parameters. The last epoch's checkpoint goes to OUT_DIR/<strategy>_<run>_checkpoints (under FSDP2 a distributed
+checkpoint: a folder).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from callback_helpers import recall_data, tiny_module  # noqa: E402
+from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings  # noqa: E402
+from lit_growattn.attention.qk import QKForm  # noqa: E402
+from lit_growattn.attention.value import ValueMap  # noqa: E402
+from lit_growattn.training.fsdp2 import reshard_all  # noqa: E402
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (a collective for a DTensor)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def optimizer_state(trainer, pl_module) -> dict[str, dict[str, torch.Tensor]]:
+    (optimizer,) = trainer.optimizers
+    reshard_all(pl_module)  # after the validation's forward passes the root holds its parameters unsharded
+    return {name: {key: full(value) for key, value in optimizer.state[p].items()}
+            for name, p in pl_module.named_parameters() if p in optimizer.state}
+
+
+def layout(trainer, pl_module) -> dict:
+    """How parameters and their Adam moments are held: per parameter name, (is a DTensor, placements, local numel,
+    global numel) of the parameter and whether every moment is a DTensor placed like it; and the FSDP roots."""
+    (optimizer,) = trainer.optimizers
+    params = {}
+    for name, p in pl_module.named_parameters():
+        moments = [v for v in optimizer.state[p].values() if torch.is_tensor(v) and v.ndim > 0]
+        placed_alike = all(isinstance(v, DTensor) and v.placements == p.placements and v.device_mesh == p.device_mesh
+                           for v in moments) if isinstance(p, DTensor) else None
+        params[name] = {"dtensor": isinstance(p, DTensor), "placements": str(getattr(p, "placements", None)),
+                        "local": p.to_local().numel() if isinstance(p, DTensor) else p.numel(), "numel": p.numel(),
+                        "moments_placed_alike": placed_alike, "moments": len(moments)}
+    roots = [name for name, m in pl_module.named_modules()
+             if isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root]
+    return {"params": params, "roots": roots}
+
+
+class Recorder(GrowAttentionCallback):
+    """The growth callback, recording the optimizer state around its first event and the layout after the next
+    step."""
+
+    def _grow(self, trainer, pl_module, point, batch_idx):
+        first = not self.history
+        before = optimizer_state(trainer, pl_module) if first else None
+        super()._grow(trainer, pl_module, point, batch_idx)
+        if first:
+            self.before, self.after = before, optimizer_state(trainer, pl_module)
+            self.grown_at = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if getattr(self, "grown_at", None) == trainer.global_step - 1 and not hasattr(self, "layout"):
+            self.layout = layout(trainer, pl_module)  # one optimizer step after the growth
+
+
+def forward_widths(pl_module, inputs) -> dict[str, list[int]]:
+    """The query/key and value head sizes that a forward pass actually computes with, layer by layer."""
+    seen = {"d_head": [], "d_v": []}
+    queries_keys, values = QKForm.queries_keys, ValueMap.values
+
+    def spy_qk(form, xa):
+        q, k = queries_keys(form, xa)
+        seen["d_head"].append(q.shape[-1])
+        return q, k
+
+    def spy_v(value_map, x):
+        v = values(value_map, x)
+        seen["d_v"].append(v.shape[-1])
+        return v
+
+    QKForm.queries_keys, ValueMap.values = spy_qk, spy_v
+    try:
+        with torch.no_grad():
+            pl_module(inputs)
+    finally:
+        QKForm.queries_keys, ValueMap.values = queries_keys, values
+    return seen
+
+
+# The runs, by name: the data (2 ranks, so a rank's epoch holds examples / batch_size / 2 batches), the module's
+# arguments besides tiny_module's, the epochs and the growth callback's arguments.
+RUNS = {
+    # Events at epochs 1 and 2 (steps 2 and 4), each growing one layer (layer 0, then 1; the other stays sharded
+    # while the event rates its candidates) on both sides by 2 columns, then 2 more steps.
+    "at_epochs": dict(batch_size=4, examples=16, module={}, max_epochs=3, callback=lambda: dict(
+        schedule=AtEpochs([1, 2]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
+        statistics=StatisticsSettings(batches=2, layers_per_event=1))),
+    # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
+    # tests/test_callback_ddp.py's run under DDP).
+    "auto": dict(batch_size=32, examples=512, module=dict(d_v=2), max_epochs=2, callback=lambda: dict(
+        schedule=AutoSchedule(budget=4, check_every=4, spend_until=1.0), growth=GrowthSettings(grow="both"),
+        statistics=StatisticsSettings(batches=4))),
+}
+
+
+def main(kind: str, run: str, out: str) -> None:
+    name = f"{kind}_{run}"
+    settings = RUNS[run]
+    L.seed_everything(0)
+    data = recall_data(batch_size=settings["batch_size"], examples=settings["examples"])
+    module = tiny_module(data, dropout=0.0, **settings["module"])
+    grow = Recorder(**settings["callback"]())
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2" else "ddp"
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
+                        max_epochs=settings["max_epochs"], logger=False,
+                        callbacks=[grow, ModelCheckpoint(os.path.join(out, f"{name}_checkpoints"))],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=1, deterministic=True)
+    trainer.fit(module, data)
+    # Lightning calls configure_model again: the module is already sharded.
+    (validated,) = trainer.validate(module, datamodule=data, verbose=False)
+    inputs, _ = next(iter(data.train_dataloader()))
+    result = {
+        "history": [{k: v for k, v in e.items() if k not in ("seconds", "timings")} for e in grow.history],
+        "before": grow.before, "after": grow.after, "layout": grow.layout, "val_loss": validated["val/loss"],
+        "sizes": {"d_head": module.head_sizes(), "d_v": module.value_sizes()},
+        "forward_widths": forward_widths(module, inputs),
+        "params": {name: full(p) for name, p in module.named_parameters()},
+    }
+    torch.save(result, os.path.join(out, f"{name}_{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

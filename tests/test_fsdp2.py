@@ -1,0 +1,333 @@
+"""Growth under FSDP2 (Lightning's ModelParallelStrategy) on 2 CPU processes with gloo, against the same run under DDP;
+and the strategies, modules and callbacks refused at setup.
+
+The runs are scripts (tests/fsdp2_scripts/grow.py), since Lightning's launcher starts the script again for rank 1;
+one FSDP2 run and one DDP run serve most tests below (about 15 s each), an AutoSchedule run under FSDP2 one."""
+
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM
+from lit_growattn.analysis import AttentionAnalysisCallback
+from lit_growattn.callback import checks
+from lit_growattn.callback.checks import check_model_parallel, check_strategy
+from lit_growattn.growth import loss_rounding
+from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, shard_model
+from lit_growattn.training.optimization import default_optimizer
+
+from callback_helpers import recall_data, tiny_module
+from conftest import REPO, needs_transformers
+
+SCRIPT = REPO / "tests" / "fsdp2_scripts" / "grow.py"
+EPS = torch.finfo(torch.float32).eps  # the runs train in 32-true: ModelParallelStrategy refuses 64-true
+STEPS = 6  # optimizer steps of a run: 3 epochs of 2 (grow.py)
+GROWTH_AMPLIFICATION = 8  # how much a growth may widen a round-off difference between two runs (see below)
+TOKENS = 16 * 8  # the kept batches the step size is rated on: the window's 16 sequences of 8 tokens
+# What the first event grows (layer 0, both sides): name → the dim it grows along.
+GROWN = {"model.blocks.0.attn.qk.w_q": -1, "model.blocks.0.attn.qk.w_k": -1, "model.blocks.0.attn.value.w_v": -1,
+         "model.blocks.0.attn.value.w_o": 1}
+
+
+class FakeMesh:
+    """What the checks read of ModelParallelStrategy's device mesh: its size and its named dimensions' sizes."""
+
+    def __init__(self, data_parallel: int, tensor_parallel: int):
+        self.sizes = {"data_parallel": data_parallel, "tensor_parallel": tensor_parallel}
+
+    def size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def __getitem__(self, name: str) -> SimpleNamespace:
+        return SimpleNamespace(size=lambda: self.sizes[name])
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    return tmp_path_factory.mktemp("fsdp2")
+
+
+def run(out, kind: str, name: str) -> list[dict]:
+    """What grow.py records on each rank for the run `name` under `kind` (fsdp2 or ddp)."""
+    done = subprocess.run([sys.executable, str(SCRIPT), kind, name, str(out)], cwd=out, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [torch.load(out / f"{kind}_{name}_{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def runs(out):
+    """{"fsdp2": [rank 0, rank 1], "ddp": [...]}: the same two growths, of one layer each, under each."""
+    return {kind: run(out, kind, "at_epochs") for kind in ("fsdp2", "ddp")}
+
+
+def events(record: dict) -> list[dict]:
+    return [{key: event[key] for key in ("event", "skipped", "d_head", "d_v", "alpha", "loss_before", "loss_after",
+                                         "predicted_decrease", "discarded_energy")} for event in record["history"]]
+
+
+def test_fsdp2_grows_the_same_columns_as_ddp(runs):
+    """Two events, each rebuilding one block while the other stays sharded. Fails if the candidates' rating does not
+    see them (every α rates as the current loss, so α = 0 is taken at the first event), if the growth is set on
+    sharded blocks (silently ignored: the next steps train the old widths and the weights part), or if Adam's state
+    is not carried as DDP carries it."""
+    fsdp2, ddp = (events(runs[kind][0]) for kind in ("fsdp2", "ddp"))
+    assert events(runs["fsdp2"][1]) == fsdp2  # every rank grew alike
+    assert [(e["d_head"], e["d_v"]) for e in fsdp2] == [([4, 2], [10, 8]), ([4, 4], [10, 10])]
+    assert fsdp2[0]["alpha"] > 0
+    for got, want in zip(fsdp2, ddp, strict=True):
+        assert {k: got[k] for k in ("event", "skipped", "d_head", "d_v", "alpha")} == {
+            k: want[k] for k in ("event", "skipped", "d_head", "d_v", "alpha")}
+        rounding = loss_rounding(want["loss_before"], torch.float32, TOKENS)
+        for key in ("loss_before", "loss_after"):
+            assert got[key] == pytest.approx(want[key], abs=rounding)
+        # The growth's float64 maths on float32 weights and sums that agree to an ulp or so.
+        assert got["predicted_decrease"] == pytest.approx(want["predicted_decrease"], rel=16 * EPS)
+        assert got["discarded_energy"] == pytest.approx(want["discarded_energy"], rel=16 * EPS, abs=16 * EPS)
+    rounding = loss_rounding(fsdp2[0]["loss_before"], torch.float32, TOKENS)
+    assert fsdp2[0]["loss_after"] < fsdp2[0]["loss_before"] - rounding  # the rated candidate changed the loss
+    # Both runs take the same micro-batches on the same ranks, yet their weights may part by round-off: where it comes
+    # from is not pinned down (not Adam's foreach kernel: it shows with foreach=False too). Each step may then move a
+    # weight by an ulp or so of its magnitude; a growth amplifies what differs (it solves for the new columns from
+    # the statistics), without changing its decisions: in a 12-step variant of this run the weights differed by
+    # 1.2e-7 before the first growth and 4.2e-6 after the second. Hence |w|·ε per step and a factor of 8 per growth
+    # (about 4 measured). This stays far below one Adam step (lr), by which a growth the forward did not see, or
+    # state carried wrongly, would move them. (Without biases: a key bias's gradient is zero but for round-off, which
+    # Adam's normalisation turns into steps of size lr whatever the strategy; measured 1e-5 after two steps.)
+    lr = default_optimizer([torch.zeros(1, requires_grad=True)]).defaults["lr"]
+    growths = len(fsdp2)
+    for rank in (0, 1):
+        got, want = runs["fsdp2"][rank]["params"], runs["ddp"][rank]["params"]
+        assert got.keys() == want.keys()
+        for name in want:
+            tolerance = want[name].abs().max().item() * EPS * STEPS * GROWTH_AMPLIFICATION**growths
+            assert tolerance < lr / 10
+            torch.testing.assert_close(got[name], want[name], atol=tolerance, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert runs["fsdp2"][0]["val_loss"] == pytest.approx(runs["ddp"][0]["val_loss"], rel=16 * EPS)
+
+
+def test_forward_computes_with_the_grown_widths(runs):
+    """The widths read off the query and value tensors inside a forward pass after the run (validation already ran
+    again through configure_model), not the parameters' shapes: a growth set on a sharded block leaves its shapes
+    grown until the next unshard, while forward runs the old widths."""
+    for record in runs["fsdp2"]:
+        assert record["forward_widths"] == {"d_head": [4, 4], "d_v": [10, 10]} == record["sizes"]
+
+
+def test_adam_state_is_carried_as_dtensors_placed_like_the_parameters(runs):
+    """After the first growth every moment is a DTensor with its parameter's mesh and placements, each rank holding its
+    shard; the old slice of a grown tensor's moments is the state before the growth, the new slice empty (first
+    moments) or the old slice's mean (second moments, new_second_moment: mean), as under DDP."""
+    for record in runs["fsdp2"]:
+        for name, held in record["layout"]["params"].items():
+            assert held["dtensor"] and held["moments_placed_alike"] and held["moments"] == 2, name
+            assert held["local"] <= math.ceil(held["numel"] / 2), name
+        before, after = record["before"], record["after"]
+        assert after.keys() == before.keys()
+        for name, dim in GROWN.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                old, new = before[name][key], after[name][key]
+                kept = new.narrow(dim, 0, old.shape[dim])
+                added = new.narrow(dim, old.shape[dim], new.shape[dim] - old.shape[dim])
+                assert torch.equal(kept, old), (name, key)
+                fill = old.mean() if key == "exp_avg_sq" else torch.zeros(())
+                assert torch.equal(added, fill.expand_as(added)), (name, key)
+        for name in after:
+            for key, value in after[name].items():
+                want = runs["ddp"][0]["after"][name][key]
+                # Two steps of moments before the growth, from runs that may part by round-off (see the test above).
+                torch.testing.assert_close(value, want, atol=16 * EPS * want.abs().max().item(), rtol=0,
+                                           msg=lambda m: f"{name} {key}: {m}")
+
+
+def test_one_fsdp_root_after_growth(runs):
+    """The rebuilt blocks joined the root's lazy initialisation again (`fsdp2.relazy`, private API of torch): without
+    it each would be a root of its own, which keeps its parameters unsharded after forward."""
+    for record in runs["fsdp2"]:
+        assert record["layout"]["roots"] == [""]
+
+
+def test_a_distributed_checkpoint_after_growth_holds_the_grown_shapes(runs, out):
+    """Writing one runs the divergence guard on the sharded weights (each rank checks its shards, the ranks agree).
+    Resuming from it is not supported yet: the module is built, and sharded, at the hparams' sizes first."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    (folder,) = (out / "fsdp2_at_epochs_checkpoints").iterdir()  # the last epoch's (ModelCheckpoint keeps one)
+    saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    final = runs["fsdp2"][0]["params"]  # both layers grown by the run's end
+    assert final["model.blocks.1.attn.qk.w_q"].shape[-1] == 4
+    for name, param in final.items():
+        assert tuple(saved[f"state_dict.{name}"].size) == tuple(param.shape), name
+
+
+def test_auto_schedule_decides_the_same_on_every_rank_under_fsdp2(out):
+    """Its decisions are rank 0's, broadcast; the blocks it grows are rebuilt alike on every rank."""
+    first, second = run(out, "fsdp2", "auto")
+    assert first["history"] == second["history"] and [e["step"] for e in first["history"]] == [4, 8, 12]
+    assert {d["side"] for e in first["history"] for d in e["decisions"]} == {"d_head", "d_v"}
+    for record in (first, second):
+        sizes = record["sizes"]
+        assert record["forward_widths"] == sizes and sizes == {k: first["history"][-1][k] for k in ("d_head", "d_v")}
+    grown = sizes["d_head"] + sizes["d_v"]  # every layer has as many key heads as value heads
+    assert max(grown) > 2 and sum(grown) <= 4 * len(grown)  # it grew, within a mean head size of 4
+    assert all(torch.equal(first["params"][k], second["params"][k]) for k in first["params"])
+
+
+def model_parallel(data_parallel: int, tensor_parallel: int) -> ModelParallelStrategy:
+    strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel)
+    strategy._device_mesh = FakeMesh(data_parallel, tensor_parallel)  # as its setup_environment leaves it
+    return strategy
+
+
+def fake_trainer(callbacks=()) -> SimpleNamespace:
+    """What check_model_parallel reads of a trainer under ModelParallelStrategy(data_parallel_size=2), outside a fit
+    (so resuming from nothing)."""
+    return SimpleNamespace(strategy=model_parallel(2, 1), callbacks=list(callbacks))
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A process group of this process alone (gloo) and its mesh: FSDP2 shards in-process, each shard whole."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", [FSDPStrategy, DeepSpeedStrategy])
+def test_other_sharding_strategies_are_refused_naming_model_parallel(strategy):
+    fake = SimpleNamespace(strategy=strategy.__new__(strategy), global_rank=0, world_size=1)
+    with pytest.raises(RuntimeError, match=rf"cannot grow under {strategy.__name__}: .*Use strategy=ModelParallel"
+                                           r"Strategy\(data_parallel_size=N, tensor_parallel_size=1\)"):
+        GrowAttentionCallback(AtEpochs([1])).setup(fake, None, "fit")
+
+
+def test_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 would split attention heads across ranks; set "
+                                         "tensor_parallel_size=1 and data_parallel_size=4"):
+        check_strategy(model_parallel(2, 2))
+    check_strategy(model_parallel(2, 1))
+
+
+@pytest.mark.parametrize("setting, mesh, callbacks, refusal", [
+    ({}, FakeMesh(1, 2), [], "tensor_parallel_size=2 would split attention heads"),
+    ({"compile": True}, FakeMesh(2, 1), [], "compile: true does not run under ModelParallelStrategy yet"),
+    # A weight-averaging callback listed before the growth callback calls configure_model from its own setup.
+    ({}, FakeMesh(2, 1), [EMAWeightAveraging()], "EMAWeightAveraging cannot be combined with growth under "
+                                                 "ModelParallelStrategy yet"),
+])
+def test_configure_model_refuses_what_growth_under_fsdp2_cannot_follow(setting, mesh, callbacks, refusal):
+    module = tiny_module(recall_data(), **setting)
+    module._device_mesh = mesh  # as ModelParallelStrategy's setup_environment leaves it
+    module._trainer = SimpleNamespace(callbacks=callbacks)
+    with pytest.raises(ValueError, match=refusal):
+        module.configure_model()
+
+
+def test_a_hugging_face_module_is_refused_under_model_parallel_naming_ddp():
+    """Not yet: HFCausalLM lacks the blocks FSDP2 shards and rebuilds (the members a module needs are named)."""
+    needs_transformers()
+    from lit_growattn.hf.module import HFCausalLM
+
+    module = HFCausalLM.__new__(HFCausalLM)  # the check reads its members only
+    with pytest.raises(TypeError, match=r"HFCausalLM cannot grow under ModelParallelStrategy \(FSDP2\): it lacks "
+                                        r"blocks, build_block \(lit_growattn.contract.ShardableModule\).*"
+                                        r"strategy='ddp'"):
+        check_model_parallel(fake_trainer(), module)
+
+
+@pytest.mark.parametrize("callback, refusal", [
+    (EMAWeightAveraging(), "EMAWeightAveraging cannot be combined with growth under ModelParallelStrategy yet.*Use "
+                           "strategy='ddp' with EMAWeightAveraging"),
+    (AttentionAnalysisCallback(), "AttentionAnalysisCallback does not run under ModelParallelStrategy yet.*Remove it "
+                                  "from the callbacks, or use strategy='ddp'"),
+])
+def test_callbacks_that_do_not_follow_a_sharded_module_are_refused(callback, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        check_model_parallel(fake_trainer([callback]), tiny_module(recall_data()))
+    check_model_parallel(fake_trainer(), tiny_module(recall_data()))
+
+
+def test_resuming_is_refused_under_model_parallel_naming_what_works(monkeypatch):
+    """Before any work: Lightning would load the checkpoint at the built sizes (torch's "Size mismatch" after a
+    growth), and ranks keeping unequal shares of a window would hang in the rating's collectives. (How the path is
+    known at setup: tests/test_lightning_private.py.)"""
+    monkeypatch.setattr(checks, "resume_checkpoint", lambda trainer: "ckpts/epoch=2-step=6.ckpt")
+    with pytest.raises(ValueError, match=r"resuming from ckpts/epoch=2-step=6.ckpt under ModelParallelStrategy is not "
+                                         r"supported yet\. Start a new run from its weights with --model.init_args."
+                                         r"init_from=<checkpoint> .*save_distributed_checkpoint=False.*strategy='ddp'"):
+        check_model_parallel(fake_trainer(), tiny_module(recall_data()))
+
+
+def test_a_configure_model_of_ones_own_is_refused():
+    class ShardsItsOwnWay(GrowAttentionLM):
+        def configure_model(self):
+            pass
+
+    data = recall_data()
+    module = ShardsItsOwnWay(vocab_size=data.vocab_size, block_size=data.max_seq_len, n_layer=2, n_head=2, n_embd=16,
+                             d_head=2, d_v=8)
+    with pytest.raises(ValueError, match="ShardsItsOwnWay overrides configure_model: under ModelParallelStrategy a "
+                                         "growth re-shards the blocks it grows the project's way.*a custom "
+                                         "configure_model is not supported yet"):
+        check_model_parallel(fake_trainer(), module)
+
+
+def test_growth_needs_the_module_and_every_block_sharded(one_rank_mesh):
+    """At fit start, after configure_model: a growth re-shards the blocks it grows one group each."""
+    module = tiny_module(recall_data())
+    with pytest.raises(ValueError, match="the module itself is not sharded: let configure_model shard the module"):
+        check_sharded_by_blocks(module)
+    fully_shard(module.blocks()[0], mesh=one_rank_mesh)
+    fully_shard(module, mesh=one_rank_mesh)
+    with pytest.raises(ValueError, match=r"but blocks \[1\] are not sharded"):
+        check_sharded_by_blocks(module)
+    sharded = tiny_module(recall_data())
+    shard_model(sharded, one_rank_mesh)
+    check_sharded_by_blocks(sharded)
+
+
+def test_a_failed_event_leaves_the_sharded_blocks_in_place(one_rank_mesh, monkeypatch):
+    """An error inside the event, or in gathering a later block (out of memory), puts back the very block objects
+    the optimizer's parameters belong to; and the grown copies cannot be sharded twice."""
+    module = tiny_module(recall_data())
+    shard_model(module, one_rank_mesh)
+    sharded = list(module.blocks())
+
+    def in_place() -> bool:
+        return all(now is before for now, before in zip(module.blocks(), sharded, strict=True))
+
+    with pytest.raises(ArithmeticError, match="the event failed"):
+        with GatheredBlocks(module, [0, 1]):
+            assert not any(map(is_sharded, module.blocks()))
+            raise ArithmeticError("the event failed")
+    assert in_place()
+
+    build = module.build_block
+
+    def out_of_memory_at_layer_1(layer):
+        if layer == 1:
+            raise MemoryError("out of memory")
+        return build(layer)
+
+    monkeypatch.setattr(module, "build_block", out_of_memory_at_layer_1)
+    with pytest.raises(MemoryError):
+        with GatheredBlocks(module, [0, 1]):
+            pass
+    assert in_place()
+
+    with GatheredBlocks(module, [0]) as gathered:
+        gathered.reshard()
+        with pytest.raises(RuntimeError, match="reshard ran twice"):
+            gathered.reshard()
+    assert module.blocks()[0] is not sharded[0] and is_sharded(module.blocks()[0]) and module.blocks()[1] is sharded[1]
