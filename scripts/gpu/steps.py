@@ -251,7 +251,39 @@ def text_growth(dry_run: bool, work: Path) -> dict:
     }
 
 
-# -- 6. seed 001's tiny config (low-rank DINT conversion, then SFT) in bf16 --------------------------------
+# -- 6. one growth under FSDP2 (ModelParallelStrategy) on one device ---------------------------------------------
+def fsdp2_growth(dry_run: bool, work: Path) -> dict:
+    """configs/mqar_grow.yaml under ModelParallelStrategy(data_parallel_size=1): the blocks sharded on a mesh of one
+    device, two growths of both sides, the grown blocks re-sharded. A growth assigned to a sharded block is silently
+    undone (docs/design.md §13), so the widths are read from the parameters after the run, and the parameters must
+    still be sharded (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    strategy = ('{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", '
+                '"init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}')
+    cli = cli_main(["--config", str(CONFIGS / "mqar_grow.yaml"), f"--trainer.strategy={strategy}",
+                    f"--trainer.accelerator={'cpu' if dry_run else 'gpu'}", "--trainer.devices=1",
+                    "--trainer.max_epochs=3", "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2",
+                    "--trainer.callbacks.init_args.schedule.init_args.epochs=[1, 2]",
+                    "--trainer.callbacks.init_args.growth.grow=both",
+                    "--trainer.callbacks.init_args.growth.value_columns=2",
+                    "--trainer.callbacks.init_args.statistics.batches=4", "--trainer.enable_progress_bar=false",
+                    f"--trainer.logger.init_args.save_dir={work / 'logs'}",
+                    f"--trainer.default_root_dir={work}"], run=False)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)]
+    sharded = all(isinstance(p, DTensor) for p in cli.model.parameters())
+    grown = [e for e in grow.history if report.grew(e)]
+    return {
+        "growth_lines": [report.event_line(e) for e in grow.history],
+        "d_head": cli.model.model.head_sizes(), "d_v": cli.model.value_sizes(),
+        "parameters_sharded": sharded,
+        "val_loss": float(cli.trainer.callback_metrics["val/loss"]),
+        "checks": {"FSDP2 run grows at every event, sharded": len(grown) == len(grow.history) == 2 and sharded},
+    }
+
+
+# -- 7. seed 001's tiny config (low-rank DINT conversion, then SFT) in bf16 --------------------------------
 def seed001(dry_run: bool, work: Path) -> dict:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -309,7 +341,7 @@ def seed001(dry_run: bool, work: Path) -> dict:
 
 STEPS = {"environment": environment, "gpu_tests": gpu_tests, "bench_gpu": bench, "sketch_1b": sketch_1b,
          "sketch_crossover": sketch_crossover, "mfu": mfu,
-         "text_growth": text_growth, "seed001": seed001}
+         "text_growth": text_growth, "fsdp2_growth": fsdp2_growth, "seed001": seed001}
 
 
 def run_step(name: str, dry_run: bool, work: str, result_file: str, error_file: str, log_file: str) -> None:
