@@ -73,6 +73,11 @@ def hide_library_noise() -> None:
     leaf_spec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leaf_spec, category=FutureWarning)
     warnings.filterwarnings("ignore", message=WEIGHT_AVERAGING_SHARDING, category=UserWarning)
+    # Under ModelParallelStrategy `last.ckpt` is a distributed checkpoint folder that ModelCheckpoint rewrites at every
+    # save, as it rewrites the file under other strategies; torch's writer notes each time that it overwrites one and
+    # that its default may change. Lightning chooses the writer, not the user.
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since "
+                            r"self.overwrite=True", category=UserWarning)
     # Advertising for Lightning's cloud services ("💡 Tip: … install litlogger / litmodels") at INFO level;
     # Lightning has no switch for it, and raising the logger's level would hide its useful lines (devices, limits).
     rank_zero.log.addFilter(lambda record: not record.getMessage().startswith("💡 Tip:"))

@@ -26,7 +26,7 @@ from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks,
 from lit_growattn.training.optimization import default_optimizer
 
 from callback_helpers import recall_data, tiny_module
-from conftest import REPO, needs_transformers
+from conftest import REPO, needs_transformers, run_command
 
 SCRIPT = REPO / "tests" / "fsdp2_scripts" / "grow.py"
 EPS = torch.finfo(torch.float32).eps  # the runs train in 32-true: ModelParallelStrategy refuses 64-true
@@ -331,3 +331,21 @@ def test_a_failed_event_leaves_the_sharded_blocks_in_place(one_rank_mesh, monkey
         with pytest.raises(RuntimeError, match="reshard ran twice"):
             gathered.reshard()
     assert module.blocks()[0] is not sharded[0] and is_sharded(module.blocks()[0]) and module.blocks()[1] is sharded[1]
+
+
+def test_a_fit_from_the_command_line_under_model_parallel_prints_no_library_notice(tmp_path):
+    """One process, a mesh of one: the shipped config grows under ModelParallelStrategy from the command line, and
+    the rewrite of `last.ckpt` (a distributed checkpoint folder) at every save leaves no torch notice in the output."""
+    strategy = ('{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", '
+                '"init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}')
+    done = run_command("fit", "--config", REPO / "configs/mqar_grow.yaml", f"--trainer.strategy={strategy}",
+                       "--trainer.devices=1", "--trainer.max_epochs=3", "--trainer.limit_train_batches=4",
+                       "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+                       "--trainer.callbacks.init_args.schedule.init_args.epochs=[1]",
+                       "--trainer.callbacks.init_args.statistics.batches=2",
+                       f"--trainer.logger.init_args.save_dir={tmp_path}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "growth at step 4 (epoch 1): d_head 2→4 per layer" in done.stdout
+    assert len(list(tmp_path.rglob("last.ckpt/.metadata"))) == 1
+    assert "Detected an existing checkpoint" not in done.stderr + done.stdout
+    assert "Warning" not in done.stderr, done.stderr[-3000:]
