@@ -23,7 +23,7 @@ from lit_growattn.analysis import AttentionAnalysisCallback
 from lit_growattn.callback import checks
 from lit_growattn.callback.checks import check_model_parallel, check_strategy
 from lit_growattn.growth import loss_rounding
-from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, shard_model
+from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, plain_copy, shard_model
 from lit_growattn.training.optimization import default_optimizer
 
 from callback_helpers import recall_data, tiny_module
@@ -361,3 +361,27 @@ def test_a_failed_event_leaves_the_sharded_blocks_in_place(one_rank_mesh, monkey
         with pytest.raises(RuntimeError, match="reshard ran twice"):
             gathered.reshard()
     assert module.blocks()[0] is not sharded[0] and is_sharded(module.blocks()[0]) and module.blocks()[1] is sharded[1]
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("llama", dict(rotary_dim=4, head_sizes=[10, 12], v_head_sizes=[8, 11])),  # fewer rotary columns, grown widths
+    ("gpt2", dict(head_sizes=[9, 10])),  # no RoPE; its decoder layers are transformer.h
+])
+def test_a_gathered_hugging_face_layer_is_the_layer(one_rank_mesh, model_type, sizes):
+    """`build_block` on meta, resized and loaded by `plain_copy`: the same tensors, and the rotary columns the layer
+    keeps (which its state does not say), so that the copy computes what the sharded layer does."""
+    needs_transformers()
+    from lit_growattn.hf.module import HFCausalLM, growable_attention
+
+    module = HFCausalLM(config=tiny_config(model_type).to_dict(), **sizes)
+    layer = module.blocks()[1]
+    cls = type(layer)
+    want = {name: t.clone() for name, t in layer.state_dict().items()}
+    (kept,) = growable_attention(layer)
+    shard_model(module, one_rank_mesh)
+    copy = plain_copy(module, 1)
+    got = copy.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    (attention,) = growable_attention(copy)
+    assert (attention.rotary, attention.d_head, attention.value.d_v) == (kept.rotary, kept.d_head, kept.value.d_v)
+    assert type(copy) is cls and not is_sharded(copy)  # not the subclass fully_shard gave the sharded layer

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from lit_growattn.contract import NamedForm
 from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
@@ -263,7 +264,10 @@ class HFCausalLM(GrowableLM):
         columns the layer keeps now (`keep_rotary`, which loading a state does not restore); its head sizes are the
         config's until loading a block's state resizes them (`Resizable.resize_to`)."""
         now = self.blocks()[layer]
-        block = type(now)(self.model.config, layer)
+        # Its own class: a sharded layer's is the subclass fully_shard made (FSDPLlamaDecoderLayer), an FSDPModule
+        # without FSDP state.
+        cls = next(c for c in type(now).__mro__ if not issubclass(c, FSDPModule))
+        block = cls(self.model.config, layer)
         make_growable(block, self.model.config)
         for new, kept in zip(growable_attention(block), growable_attention(now), strict=True):
             if new.rotary != kept.rotary:
