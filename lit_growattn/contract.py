@@ -240,7 +240,8 @@ def check_shardable(pl_module: object) -> None:
     if lacks := missing(pl_module, ShardableModule):
         raise TypeError(
             f"{type(pl_module).__name__} cannot grow under ModelParallelStrategy (FSDP2): it lacks {', '.join(lacks)} "
-            "(lit_growattn.contract.ShardableModule), as GrowAttentionLM has; train it with strategy='ddp'"
+            "(lit_growattn.contract.ShardableModule), as GrowAttentionLM and hf.HFCausalLM have; train it with "
+            "strategy='ddp'"
         )
 
 

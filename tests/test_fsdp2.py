@@ -9,6 +9,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,10 +23,11 @@ from lit_growattn.analysis import AttentionAnalysisCallback
 from lit_growattn.callback import checks
 from lit_growattn.callback.checks import check_model_parallel, check_strategy
 from lit_growattn.growth import loss_rounding
-from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, shard_model
+from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, plain_copy, shard_model
 from lit_growattn.training.optimization import default_optimizer
 
 from callback_helpers import recall_data, tiny_module
+from hf_helpers import saved_tiny_model, tiny_config
 from conftest import REPO, needs_transformers, run_command
 
 SCRIPT = REPO / "tests" / "fsdp2_scripts" / "grow.py"
@@ -70,6 +72,14 @@ def runs(out):
     return {kind: run(out, kind, "at_epochs") for kind in ("fsdp2", "ddp")}
 
 
+@pytest.fixture(scope="module")
+def hf_runs(out):
+    """As `runs`, for an HFCausalLM loaded from a tiny random Llama written with save_pretrained."""
+    needs_transformers()
+    saved_tiny_model("llama", out / "llama")
+    return {kind: run(out, kind, "hf_llama") for kind in ("fsdp2", "ddp")}
+
+
 def events(record: dict) -> list[dict]:
     return [{key: event[key] for key in ("event", "skipped", "d_head", "d_v", "alpha", "loss_before", "loss_after",
                                          "predicted_decrease", "discarded_energy")} for event in record["history"]]
@@ -80,9 +90,24 @@ def test_fsdp2_grows_the_same_columns_as_ddp(runs):
     see them (every α rates as the current loss, so α = 0 is taken at the first event), if the growth is set on
     sharded blocks (silently ignored: the next steps train the old widths and the weights part), or if Adam's state
     is not carried as DDP carries it."""
+    assert_grows_as_ddp(runs, [([4, 2], [10, 8]), ([4, 4], [10, 10])])
+
+
+def test_a_hugging_face_llama_grows_under_fsdp2_as_under_ddp(hf_runs):
+    """HFCausalLM's decoder layers are the blocks (`blocks`), rebuilt with the growable attention's surgery
+    (`build_block`): a Llama with GQA (two query heads per key/value head, so a rank holds one key head) and RoPE
+    grows the same NoPE columns as under DDP, and forward computes with them."""
+    assert_grows_as_ddp(hf_runs, [([10, 8], [10, 8]), ([10, 10], [10, 10])])
+    for record in hf_runs["fsdp2"]:
+        assert record["forward_widths"] == {"d_head": [10, 10], "d_v": [10, 10]} == record["sizes"]
+
+
+def assert_grows_as_ddp(runs: dict[str, list[dict]], sizes: list[tuple[list[int], list[int]]]) -> None:
+    """The FSDP2 run grew alike on every rank, to `sizes` ((d_head, d_v) per event), with DDP's decisions and
+    losses, and ended with DDP's weights."""
     fsdp2, ddp = (events(runs[kind][0]) for kind in ("fsdp2", "ddp"))
     assert events(runs["fsdp2"][1]) == fsdp2  # every rank grew alike
-    assert [(e["d_head"], e["d_v"]) for e in fsdp2] == [([4, 2], [10, 8]), ([4, 4], [10, 10])]
+    assert [(e["d_head"], e["d_v"]) for e in fsdp2] == sizes
     assert fsdp2[0]["alpha"] > 0
     for got, want in zip(fsdp2, ddp, strict=True):
         assert {k: got[k] for k in ("event", "skipped", "d_head", "d_v", "alpha")} == {
@@ -234,16 +259,21 @@ def test_configure_model_refuses_what_growth_under_fsdp2_cannot_follow(setting, 
         module.configure_model()
 
 
-def test_a_hugging_face_module_is_refused_under_model_parallel_naming_ddp():
-    """Not yet: HFCausalLM lacks the blocks FSDP2 shards and rebuilds (the members a module needs are named)."""
+def test_a_module_without_blocks_is_refused_under_model_parallel_naming_ddp():
+    """A growth under FSDP2 rebuilds the blocks it widens: a module without them is refused, naming what it lacks."""
+    with pytest.raises(TypeError, match=r"LightningModule cannot grow under ModelParallelStrategy \(FSDP2\): it lacks "
+                                        r"blocks, build_block \(lit_growattn.contract.ShardableModule\).*"
+                                        r"strategy='ddp'"):
+        check_model_parallel(fake_trainer(), L.LightningModule())
+
+
+def test_a_hugging_face_module_is_accepted_under_model_parallel():
     needs_transformers()
     from lit_growattn.hf.module import HFCausalLM
 
-    module = HFCausalLM.__new__(HFCausalLM)  # the check reads its members only
-    with pytest.raises(TypeError, match=r"HFCausalLM cannot grow under ModelParallelStrategy \(FSDP2\): it lacks "
-                                        r"blocks, build_block \(lit_growattn.contract.ShardableModule\).*"
-                                        r"strategy='ddp'"):
-        check_model_parallel(fake_trainer(), module)
+    module = HFCausalLM(config=tiny_config("llama").to_dict())
+    check_model_parallel(fake_trainer(), module)
+    assert module.blocks() is module.model.model.layers
 
 
 @pytest.mark.parametrize("callback, refusal", [
@@ -331,6 +361,30 @@ def test_a_failed_event_leaves_the_sharded_blocks_in_place(one_rank_mesh, monkey
         with pytest.raises(RuntimeError, match="reshard ran twice"):
             gathered.reshard()
     assert module.blocks()[0] is not sharded[0] and is_sharded(module.blocks()[0]) and module.blocks()[1] is sharded[1]
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("llama", dict(rotary_dim=4, head_sizes=[10, 12], v_head_sizes=[8, 11])),  # fewer rotary columns, grown widths
+    ("gpt2", dict(head_sizes=[9, 10])),  # no RoPE; its decoder layers are transformer.h
+])
+def test_a_gathered_hugging_face_layer_is_the_layer(one_rank_mesh, model_type, sizes):
+    """`build_block` on meta, resized and loaded by `plain_copy`: the same tensors, and the rotary columns the layer
+    keeps (which its state does not say), so that the copy computes what the sharded layer does."""
+    needs_transformers()
+    from lit_growattn.hf.module import HFCausalLM, growable_attention
+
+    module = HFCausalLM(config=tiny_config(model_type).to_dict(), **sizes)
+    layer = module.blocks()[1]
+    cls = type(layer)
+    want = {name: t.clone() for name, t in layer.state_dict().items()}
+    (kept,) = growable_attention(layer)
+    shard_model(module, one_rank_mesh)
+    copy = plain_copy(module, 1)
+    got = copy.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    (attention,) = growable_attention(copy)
+    assert (attention.rotary, attention.d_head, attention.value.d_v) == (kept.rotary, kept.d_head, kept.value.d_v)
+    assert type(copy) is cls and not is_sharded(copy)  # not the subclass fully_shard gave the sharded layer
 
 
 def test_a_fit_from_the_command_line_under_model_parallel_prints_no_library_notice(tmp_path):

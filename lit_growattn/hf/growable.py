@@ -263,9 +263,10 @@ class GrowableFusedQKVAttention(GrowableAttention):
         return self.resid_dropout(self.value.output(out.transpose(1, 2))), weights
 
 
-def make_growable(model: nn.Module) -> list[str]:
-    """Converts the attention of a llama/mistral/qwen2/qwen3/gpt2 model in place; returns the converted names."""
-    return replace_attention(model, GrowableAttention.from_native)
+def make_growable(model: nn.Module, config=None) -> list[str]:
+    """Converts the attention of a llama/mistral/qwen2/qwen3/gpt2 model (or of a decoder layer of the model of
+    `config`) in place; returns the converted names."""
+    return replace_attention(model, GrowableAttention.from_native, config)
 
 
 def growable_class(native: type[nn.Module]) -> type[GrowableAttention]:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from lit_growattn.contract import NamedForm
 from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
@@ -128,6 +129,10 @@ def unreadable_safetensors(folder: str) -> list[str]:
             except SafetensorError:
                 unreadable.append(os.path.join(folder, name))
     return unreadable
+
+
+def growable_attention(module: nn.Module) -> list[GrowableAttention]:
+    return [m for m in module.modules() if isinstance(m, GrowableAttention)]
 
 
 class HFCausalLM(GrowableLM):
@@ -248,6 +253,26 @@ class HFCausalLM(GrowableLM):
     def batch_loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, labels = batch
         return self.loss(self(inputs), labels)
+
+    # -- what growth under FSDP2 needs (lit_growattn.contract.ShardableModule) -------------------
+    def blocks(self) -> nn.ModuleList:
+        base = self.model.base_model
+        return base.h if hasattr(base, "h") else base.layers  # GPT-2 names its decoder layers h
+
+    def build_block(self, layer: int) -> nn.Module:
+        """A new decoder layer of `layer`'s class with the project's surgery (growable attention) and the rotary
+        columns the layer keeps now (`keep_rotary`, which loading a state does not restore); its head sizes are the
+        config's until loading a block's state resizes them (`Resizable.resize_to`)."""
+        now = self.blocks()[layer]
+        # Its own class: a sharded layer's is the subclass fully_shard made (FSDPLlamaDecoderLayer), an FSDPModule
+        # without FSDP state.
+        cls = next(c for c in type(now).__mro__ if not issubclass(c, FSDPModule))
+        block = cls(self.model.config, layer)
+        make_growable(block, self.model.config)
+        for new, kept in zip(growable_attention(block), growable_attention(now), strict=True):
+            if new.rotary != kept.rotary:
+                new.keep_rotary(kept.rotary)
+        return block
 
     def _former_value_layout(self) -> tuple[str, str] | None:
         if not self.growable_forms():  # a model kept as loaded (growable=false) still has its v_proj

@@ -37,10 +37,12 @@ def native_attention_class(model_type: str) -> type[nn.Module]:
     return getattr(importlib.import_module(module), name)
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(qualified name, module) of every native attention module of `model` (a PreTrainedModel), in layer order."""
+def attention_modules(model: nn.Module, config=None) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every native attention module of `model` (a PreTrainedModel, or one of its
+    decoder layers, which holds no config: then give the model's `config`), in layer order."""
+    config = model.config if config is None else config
     # A registered derived config (e.g. an exported grown model's) names the model type it builds on.
-    model_type = getattr(model.config, "base_model_type", model.config.model_type)
+    model_type = getattr(config, "base_model_type", config.model_type)
     cls = native_attention_class(model_type)
     found = [(name, m) for name, m in model.named_modules() if type(m) is cls]
     if not found:
@@ -49,11 +51,12 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def replace_attention(model: nn.Module, build: Callable[[nn.Module], nn.Module]) -> list[str]:
-    """Replaces, in place, every native attention module m of `model` by `build(m)`, moved to m's device and
-    dtype; returns the replaced modules' qualified names (e.g. 'model.layers.0.self_attn')."""
+def replace_attention(model: nn.Module, build: Callable[[nn.Module], nn.Module], config=None) -> list[str]:
+    """Replaces, in place, every native attention module m of `model` (or of a decoder layer of the model of
+    `config`) by `build(m)`, moved to m's device and dtype; returns the replaced modules' qualified names (e.g.
+    'model.layers.0.self_attn')."""
     names = []
-    for name, original in attention_modules(model):
+    for name, original in attention_modules(model, config):
         parent_name, _, child = name.rpartition(".")
         weight = next(original.parameters())
         replacement = build(original).to(device=weight.device, dtype=weight.dtype)

@@ -1,7 +1,9 @@
 """One growth run on 2 CPU processes (gloo), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
 Lightning's launcher starts this script again for rank 1, so it is a script, not a function of the test.
 
-    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto} OUT_DIR
+    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama} OUT_DIR
+
+The run hf_llama grows an HFCausalLM loaded from OUT_DIR/llama, a tiny Llama the test writes with save_pretrained.
 
 Each rank writes OUT_DIR/<strategy>_<run>_<rank>.pt: the event history; the full optimizer state by parameter name
 just before and just after the first growth; how that state and the parameters are held one step after it (DTensor,
@@ -26,6 +28,7 @@ from callback_helpers import recall_data, tiny_module  # noqa: E402
 from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings  # noqa: E402
 from lit_growattn.attention.qk import QKForm  # noqa: E402
 from lit_growattn.attention.value import ValueMap  # noqa: E402
+from lit_growattn.hf.growable import GrowableAttention  # noqa: E402
 from lit_growattn.training.fsdp2 import reshard_all  # noqa: E402
 
 
@@ -79,38 +82,53 @@ class Recorder(GrowAttentionCallback):
 def forward_widths(pl_module, inputs) -> dict[str, list[int]]:
     """The query/key and value head sizes that a forward pass actually computes with, layer by layer."""
     seen = {"d_head": [], "d_v": []}
-    queries_keys, values = QKForm.queries_keys, ValueMap.values
+    queries_keys, hf_queries_keys, values = QKForm.queries_keys, GrowableAttention.queries_keys, ValueMap.values
 
-    def spy_qk(form, xa):
-        q, k = queries_keys(form, xa)
-        seen["d_head"].append(q.shape[-1])
-        return q, k
+    def spy(method):
+        def spy_qk(form, *args):
+            q, k = method(form, *args)
+            seen["d_head"].append(q.shape[-1])
+            return q, k
+        return spy_qk
 
     def spy_v(value_map, x):
         v = values(value_map, x)
         seen["d_v"].append(v.shape[-1])
         return v
 
-    QKForm.queries_keys, ValueMap.values = spy_qk, spy_v
+    QKForm.queries_keys, GrowableAttention.queries_keys = spy(queries_keys), spy(hf_queries_keys)
+    ValueMap.values = spy_v
     try:
         with torch.no_grad():
             pl_module(inputs)
     finally:
-        QKForm.queries_keys, ValueMap.values = queries_keys, values
+        QKForm.queries_keys, GrowableAttention.queries_keys, ValueMap.values = queries_keys, hf_queries_keys, values
     return seen
 
 
-# The runs, by name: the data (2 ranks, so a rank's epoch holds examples / batch_size / 2 batches), the module's
-# arguments besides tiny_module's, the epochs and the growth callback's arguments.
+def hf_llama(data, out: str):
+    from lit_growattn.hf import HFCausalLM
+
+    return HFCausalLM(pretrained=os.path.join(out, "llama"), vocab_size=data.vocab_size, block_size=data.max_seq_len,
+                      warmup_steps=0, lr_schedule="cosine")
+
+
+# Events at epochs 1 and 2 (steps 2 and 4), each growing one layer (layer 0, then 1; the other stays sharded while
+# the event rates its candidates) on both sides by 2 columns, then 2 more steps.
+AT_EPOCHS = dict(batch_size=4, examples=16, max_epochs=3, callback=lambda: dict(
+    schedule=AtEpochs([1, 2]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
+    statistics=StatisticsSettings(batches=2, layers_per_event=1)))
+
+# The runs, by name: the data (2 ranks, so a rank's epoch holds examples / batch_size / 2 batches), the module (of
+# the data and OUT_DIR), the epochs and the growth callback's arguments.
 RUNS = {
-    # Events at epochs 1 and 2 (steps 2 and 4), each growing one layer (layer 0, then 1; the other stays sharded
-    # while the event rates its candidates) on both sides by 2 columns, then 2 more steps.
-    "at_epochs": dict(batch_size=4, examples=16, module={}, max_epochs=3, callback=lambda: dict(
-        schedule=AtEpochs([1, 2]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
-        statistics=StatisticsSettings(batches=2, layers_per_event=1))),
+    "at_epochs": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0)),
+    # The same growths of a Hugging Face Llama with GQA (4 query heads, 2 key/value heads) and RoPE.
+    "hf_llama": dict(AT_EPOCHS, module=hf_llama),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
     # tests/test_callback_ddp.py's run under DDP).
-    "auto": dict(batch_size=32, examples=512, module=dict(d_v=2), max_epochs=2, callback=lambda: dict(
+    "auto": dict(batch_size=32, examples=512, module=lambda data, out: tiny_module(data, dropout=0.0, d_v=2),
+                 max_epochs=2, callback=lambda: dict(
         schedule=AutoSchedule(budget=4, check_every=4, spend_until=1.0), growth=GrowthSettings(grow="both"),
         statistics=StatisticsSettings(batches=4))),
 }
@@ -121,7 +139,7 @@ def main(kind: str, run: str, out: str) -> None:
     settings = RUNS[run]
     L.seed_everything(0)
     data = recall_data(batch_size=settings["batch_size"], examples=settings["examples"])
-    module = tiny_module(data, dropout=0.0, **settings["module"])
+    module = settings["module"](data, out)
     grow = Recorder(**settings["callback"]())
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2" else "ddp"
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
