@@ -371,18 +371,19 @@ def test_a_gathered_hugging_face_layer_is_the_layer(one_rank_mesh, model_type, s
     """`build_block` on meta, resized and loaded by `plain_copy`: the same tensors, and the rotary columns the layer
     keeps (which its state does not say), so that the copy computes what the sharded layer does."""
     needs_transformers()
-    from lit_growattn.hf.module import HFCausalLM, growable_attention
+    from lit_growattn.hf.growable import named_growables
+    from lit_growattn.hf.module import HFCausalLM
 
     module = HFCausalLM(config=tiny_config(model_type).to_dict(), **sizes)
     layer = module.blocks()[1]
     cls = type(layer)
     want = {name: t.clone() for name, t in layer.state_dict().items()}
-    (kept,) = growable_attention(layer)
+    ((_, kept),) = named_growables(layer)
     shard_model(module, one_rank_mesh)
     copy = plain_copy(module, 1)
     got = copy.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
-    (attention,) = growable_attention(copy)
+    ((_, attention),) = named_growables(copy)
     assert (attention.rotary, attention.d_head, attention.value.d_v) == (kept.rotary, kept.d_head, kept.value.d_v)
     assert type(copy) is cls and not is_sharded(copy)  # not the subclass fully_shard gave the sharded layer
 

@@ -22,19 +22,15 @@ import torch
 from torch import nn
 
 from lit_growattn.attention.value import rename_linear_keys, to_linear
-from lit_growattn.hf.growable import GrowableAttention, growable_class, make_growable
+from lit_growattn.hf.growable import GrowableAttention, growable_class, make_growable, named_growables
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, native_attention_class
 from lit_growattn.training.writing import check_output, new_folder
 
 PREFIX = "growattn_"
 
 
-def _growables(model: nn.Module) -> list[tuple[str, GrowableAttention]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, GrowableAttention)]
-
-
 def natively_expressible(model: nn.Module) -> bool:
-    for _, m in _growables(model):
+    for _, m in named_growables(model):
         if m.d_head != m.head_dim or m.rotary not in (0, m.head_dim):  # grown, or fewer rotary columns (keep_rotary)
             return False
         if m.value.d_v != m.head_dim:
@@ -97,7 +93,7 @@ def save_export(model: nn.Module, folder: str | os.PathLike) -> str:
     settings = {k: v for k, v in model.config.to_dict().items()
                 if k not in ("model_type", "architectures", "transformers_version")}
     if natively_expressible(model):
-        for name, attn in _growables(model):
+        for name, attn in named_growables(model):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, to_native(attn))
         if model.config.model_type.startswith(PREFIX):
@@ -108,9 +104,9 @@ def save_export(model: nn.Module, folder: str | os.PathLike) -> str:
             model.config = config_cls(**{k: v for k, v in settings.items() if k not in GROWN_FIELDS})
     else:
         config_cls, model.__class__ = grown_classes(base_type)
-        model.config = config_cls(**settings | {"qk_head_sizes": [m.d_head for _, m in _growables(model)],
-                                                "qk_rotary": [m.rotary for _, m in _growables(model)],
-                                                "v_head_sizes": [m.value.d_v for _, m in _growables(model)]})
+        model.config = config_cls(**settings | {"qk_head_sizes": [m.d_head for _, m in named_growables(model)],
+                                                "qk_rotary": [m.rotary for _, m in named_growables(model)],
+                                                "v_head_sizes": [m.value.d_v for _, m in named_growables(model)]})
     model.save_pretrained(folder)
     return model.config.model_type
 
@@ -143,12 +139,12 @@ def grown_classes(base_type: str) -> tuple[type, type]:
         def model_init(self, config):
             base_model.__init__(self, config)
             make_growable(self)
-            for (_, attn), r in zip(_growables(self), config.qk_rotary or []):
+            for (_, attn), r in zip(named_growables(self), config.qk_rotary or []):
                 if r != attn.rotary:
                     attn.keep_rotary(r)
-            for (_, attn), d in zip(_growables(self), config.qk_head_sizes or []):
+            for (_, attn), d in zip(named_growables(self), config.qk_head_sizes or []):
                 attn.resize(d)
-            for (_, attn), d in zip(_growables(self), config.v_head_sizes or []):  # none before value growth
+            for (_, attn), d in zip(named_growables(self), config.v_head_sizes or []):  # none before value growth
                 attn.value.resize(d)
 
         @classmethod

@@ -263,6 +263,11 @@ class GrowableFusedQKVAttention(GrowableAttention):
         return self.resid_dropout(self.value.output(out.transpose(1, 2))), weights
 
 
+def named_growables(module: nn.Module) -> list[tuple[str, GrowableAttention]]:
+    """(qualified name, module) of every growable attention in `module` (a model or one of its layers), in order."""
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, GrowableAttention)]
+
+
 def make_growable(model: nn.Module, config=None) -> list[str]:
     """Converts the attention of a llama/mistral/qwen2/qwen3/gpt2 model (or of a decoder layer of the model of
     `config`) in place; returns the converted names."""

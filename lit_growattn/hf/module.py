@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lit_growattn.contract import NamedForm
 from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
-from lit_growattn.hf.growable import GrowableAttention, make_growable
+from lit_growattn.hf.growable import make_growable, named_growables
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, supported
 from lit_growattn.training.divergence import MAX_NONFINITE_STEPS
 from lit_growattn.training.lm import NOT_HPARAMS, GrowableLM
@@ -131,10 +131,6 @@ def unreadable_safetensors(folder: str) -> list[str]:
     return unreadable
 
 
-def growable_attention(module: nn.Module) -> list[GrowableAttention]:
-    return [m for m in module.modules() if isinstance(m, GrowableAttention)]
-
-
 class HFCausalLM(GrowableLM):
     """Args:
         pretrained: a local model folder (config.json and weights), e.g. one downloaded beforehand. Its tokenizer is
@@ -234,8 +230,7 @@ class HFCausalLM(GrowableLM):
 
     # -- what GrowAttentionCallback needs (lit_growattn.contract.GrowableModule) ------------------
     def growable_forms(self) -> list[NamedForm]:
-        return [NamedForm(m.layer_idx, f"model.{name}", m) for name, m in self.model.named_modules()
-                if isinstance(m, GrowableAttention)]
+        return [NamedForm(m.layer_idx, f"model.{name}", m) for name, m in named_growables(self.model)]
 
     def head_sizes(self) -> list[int]:
         return [named.form.d_head for named in self.growable_forms()]
@@ -269,7 +264,7 @@ class HFCausalLM(GrowableLM):
         cls = next(c for c in type(now).__mro__ if not issubclass(c, FSDPModule))
         block = cls(self.model.config, layer)
         make_growable(block, self.model.config)
-        for new, kept in zip(growable_attention(block), growable_attention(now), strict=True):
+        for (_, new), (_, kept) in zip(named_growables(block), named_growables(now), strict=True):
             if new.rotary != kept.rotary:
                 new.keep_rotary(kept.rotary)
         return block
