@@ -401,6 +401,9 @@ def test_a_failed_event_leaves_the_sharded_blocks_in_place(one_rank_mesh, monkey
 @pytest.mark.parametrize("model_type, sizes", [
     ("llama", dict(rotary_dim=4, head_sizes=[10, 12], v_head_sizes=[8, 11])),  # fewer rotary columns, grown widths
     ("gpt2", dict(head_sizes=[9, 10])),  # no RoPE; its decoder layers are transformer.h
+    ("qwen2", dict(head_sizes=[10, 12])),  # query/key/value biases
+    ("qwen3", dict(head_sizes=[10, 12], v_head_sizes=[8, 11])),  # q/k norms
+    ("mistral", dict(head_sizes=[10, 12])),  # sliding-window attention
 ])
 def test_a_gathered_hugging_face_layer_is_the_layer(one_rank_mesh, model_type, sizes):
     """`build_block` on meta, resized and loaded by `plain_copy`: the same tensors, and the rotary columns the layer
