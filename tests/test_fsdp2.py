@@ -20,7 +20,6 @@ from torch.distributed.fsdp import fully_shard
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM
 from lit_growattn.analysis import AttentionAnalysisCallback
-from lit_growattn.callback import checks
 from lit_growattn.callback.checks import check_model_parallel, check_strategy
 from lit_growattn.growth import loss_rounding
 from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, plain_copy, shard_model
@@ -58,11 +57,14 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("fsdp2")
 
 
-def run(out, kind: str, name: str) -> list[dict]:
-    """What grow.py records on each rank for the run `name` under `kind` (fsdp2 or ddp)."""
-    done = subprocess.run([sys.executable, str(SCRIPT), kind, name, str(out)], cwd=out, capture_output=True, text=True,
-                          timeout=300)
+def run(out, kind: str, name: str, checkpoint: str | None = None) -> list[dict]:
+    """What grow.py records on each rank for the run `name` under `kind` (fsdp2 or ddp), resumed from its own
+    `checkpoint` (e.g. "step=3.ckpt") if given."""
+    resumed = [] if checkpoint is None else [checkpoint]
+    done = subprocess.run([sys.executable, str(SCRIPT), kind, name, str(out), *resumed], cwd=out, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
+    name = name if checkpoint is None else f"{name}_from_{checkpoint}"
     return [torch.load(out / f"{kind}_{name}_{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 
@@ -182,11 +184,10 @@ def test_one_fsdp_root_after_growth(runs):
 
 
 def test_a_distributed_checkpoint_after_growth_holds_the_grown_shapes(runs, out):
-    """Writing one runs the divergence guard on the sharded weights (each rank checks its shards, the ranks agree).
-    Resuming from it is not supported yet: the module is built, and sharded, at the hparams' sizes first."""
+    """Writing one runs the divergence guard on the sharded weights (each rank checks its shards, the ranks agree)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    (folder,) = (out / "fsdp2_at_epochs_checkpoints").iterdir()  # the last epoch's (ModelCheckpoint keeps one)
+    folder = out / "fsdp2_at_epochs_checkpoints" / "step=6.ckpt"  # the last step's
     saved = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     final = runs["fsdp2"][0]["params"]  # both layers grown by the run's end
     assert final["model.blocks.1.attn.qk.w_q"].shape[-1] == 4
@@ -194,9 +195,38 @@ def test_a_distributed_checkpoint_after_growth_holds_the_grown_shapes(runs, out)
         assert tuple(saved[f"state_dict.{name}"].size) == tuple(param.shape), name
 
 
-def test_auto_schedule_decides_the_same_on_every_rank_under_fsdp2(out):
+def assert_resumed_bit_equal(resumed: list[dict], uninterrupted: list[dict]) -> None:
+    for got, want in zip(resumed, uninterrupted, strict=True):
+        assert got["history"] == want["history"]
+        assert got["sizes"] == want["sizes"] == got["forward_widths"]
+        assert got["params"].keys() == want["params"].keys()
+        for name, value in want["params"].items():
+            assert torch.equal(got["params"][name], value), name
+        assert got["val_loss"] == want["val_loss"]
+
+
+def test_a_distributed_checkpoint_resumes_bit_equal_after_a_growth_inside_a_window(runs, out):
+    """Step 3: layer 0 grew at step 2, and each rank holds its own partial sums of the window of the growth at step 4.
+    The module is built and sharded at the sizes of its hparams, then its blocks take the checkpoint's before Lightning
+    loads it (torch's "Size mismatch" otherwise); the window resumes per rank, and the run ends as the uninterrupted
+    one did, bit for bit."""
+    assert_resumed_bit_equal(run(out, "fsdp2", "at_epochs", "step=3.ckpt"), runs["fsdp2"])
+
+
+def test_a_hugging_face_llama_resumes_bit_equal_under_fsdp2(hf_runs, out):
+    """The decoder layers take the checkpoint's head sizes as the project's GPT blocks do (rebuilt by `build_block`
+    with the surgery and the rotary columns they keep)."""
+    assert_resumed_bit_equal(run(out, "fsdp2", "hf_llama", "step=3.ckpt"), hf_runs["fsdp2"])
+
+
+@pytest.fixture(scope="module")
+def auto_runs(out):
+    return run(out, "fsdp2", "auto")
+
+
+def test_auto_schedule_decides_the_same_on_every_rank_under_fsdp2(auto_runs):
     """Its decisions are rank 0's, broadcast; the blocks it grows are rebuilt alike on every rank."""
-    first, second = run(out, "fsdp2", "auto")
+    first, second = auto_runs
     assert first["history"] == second["history"] and [e["step"] for e in first["history"]] == [4, 8, 12]
     assert {d["side"] for e in first["history"] for d in e["decisions"]} == {"d_head", "d_v"}
     for record in (first, second):
@@ -205,6 +235,22 @@ def test_auto_schedule_decides_the_same_on_every_rank_under_fsdp2(out):
     grown = sizes["d_head"] + sizes["d_v"]  # every layer has as many key heads as value heads
     assert max(grown) > 2 and sum(grown) <= 4 * len(grown)  # it grew, within a mean head size of 4
     assert all(torch.equal(first["params"][k], second["params"][k]) for k in first["params"])
+
+
+def test_a_single_file_checkpoint_resumes_auto_schedule_bit_equal_inside_a_window(auto_runs, out):
+    """`save_distributed_checkpoint=False`: one file, which Lightning loads parameter by parameter, its shapes read
+    from the file mapped into memory. Step 6: one check done, inside the window of the check at step 8; the hparams
+    then record the checkpoint's sizes, not those the module was built with."""
+    assert (out / "fsdp2_auto_checkpoints" / "step=6.ckpt").is_file()
+    resumed = run(out, "fsdp2", "auto", "step=6.ckpt")
+    assert_resumed_bit_equal(resumed, auto_runs)
+    # The resumed run's first checkpoint, before its next check: the sizes the growth at step 4 left.
+    first = torch.load(out / "fsdp2_auto_from_step=6.ckpt_checkpoints" / "step=7.ckpt", weights_only=True)
+    grown = auto_runs[0]["history"][0]
+    assert grown["step"] == 4 and grown["d_v"] != [2, 2]
+    for key in ("d_head", "d_v"):  # one value stands for every layer
+        recorded = first["hyper_parameters"][key]
+        assert (recorded if isinstance(recorded, list) else [recorded] * len(grown[key])) == grown[key], key
 
 
 def model_parallel(data_parallel: int, tensor_parallel: int) -> ModelParallelStrategy:
@@ -288,17 +334,6 @@ def test_callbacks_that_do_not_follow_a_sharded_module_are_refused(callback, ref
     check_model_parallel(fake_trainer(), tiny_module(recall_data()))
 
 
-def test_resuming_is_refused_under_model_parallel_naming_what_works(monkeypatch):
-    """Before any work: Lightning would load the checkpoint at the built sizes (torch's "Size mismatch" after a
-    growth), and ranks keeping unequal shares of a window would hang in the rating's collectives. (How the path is
-    known at setup: tests/test_lightning_private.py.)"""
-    monkeypatch.setattr(checks, "resume_checkpoint", lambda trainer: "ckpts/epoch=2-step=6.ckpt")
-    with pytest.raises(ValueError, match=r"resuming from ckpts/epoch=2-step=6.ckpt under ModelParallelStrategy is not "
-                                         r"supported yet\. Start a new run from its weights with --model.init_args."
-                                         r"init_from=<checkpoint> .*save_distributed_checkpoint=False.*strategy='ddp'"):
-        check_model_parallel(fake_trainer(), tiny_module(recall_data()))
-
-
 def test_a_configure_model_of_ones_own_is_refused():
     class ShardsItsOwnWay(GrowAttentionLM):
         def configure_model(self):
@@ -366,6 +401,9 @@ def test_a_failed_event_leaves_the_sharded_blocks_in_place(one_rank_mesh, monkey
 @pytest.mark.parametrize("model_type, sizes", [
     ("llama", dict(rotary_dim=4, head_sizes=[10, 12], v_head_sizes=[8, 11])),  # fewer rotary columns, grown widths
     ("gpt2", dict(head_sizes=[9, 10])),  # no RoPE; its decoder layers are transformer.h
+    ("qwen2", dict(head_sizes=[10, 12])),  # query/key/value biases
+    ("qwen3", dict(head_sizes=[10, 12], v_head_sizes=[8, 11])),  # q/k norms
+    ("mistral", dict(head_sizes=[10, 12])),  # sliding-window attention
 ])
 def test_a_gathered_hugging_face_layer_is_the_layer(one_rank_mesh, model_type, sizes):
     """`build_block` on meta, resized and loaded by `plain_copy`: the same tensors, and the rotary columns the layer

@@ -28,6 +28,11 @@ class Probe(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ValidatedProbe(Probe):
+    def validation_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+
 def test_private_counters_mean_what_the_project_reads(tmp_path):
     probe = Probe()
     data = DataLoader(TensorDataset(torch.randn(5, 2)), batch_size=1)
@@ -49,9 +54,10 @@ def test_lightning_cli_still_has_the_methods_the_project_overrides():
     assert not missing, f"LightningCLI no longer has {missing}: update lit_growattn/commands/cli.py"
 
 
-def test_the_checkpoint_a_fit_resumes_from_is_known_at_setup(tmp_path):
+def test_the_checkpoint_a_run_loads_is_known_at_setup(tmp_path):
     """Read at setup, before Lightning loads the checkpoint (the path need not exist: nothing is loaded before the
-    callback stops the run): the ckpt_path given to fit, or the one set on the trainer by hand; None outside a fit."""
+    callback stops the run): the ckpt_path given to fit or validate, or the one set on the trainer by hand; None
+    outside a run."""
 
     class Stop(Exception):
         pass
@@ -71,8 +77,11 @@ def test_the_checkpoint_a_fit_resumes_from_is_known_at_setup(tmp_path):
     for given in [dict(ckpt_path=tmp_path / "given.ckpt"), {}]:
         with pytest.raises(Stop):
             trainer.fit(Probe(), data, **given)
+    with pytest.raises(Stop):
+        trainer.validate(ValidatedProbe(), data, ckpt_path=tmp_path / "validated.ckpt")
     trainer.ckpt_path = tmp_path / "set.ckpt"
     with pytest.raises(Stop):
         trainer.fit(Probe(), data)
-    assert at_setup.seen == [str(tmp_path / "given.ckpt"), None, str(tmp_path / "set.ckpt")]
+    assert at_setup.seen == [str(tmp_path / "given.ckpt"), None, str(tmp_path / "validated.ckpt"),
+                             str(tmp_path / "set.ckpt")]
     assert lightning_private.resume_checkpoint(trainer) is None

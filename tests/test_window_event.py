@@ -920,14 +920,44 @@ def test_kept_batch_losses_are_each_candidates_mean_over_every_kept_batch_with_t
             return form.w_q.mean() + batch
 
     module = Module().train()
-    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(forward_context=torch.no_grad),
-                              strategy=SimpleNamespace(reduce=lambda t, reduce_op: t))
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(forward_context=torch.no_grad), global_rank=0,
+                              world_size=1, strategy=SimpleNamespace(reduce=lambda t, reduce_op: t))
     candidates = [None, *({"qk": FormWeights(torch.full_like(weights.w_q, c), weights.w_k, weights.log_tau)}
                           for c in (1.0, 10.0))]
     means = kept_batch_losses(trainer, module, [NamedForm(0, "qk", form)], [torch.tensor(1.0), torch.tensor(4.0)],
                               candidates)
     assert means.tolist() == [2.5, 3.5, 12.5]
     assert module.training and form.w_q is weights.w_q  # the mode and the forms as they were
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_under_fsdp2_a_rank_with_a_smaller_share_of_kept_batches_runs_as_many_forwards(monkeypatch, sharded):
+    """Under FSDP2 a forward is a collective: rank 1 of 2 holding one of 3 kept batches runs a second, uncounted
+    forward per candidate, so that rank 0's second forward is not left waiting; its count and sum are its share's
+    alone (the reduce adds the other rank's). Under DDP it runs its share only."""
+    from types import SimpleNamespace
+
+    from lit_growattn.callback import trainer_ops
+    from lit_growattn.contract import NamedForm
+
+    form = QKForm(4, 1, 2, bias=False)
+    seen = []
+
+    class Module(torch.nn.Module):
+        device = torch.device("cpu")
+
+        def batch_loss(self, batch):
+            seen.append(batch.item())
+            return batch
+
+    monkeypatch.setattr(trainer_ops, "is_sharded", lambda module: sharded)
+    reduced = []
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(forward_context=torch.no_grad), global_rank=1,
+                              world_size=2, strategy=SimpleNamespace(reduce=lambda t, reduce_op: reduced.append(t) or t))
+    kept = [torch.tensor(1.0), torch.tensor(4.0), torch.tensor(16.0)]
+    trainer_ops.kept_batch_losses(trainer, Module(), [NamedForm(0, "qk", form)], kept, [None, None])
+    assert seen == ([4.0, 1.0] * 2 if sharded else [4.0] * 2)  # its share (batch 1), then batch 0 uncounted
+    assert reduced[0].tolist() == [4.0, 4.0, 1.0]  # each candidate's sum over its share, and the share's count
 
 
 def test_a_rated_loss_averages_one_value_per_token_of_each_kept_batch():

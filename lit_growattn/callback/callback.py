@@ -33,7 +33,7 @@ from lit_growattn.callback.checks import (available_sketch, check_layers_per_eve
 from lit_growattn.callback.event import GrowthEvent
 from lit_growattn.callback.memory import check_statistics_memory, layers_of_event
 from lit_growattn.callback.schedule import Clock, GrowthPoint, GrowthSchedule, check_same_schedule
-from lit_growattn.callback.trainer_ops import install_growth, kept_batch_losses, loss_terms
+from lit_growattn.callback.trainer_ops import WindowCollectives, install_growth, kept_batch_losses, loss_terms
 from lit_growattn.callback.settings import GrowthSettings, StatisticsSettings, StepSearch
 from lit_growattn.callback.window import NamedForms, StatsWindow, capture_mode, fold_captured, layers_in_turn
 from lit_growattn.growth.grouped import check_modes
@@ -76,13 +76,14 @@ class GrowAttentionCallback(Callback):
         # The automatic schedule decides from two halves of each window (growth/allocation.py).
         self.window = StatsWindow(growth.method, halves=schedule.splits_window)
         self._capturing = self._closes_window = False
-        self._strategy, self._rank, self._world = None, 0, 1
+        self._collectives, self._rank, self._world = None, 0, 1
         self._fitting = True  # set by `setup`; validate and test ignore the checkpoint's growth state
         self._caps_given: set[str] = set()
 
     # -- checks before any work is done --------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._strategy, self._rank, self._world = trainer.strategy, trainer.global_rank, trainer.world_size
+        self._collectives = WindowCollectives(trainer.strategy)
+        self._rank, self._world = trainer.global_rank, trainer.world_size
         self._fitting = stage == "fit"
         if stage != "fit":
             return
@@ -222,7 +223,7 @@ class GrowAttentionCallback(Callback):
         if self._capturing:
             self.window.end_step(self._forms(pl_module))
             if self._closes_window:
-                self.window.close(trainer.strategy, trainer.world_size, pl_module.device)
+                self.window.close(self._collectives, trainer.world_size, pl_module.device)
             self._capturing = False
         if should_update_logs(trainer):
             for key, value in self._size_metrics(pl_module).items():
@@ -242,7 +243,7 @@ class GrowAttentionCallback(Callback):
                               "from a checkpoint written before its statistics window and Lightning goes on with the "
                               "next epoch)")
         if not window.reduced:
-            window.close(trainer.strategy, trainer.world_size, pl_module.device)
+            window.close(self._collectives, trainer.world_size, pl_module.device)
             unrated = "" if window.kept else (
                 "; none of its batches kept for the step-size search were seen, so the new columns go in at α = 0 "
                 "(the function unchanged)")
@@ -260,14 +261,13 @@ class GrowAttentionCallback(Callback):
             warnings.warn(f"growth at {point.name}: layers {empty} have no finite statistics (every step that "
                           "captured them overflowed); they keep their size, the other layers grow")
         forms = [f for f, _, _ in kept]
-        batches = window.kept[self._rank :: self._world]
         # Under FSDP2 the event plans, rates and grows plain copies of its blocks (elsewhere the forms themselves).
         with GatheredBlocks(pl_module, sorted({f.layer for f in forms})) as gathered:
             forms = [NamedForm(f.layer, f.name, pl_module.get_submodule(f.name)) for f in forms]
             event = GrowthEvent(
                 self.settings,
                 self.search,
-                loss_of=lambda candidates: kept_batch_losses(trainer, pl_module, forms, batches, candidates),
+                loss_of=lambda candidates: kept_batch_losses(trainer, pl_module, forms, window.kept, candidates),
                 install=lambda grown: install_growth(trainer, pl_module, forms, grown, self.settings.new_second_moment,
                                                      gathered),
                 broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0),
@@ -302,13 +302,16 @@ class GrowAttentionCallback(Callback):
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"history": self.history, "window": self.window.state_dict(self._strategy, self._world),
+        return {"history": self.history, "window": self.window.state_dict(self._collectives, self._world),
                 "schedule": self.schedule.kind, "grow": self.settings.grow}
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # The averaged copies of weight-averaging callbacks were made from the model as built, before it took the
-        # checkpoint's head sizes; they load their averages after this (check_callbacks keeps that order).
-        resize_averaged_to(trainer, checkpoint["state_dict"])
+        # checkpoint's head sizes; they load their averages after this (check_callbacks keeps that order). A
+        # distributed checkpoint has no "state_dict" here (its weights are loaded already), nor do averaged copies
+        # exist under the ModelParallelStrategy that writes one.
+        if "state_dict" in checkpoint:
+            resize_averaged_to(trainer, checkpoint["state_dict"])
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not self._fitting:  # validate/test evaluate the checkpoint's weights: its growth state plays no part

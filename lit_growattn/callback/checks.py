@@ -21,7 +21,6 @@ from lit_growattn.contract import NamedForm, SketchCapture, check_shardable, mis
 from lit_growattn.growth.sketched import SKETCH_DIRECTIONS
 from lit_growattn.module import GrowAttentionLM
 from lit_growattn.training import fsdp2
-from lit_growattn.training.lightning_private import resume_checkpoint
 from lit_growattn.training.lm import GrowableLM
 
 # `auto` sketches when e′ ≥ κ·(k + l): a statistics step then widens attention by k + l columns instead of e′, and
@@ -62,21 +61,11 @@ PROJECT_CONFIGURE_MODELS = (GrowableLM.configure_model, GrowAttentionLM.configur
 
 
 def check_model_parallel(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-    """Under ModelParallelStrategy: refuses a resume, a module whose blocks a growth cannot rebuild or that shards
+    """Under ModelParallelStrategy: refuses a module whose blocks a growth cannot rebuild or that shards
     itself in its own way, and the callbacks that do not follow a sharded module (weight averaging, attention
     analysis)."""
     if not isinstance(trainer.strategy, ModelParallelStrategy):
         return
-    if (path := resume_checkpoint(trainer)) is not None:
-        # Lightning loads a checkpoint into the module at the sizes it was built with, before a growth's sizes can be
-        # restored; and every rating forward is a collective, which ranks keeping unequal shares of a window resumed
-        # on another number of ranks would not all reach.
-        raise ValueError(
-            f"resuming from {path} under ModelParallelStrategy is not supported yet. Start a new run from its "
-            "weights with --model.init_args.init_from=<checkpoint> (a single file: train with "
-            "ModelParallelStrategy(..., save_distributed_checkpoint=False) to write one), or train with "
-            "strategy='ddp', which resumes"
-        )
     check_shardable(pl_module)
     if type(pl_module).configure_model not in PROJECT_CONFIGURE_MODELS:
         raise ValueError(

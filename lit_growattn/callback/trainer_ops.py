@@ -8,27 +8,52 @@ from typing import Any, Callable, Sequence
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lit_growattn.callback.averaging import callback_schedulers, grow_averaged
 from lit_growattn.callback.window import NamedForms
 from lit_growattn.growth import Carry, Growth, GrownValue, installed
-from lit_growattn.training.fsdp2 import GatheredBlocks
+from lit_growattn.training.fsdp2 import GatheredBlocks, is_sharded
 from lit_growattn.training.optim_state import carry_state, snapshot_state
 
 
+class WindowCollectives:
+    """What the statistics window needs of the strategy (`callback.window`): the strategy's sum-reduce, and an
+    all-gather by torch.distributed itself, since the strategy's goes through `torch.distributed.nn.functional
+    .all_gather`, which torch 2.13 deprecates with a warning at every window a run closes."""
+
+    def __init__(self, strategy: Strategy):
+        self.strategy = strategy
+
+    def reduce(self, tensor: Tensor, reduce_op: str) -> Tensor:
+        return self.strategy.reduce(tensor, reduce_op=reduce_op)
+
+    @staticmethod
+    def all_gather(tensor: Tensor) -> Tensor:
+        """(world, *tensor.shape): every rank's `tensor`, by rank."""
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts)
+
+
 def kept_batch_losses(
-    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, batches: list[Any],
+    trainer: L.Trainer, pl_module: L.LightningModule, forms: NamedForms, kept: list[Any],
     candidates: Sequence[dict[str, Growth | GrownValue] | None],
 ) -> Tensor:
-    """Mean loss over the kept batches of all ranks (`batches`: this rank's share, possibly none) of each candidate
-    (name → Growth installed; None: the forms as they are), forward only, so that every rank makes the same
-    choice. Sums and counts are reduced, not per-rank means: a run resumed on more ranks than there are kept
+    """Mean loss over the kept batches of all ranks (`kept`, every rank's; each rank rates its share, possibly none) of
+    each candidate (name → Growth installed; None: the forms as they are), forward only, so that every rank makes the
+    same choice. Sums and counts are reduced, not per-rank means: a run resumed on more ranks than there are kept
     batches leaves some ranks without any. The forms are restored after. `pl_module.batch_loss` rates a batch."""
     named = {name: form for _, name, form in forms}
+    rank, world = trainer.global_rank, trainer.world_size
+    share = kept[rank::world]
+    # Under FSDP2 every forward is a collective (the sharded blocks gather their weights): a rank with a smaller share
+    # runs as many forwards as the others, on batches whose loss it does not count.
+    uncounted = kept[: -(-len(kept) // world) - len(share)] if is_sharded(pl_module) else []
     was_training = pl_module.training
     pl_module.eval()
     losses = []
@@ -37,12 +62,14 @@ def kept_batch_losses(
             for grown in candidates:
                 total = torch.zeros((), device=pl_module.device)
                 with installed(named, grown):
-                    for batch in batches:
+                    for batch in share:
                         total += pl_module.batch_loss(move_data_to_device(batch, pl_module.device)).float()
+                    for batch in uncounted:
+                        pl_module.batch_loss(move_data_to_device(batch, pl_module.device))
                 losses.append(total)
     finally:
         pl_module.train(was_training)
-    count = torch.tensor([float(len(batches))], device=pl_module.device)
+    count = torch.tensor([float(len(share))], device=pl_module.device)
     totals = trainer.strategy.reduce(torch.cat([torch.stack(losses), count]), reduce_op="sum")
     return totals[:-1] / totals[-1]
 

@@ -1,8 +1,8 @@
 """Every private attribute of Lightning that lit_growattn reads, in one place.
 
 Lightning has no public API for these four facts, and each is read where a public alternative would cost a
-millisecond per step, would be wrong after a resume, or would come too late (the checkpoint a fit resumes from,
-needed at setup). A Lightning upgrade that moves one of them breaks here,
+millisecond per step, would be wrong after a resume, or would come too late (the checkpoint a run loads, needed at
+configure_model). A Lightning upgrade that moves one of them breaks here,
 and `tests/test_lightning_private.py` says which.
 
 Nor does Lightning expose what a growth must follow in its own callbacks (`callback/averaging.py`): the averaged
@@ -45,9 +45,9 @@ def batches_done_in_epoch(trainer: L.Trainer) -> int:
 
 
 def resume_checkpoint(trainer: L.Trainer) -> str | None:
-    """The checkpoint the running fit of `trainer` resumes from (None: a new run), known already at setup. Lightning
-    sets `trainer.ckpt_path` only when it starts loading (after setup and configure_model) and keeps it after that
-    fit; the path `fit` resolved (one set on the trainer by hand included) is an argument of the running
+    """The checkpoint the running fit, validate or test of `trainer` loads (None: none), known already at setup and
+    configure_model. Lightning sets `trainer.ckpt_path` only when it starts loading (after both) and keeps it after
+    that run; the path the run resolved (one set on the trainer by hand included) is an argument of the running
     `Trainer._run`, read from its frame."""
     frame = inspect.currentframe()
     while frame is not None and not (frame.f_code is L.Trainer._run.__code__ and frame.f_locals["self"] is trainer):

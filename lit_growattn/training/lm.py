@@ -15,6 +15,7 @@ from lit_growattn.contract import check_shardable
 from lit_growattn.training import fsdp2
 from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
 from lit_growattn.training.divergence import DivergenceGuard
+from lit_growattn.training.lightning_private import resume_checkpoint
 from lit_growattn.training.optimization import GrowthOptimization
 
 # Arguments kept out of the hyperparameters: callables, and a checkpoint that only starts a run.
@@ -45,15 +46,22 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def configure_model(self) -> None:
         """Under ModelParallelStrategy, FSDP2 on its data-parallel mesh: one group per transformer block, the rest in
         the root's (`training.fsdp2`); nothing under other strategies. Lightning calls it again for validate or test
-        after fit, when the module is already sharded."""
-        if self.device_mesh is None or fsdp2.is_sharded(self):
+        after fit, when the module is already sharded.
+
+        Then, when the run loads a checkpoint (`fit`, `validate`, `test` with `ckpt_path`), the blocks take its head
+        sizes: under ModelParallelStrategy Lightning loads it after this hook and after the optimizer is made, into
+        the shapes the module has, where other strategies load it before and `load_state_dict` resizes."""
+        if self.device_mesh is None:
             return
-        check_shardable(self)
-        fsdp2.check_data_parallel_only(self.device_mesh)
-        # Here, not only in the growth callback's setup: a weight-averaging callback listed before it calls this
-        # method from its own setup, then deep-copies the sharded module, which FSDP2 refuses with no hint.
-        fsdp2.check_no_weight_averaging(self.trainer.callbacks)
-        fsdp2.shard_model(self, self.device_mesh[fsdp2.DATA_PARALLEL])
+        if not fsdp2.is_sharded(self):
+            check_shardable(self)
+            fsdp2.check_data_parallel_only(self.device_mesh)
+            # Here, not only in the growth callback's setup: a weight-averaging callback listed before it calls this
+            # method from its own setup, then deep-copies the sharded module, which FSDP2 refuses with no hint.
+            fsdp2.check_no_weight_averaging(self.trainer.callbacks)
+            fsdp2.shard_model(self, self.device_mesh[fsdp2.DATA_PARALLEL])
+        if (path := resume_checkpoint(self.trainer)) is not None:
+            fsdp2.resize_to_shapes(self, fsdp2.checkpoint_shapes(path))  # load_state_dict records the sizes
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown

@@ -1,15 +1,16 @@
 """One growth run on 2 CPU processes (gloo), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
 Lightning's launcher starts this script again for rank 1, so it is a script, not a function of the test.
 
-    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama} OUT_DIR
+    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama} OUT_DIR [CHECKPOINT]
 
 The run hf_llama grows an HFCausalLM loaded from OUT_DIR/llama, a tiny Llama the test writes with save_pretrained.
+With CHECKPOINT (e.g. `step=3.ckpt`) the run resumes from that checkpoint of the same run written before.
 
-Each rank writes OUT_DIR/<strategy>_<run>_<rank>.pt: the event history; the full optimizer state by parameter name
-just before and just after the first growth; how that state and the parameters are held one step after it (DTensor,
-placements, FSDP roots); the validation loss after the run and the widths forward uses then; the final full
-parameters. The last epoch's checkpoint goes to OUT_DIR/<strategy>_<run>_checkpoints (under FSDP2 a distributed
-checkpoint: a folder).
+Each rank writes OUT_DIR/<strategy>_<run>[_from_<checkpoint>]_<rank>.pt: the event history; the full optimizer state by
+parameter name just before and just after the run's first growth; how that state and the parameters are held one
+step after it (DTensor, placements, FSDP roots); the validation loss after the run and the widths forward uses then;
+the final full parameters. A checkpoint after every step goes to OUT_DIR/<strategy>_<run>_checkpoints (named
+`step=N.ckpt`; under FSDP2 a distributed checkpoint, a folder, but for the run auto, which writes single files).
 """
 
 import os
@@ -127,33 +128,41 @@ RUNS = {
     "hf_llama": dict(AT_EPOCHS, module=hf_llama),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
     # tests/test_callback_ddp.py's run under DDP).
-    "auto": dict(batch_size=32, examples=512, module=lambda data, out: tiny_module(data, dropout=0.0, d_v=2),
+    # Its checkpoints are single files (`save_distributed_checkpoint=False`), which load another way.
+    "auto": dict(single_file_checkpoints=True, batch_size=32, examples=512, module=lambda data, out: tiny_module(data, dropout=0.0, d_v=2),
                  max_epochs=2, callback=lambda: dict(
         schedule=AutoSchedule(budget=4, check_every=4, spend_until=1.0), growth=GrowthSettings(grow="both"),
         statistics=StatisticsSettings(batches=4))),
 }
 
 
-def main(kind: str, run: str, out: str) -> None:
+def main(kind: str, run: str, out: str, checkpoint: str | None = None) -> None:
     name = f"{kind}_{run}"
     settings = RUNS[run]
     L.seed_everything(0)
     data = recall_data(batch_size=settings["batch_size"], examples=settings["examples"])
     module = settings["module"](data, out)
     grow = Recorder(**settings["callback"]())
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if kind == "fsdp2" else "ddp"
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not
+                                     settings.get("single_file_checkpoints", False)) if kind == "fsdp2" else "ddp"
+    checkpoints = os.path.join(out, f"{name}_checkpoints")
+    resumed = None if checkpoint is None else os.path.join(checkpoints, checkpoint)
+    if resumed is not None:
+        name, checkpoints = f"{name}_from_{checkpoint}", os.path.join(out, f"{name}_from_{checkpoint}_checkpoints")
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
                         max_epochs=settings["max_epochs"], logger=False,
-                        callbacks=[grow, ModelCheckpoint(os.path.join(out, f"{name}_checkpoints"))],
+                        callbacks=[grow, ModelCheckpoint(checkpoints, filename="{step}", save_top_k=-1,
+                                                         every_n_train_steps=1)],
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=1, deterministic=True)
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=resumed)
     # Lightning calls configure_model again: the module is already sharded.
     (validated,) = trainer.validate(module, datamodule=data, verbose=False)
     inputs, _ = next(iter(data.train_dataloader()))
     result = {
         "history": [{k: v for k, v in e.items() if k not in ("seconds", "timings")} for e in grow.history],
-        "before": grow.before, "after": grow.after, "layout": grow.layout, "val_loss": validated["val/loss"],
+        "before": getattr(grow, "before", None), "after": getattr(grow, "after", None),
+        "layout": getattr(grow, "layout", None), "val_loss": validated["val/loss"],
         "sizes": {"d_head": module.head_sizes(), "d_v": module.value_sizes()},
         "forward_widths": forward_widths(module, inputs),
         "params": {name: full(p) for name, p in module.named_parameters()},
