@@ -11,9 +11,12 @@ W_K (n_kv_head, e′, d_head), log τ (n_head,); e′ = input size + 1 when the 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple, Protocol, runtime_checkable
 
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 CaptureMode = Literal["extend", "explicit"]
 
@@ -232,6 +235,11 @@ class ShardableModule(Protocol):
     def build_block(self, layer: int) -> nn.Module:
         """A new block of `layer` as the module was built (its initial head sizes; loading a block's state resizes it,
         as loading a grown checkpoint does: `Resizable.resize_to`), on the current default device."""
+        ...
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy:
+        """FSDP2's mixed-precision policy, with which the blocks and the module are sharded at `configure_model`, and
+        each block a growth rebuilds is sharded again."""
         ...
 
 

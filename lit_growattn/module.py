@@ -21,6 +21,7 @@ from lit_growattn.contract import NamedForm
 from lit_growattn.model.config import GPTConfig
 from lit_growattn.model.gpt import GPT, Block
 from lit_growattn.training.divergence import MAX_NONFINITE_STEPS
+from lit_growattn.training.fsdp2 import FsdpParamDtype
 from lit_growattn.training.lightning_private import accumulation_open_after_this_batch, should_update_logs
 from lit_growattn.training.lm import NOT_HPARAMS, GrowableLM
 from lit_growattn.training.optimization import LR_SCHEDULE, MIN_LR_RATIO, WARMUP_STEPS, LrSchedule, default_optimizer
@@ -45,6 +46,11 @@ class GrowAttentionLM(GrowableLM):
         compile: run training steps through `torch.compile`d transformer blocks, recompiled after each growth.
         max_nonfinite_steps: stop with an error once the training loss has been NaN/inf for this many consecutive
             steps (one alone is tolerated: a 16-mixed overflow, which the gradient scaler skips).
+        fsdp_param_dtype: under ModelParallelStrategy, FSDP2's mixed precision: 'bfloat16' all-gathers the weights in
+            bfloat16 for forward and backward and reduces gradients in float32, while the sharded weights and the
+            optimizer state stay float32 (with precision '32-true' or 'bf16-mixed'); null computes in float32.
+            A setting of the module because Lightning leaves FSDP2's sharding, and so its policy, to the module's
+            configure_model; refused under other strategies.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class GrowAttentionLM(GrowableLM):
         sdpa_pad: SdpaPad | bool = GPTConfig.sdpa_pad,
         compile: bool = False,
         max_nonfinite_steps: int = MAX_NONFINITE_STEPS,
+        fsdp_param_dtype: FsdpParamDtype | None = None,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=NOT_HPARAMS)
@@ -79,7 +86,7 @@ class GrowAttentionLM(GrowableLM):
         )
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
             raise ValueError(f"need warmup_steps ≥ 0 and 0 ≤ min_lr_ratio ≤ 1, got {warmup_steps}, {min_lr_ratio}")
-        self._init_training(optimizer, scheduler, max_nonfinite_steps)
+        self._init_training(optimizer, scheduler, max_nonfinite_steps, fsdp_param_dtype)
         self.model = GPT(self.cfg)
         if compile:
             self.model.compile_blocks()

@@ -2,7 +2,9 @@
 and the strategies, modules and callbacks refused at setup.
 
 The runs are scripts (tests/fsdp2_scripts/grow.py), since Lightning's launcher starts the script again for rank 1;
-one FSDP2 run and one DDP run serve most tests below (about 15 s each), an AutoSchedule run under FSDP2 one."""
+one FSDP2 run and one DDP run serve most tests below (about 15 s each), an AutoSchedule run under FSDP2 one, and
+the FSDP2 run under the mixed-precision policy (bfloat16 compute, float32 reduce) the tests of that policy. Gloo
+all-gathers and reduce-scatters bfloat16 tensors on CPU, so the policy runs on 2 processes as it would on GPUs."""
 
 import math
 import subprocess
@@ -16,13 +18,14 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM
 from lit_growattn.analysis import AttentionAnalysisCallback
 from lit_growattn.callback.checks import check_model_parallel, check_strategy
 from lit_growattn.growth import loss_rounding
-from lit_growattn.training.fsdp2 import GatheredBlocks, check_sharded_by_blocks, is_sharded, plain_copy, shard_model
+from lit_growattn.training.fsdp2 import (GatheredBlocks, check_sharded_by_blocks, is_sharded, mixed_precision_policy,
+                                         plain_copy, shard_model)
 from lit_growattn.training.optimization import default_optimizer
 
 from callback_helpers import recall_data, tiny_module
@@ -253,6 +256,47 @@ def test_a_single_file_checkpoint_resumes_auto_schedule_bit_equal_inside_a_windo
         assert (recorded if isinstance(recorded, list) else [recorded] * len(grown[key])) == grown[key], key
 
 
+@pytest.fixture(scope="module")
+def mixed(out):
+    """The FSDP2 run of `runs` under `fsdp_param_dtype: bfloat16`, both ranks."""
+    return run(out, "fsdp2", "mixed")
+
+
+def test_mixed_precision_computes_in_bfloat16_and_reduces_gradients_in_float32(mixed):
+    """After both growths, forward multiplies bfloat16 W_Q and W_V in every layer: each grown block was sharded
+    again with the policy (without it, its float32 weights would meet the bfloat16 activations and forward would
+    fail). FSDP2 all-gathered the parameters in bfloat16 and reduce-scattered the gradients in float32, which the
+    float32 DTensor gradients alone would not show: FSDP2 casts a reduced gradient to its parameter's dtype either
+    way."""
+    for record in mixed:
+        assert record["forward_dtypes"] == {"w_q": [torch.bfloat16] * 2, "w_v": [torch.bfloat16] * 2}
+        assert record["collectives"] == {"all_gather_single": {torch.bfloat16},
+                                         "reduce_scatter_single": {torch.float32}}
+        assert record["gradients"] == {("DTensor", torch.float32)}
+
+
+def test_mixed_precision_keeps_float32_weights_and_adam_state_through_growth(mixed):
+    """One step after the first growth every parameter and every Adam moment is a float32 DTensor (the gathered
+    blocks were float32 master copies, grown and sharded as such), still one FSDP root."""
+    for record in mixed:
+        for name, held in record["layout"]["params"].items():
+            assert held["dtensor"] and held["moments_placed_alike"] and held["moments"] == 2, name
+            assert held["dtype"] == torch.float32 and held["moment_dtypes"] == {torch.float32}, name
+        assert record["layout"]["roots"] == [""]
+
+
+def test_mixed_precision_grows_the_scheduled_columns_as_in_float32(mixed, runs):
+    """The events grow what the schedule says (2 columns a side, one layer each) on every rank, as the float32 run
+    does, and forward computes with the grown widths. α is not compared: it is the loss comparison of candidates
+    evaluated in bfloat16, whose round-off (2⁻⁸ relative) may order nearby candidates otherwise than float32 does."""
+    sizes = [(e["event"], e["skipped"], e["d_head"], e["d_v"]) for e in events(mixed[0])]
+    assert sizes == [(e["event"], e["skipped"], e["d_head"], e["d_v"]) for e in events(runs["fsdp2"][0])]
+    assert events(mixed[1]) == events(mixed[0])
+    for record in mixed:
+        assert record["forward_widths"] == {"d_head": [4, 4], "d_v": [10, 10]} == record["sizes"]
+        assert math.isfinite(record["val_loss"])
+
+
 def model_parallel(data_parallel: int, tensor_parallel: int) -> ModelParallelStrategy:
     strategy = ModelParallelStrategy(data_parallel_size=data_parallel, tensor_parallel_size=tensor_parallel)
     strategy._device_mesh = FakeMesh(data_parallel, tensor_parallel)  # as its setup_environment leaves it
@@ -273,6 +317,48 @@ def one_rank_mesh():
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_block_gathered_under_mixed_precision_holds_the_float32_master_weights(one_rank_mesh):
+    """The growth reads and installs float32 tensors: the gathered copy holds the sharded float32 weights bit for
+    bit, not their bfloat16 all-gather."""
+    module = tiny_module(recall_data(), fsdp_param_dtype="bfloat16")
+    want = {name: t.clone() for name, t in module.blocks()[0].state_dict().items()}
+    shard_model(module, one_rank_mesh)
+    got = plain_copy(module, 0).state_dict()
+    assert all(got[name].dtype == torch.float32 and torch.equal(got[name], want[name]) for name in want)
+
+
+def test_the_mixed_precision_policy_computes_in_bfloat16_and_reduces_in_float32():
+    assert mixed_precision_policy("bfloat16") == MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32)
+    assert mixed_precision_policy(None) == MixedPrecisionPolicy()
+
+
+def test_an_unknown_fsdp_param_dtype_is_refused():
+    with pytest.raises(ValueError, match=r"fsdp_param_dtype must be null \(no policy: compute in the weights' dtype\) "
+                                         r"or one of 'bfloat16'; got 'bf16'"):
+        tiny_module(recall_data(), fsdp_param_dtype="bf16")
+
+
+def test_fsdp_param_dtype_is_refused_at_setup_without_model_parallel(tmp_path):
+    """A single device (or DDP): no FSDP2 to apply the policy; the message names the strategy and autocast."""
+    data = recall_data()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"fsdp_param_dtype='bfloat16' is FSDP2's mixed precision, which only "
+                                         r"ModelParallelStrategy applies: train with strategy=ModelParallelStrategy\("
+                                         r".*or set fsdp_param_dtype to null and precision='bf16-mixed'"):
+        trainer.fit(tiny_module(data, fsdp_param_dtype="bfloat16"), data)
+
+
+def test_fsdp_param_dtype_is_refused_with_low_precision_weights():
+    module = tiny_module(recall_data(), fsdp_param_dtype="bfloat16")
+    module._device_mesh = FakeMesh(2, 1)  # as ModelParallelStrategy's setup_environment leaves it
+    module._trainer = SimpleNamespace(precision="bf16-true")
+    with pytest.raises(ValueError, match="keeps the sharded weights and the optimizer state in float32, but "
+                                         "precision='bf16-true' stores them in low precision: set precision='32-true'"):
+        module.setup("fit")
 
 
 @pytest.mark.parametrize("strategy", [FSDPStrategy, DeepSpeedStrategy])
@@ -308,7 +394,7 @@ def test_configure_model_refuses_what_growth_under_fsdp2_cannot_follow(setting, 
 def test_a_module_without_blocks_is_refused_under_model_parallel_naming_ddp():
     """A growth under FSDP2 rebuilds the blocks it widens: a module without them is refused, naming what it lacks."""
     with pytest.raises(TypeError, match=r"LightningModule cannot grow under ModelParallelStrategy \(FSDP2\): it lacks "
-                                        r"blocks, build_block \(lit_growattn.contract.ShardableModule\).*"
+                                        r"blocks, build_block, fsdp_policy \(lit_growattn.contract.ShardableModule\).*"
                                         r"strategy='ddp'"):
         check_model_parallel(fake_trainer(), L.LightningModule())
 

@@ -17,7 +17,7 @@ from torch import Tensor
 from lit_growattn.callback.averaging import callback_schedulers, grow_averaged
 from lit_growattn.callback.window import NamedForms
 from lit_growattn.growth import Carry, Growth, GrownValue, installed
-from lit_growattn.training.fsdp2 import GatheredBlocks, is_sharded
+from lit_growattn.training.fsdp2 import GatheredBlocks, is_sharded, rating_precision
 from lit_growattn.training.optim_state import carry_state, snapshot_state
 
 
@@ -58,7 +58,7 @@ def kept_batch_losses(
     pl_module.eval()
     losses = []
     try:
-        with torch.no_grad(), trainer.precision_plugin.forward_context():
+        with torch.no_grad(), trainer.precision_plugin.forward_context(), rating_precision(pl_module):
             for grown in candidates:
                 total = torch.zeros((), device=pl_module.device)
                 with installed(named, grown):

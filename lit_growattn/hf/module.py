@@ -25,6 +25,7 @@ from lit_growattn.data.tokenizer import load_tokenizer, vocabulary
 from lit_growattn.hf.growable import make_growable, named_growables
 from lit_growattn.hf.surgery import NATIVE_ATTENTION, supported
 from lit_growattn.training.divergence import MAX_NONFINITE_STEPS
+from lit_growattn.training.fsdp2 import FsdpParamDtype
 from lit_growattn.training.lm import NOT_HPARAMS, GrowableLM
 from lit_growattn.training.optimization import LR_SCHEDULE, MIN_LR_RATIO, WARMUP_STEPS, LrSchedule, default_optimizer
 
@@ -148,8 +149,8 @@ class HFCausalLM(GrowableLM):
         growable: convert the attention into growable attention (for GrowAttentionCallback); false keeps the
             model's attention as loaded, e.g. a DINT model written by `convert --pretrained` (seed 001), which the
             growth callback cannot grow.
-        optimizer, scheduler, lr_schedule, warmup_steps, min_lr_ratio, init_from, max_nonfinite_steps: as on
-            GrowAttentionLM.
+        optimizer, scheduler, lr_schedule, warmup_steps, min_lr_ratio, init_from, max_nonfinite_steps,
+            fsdp_param_dtype: as on GrowAttentionLM.
         tokenizer: the tokenizer the model is trained with, recorded at setup from the data module: 'bytes', a
             tokenizer.json file or a folder holding one, or a hub name. The CLI gives it to a data module whose
             tokenizer is left out (so a resumed run keeps its tokenizer).
@@ -175,12 +176,13 @@ class HFCausalLM(GrowableLM):
         min_lr_ratio: float = MIN_LR_RATIO,
         init_from: str | None = None,
         max_nonfinite_steps: int = MAX_NONFINITE_STEPS,
+        fsdp_param_dtype: FsdpParamDtype | None = None,
         tokenizer: str | None = None,
         pretrained_config: dict[str, Any] | None = None,
     ):  # pragma: no mutate block  (save_hyperparameters reads this frame: docs/testing.md)
         super().__init__()
         self.save_hyperparameters(ignore=NOT_HPARAMS)
-        self._init_training(optimizer, scheduler, max_nonfinite_steps)
+        self._init_training(optimizer, scheduler, max_nonfinite_steps, fsdp_param_dtype)
         if config is not None and vocab_size is not None:
             config = {"vocab_size": vocab_size, **config}  # from scratch: the tokenizer's size unless given
         self.model = build_model(pretrained, config, attn_implementation, pretrained_config)

@@ -76,7 +76,7 @@ def _mismatch(module: nn.Module, checkpoint: dict) -> str:
 
 # Settings that do not shape the weights, and the sizes a growth recorded (taken from the checkpoint as it loads).
 NOT_SHAPING = {"lr_schedule", "warmup_steps", "min_lr_ratio", "max_nonfinite_steps", "compile", "sdpa_pad",
-               "attn_implementation", "tokenizer", "d_head", "d_v", "head_sizes", "v_head_sizes"}
+               "fsdp_param_dtype", "attn_implementation", "tokenizer", "d_head", "d_v", "head_sizes", "v_head_sizes"}
 FROM_DATA = {"vocab_size": "vocabulary (its tokenizer)", "block_size": "sequence length"}
 
 

@@ -12,15 +12,16 @@ device, and which are then sharded in the old blocks' place.
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Literal, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lit_growattn.contract import ShardableModule
@@ -29,6 +30,54 @@ from lit_growattn.training.checkpoint import resize_to_checkpoint
 MODULE_KEY = "state_dict"  # where Lightning keeps the module's state in a checkpoint (a file or DCP's keys' prefix)
 DATA_PARALLEL = "data_parallel"  # the mesh dimension ModelParallelStrategy names for data parallelism
 TENSOR_PARALLEL = "tensor_parallel"
+
+# The dtypes FSDP2 may compute in (a module's `fsdp_param_dtype`). Not float16: its gradients would need a loss
+# scaler, which FSDP2's policy does not have.
+FsdpParamDtype = Literal["bfloat16"]
+PARAM_DTYPES = {"bfloat16": torch.bfloat16}
+# The Trainer precisions that keep the weights FSDP2 shards, and the optimizer state, in float32.
+PRECISIONS_WITH_FP32_WEIGHTS = ("32-true", "bf16-mixed")
+
+
+def check_param_dtype(param_dtype: str | None) -> None:
+    """Refuses a compute dtype FSDP2's policy is not offered with (`PARAM_DTYPES`)."""
+    if param_dtype is not None and param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"fsdp_param_dtype must be null (no policy: compute in the weights' dtype) or one of "
+                         f"{', '.join(map(repr, PARAM_DTYPES))}; got {param_dtype!r}")
+
+
+def check_mixed_precision_applies(param_dtype: str | None, mesh: DeviceMesh | None, precision: str) -> None:
+    """Refuses, before fit, an `fsdp_param_dtype` that would not be applied (no FSDP2 without ModelParallelStrategy's
+    `mesh`), or whose float32 master weights the Trainer's `precision` would replace by low-precision ones."""
+    if param_dtype is None:
+        return
+    if mesh is None:
+        raise ValueError(f"fsdp_param_dtype={param_dtype!r} is FSDP2's mixed precision, which only "
+                         "ModelParallelStrategy applies: train with strategy=ModelParallelStrategy("
+                         "data_parallel_size=N, tensor_parallel_size=1), or set fsdp_param_dtype to null and "
+                         "precision='bf16-mixed' (autocast) under this strategy")
+    if precision not in PRECISIONS_WITH_FP32_WEIGHTS:
+        raise ValueError(f"fsdp_param_dtype={param_dtype!r} keeps the sharded weights and the optimizer state in "
+                         f"float32, but precision={precision!r} stores them in low precision: set precision='32-true'")
+
+
+def mixed_precision_policy(param_dtype: str | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a module's `fsdp_param_dtype`, the one place it is built: parameters all-gathered in that
+    dtype for forward and backward, gradients reduced in float32 into the float32 shards that the optimizer steps.
+    None: FSDP2's default, computing and reducing in the weights' own dtype."""
+    if param_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[param_dtype], reduce_dtype=torch.float32)
+
+
+def rating_precision(module: nn.Module) -> AbstractContextManager:
+    """The context of a growth event's forward passes under a policy that computes in low precision: autocast to
+    that dtype. The event's plain copies hold float32 weights (the master values the growth reads and installs),
+    while the sharded groups around them hand on activations in the policy's dtype, which a float32 weight cannot
+    multiply; autocast casts the copies' weights for each matmul as FSDP2 casts the sharded blocks', so that the
+    candidates are rated at the precision training computes in."""
+    param_dtype = module.fsdp_policy().param_dtype if is_sharded(module) else None
+    return nullcontext() if param_dtype is None else torch.autocast(module.device.type, dtype=param_dtype)
 
 
 def check_data_parallel_only(mesh: DeviceMesh) -> None:
@@ -57,17 +106,19 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_block(block: nn.Module, mesh: DeviceMesh) -> None:
+def shard_block(block: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
     """One FSDP2 group per block: the one place a block is sharded, at `configure_model` and after each growth."""
-    fully_shard(block, mesh=mesh)
+    fully_shard(block, mesh=mesh, mp_policy=policy)
 
 
 def shard_model(module: ShardableModule, mesh: DeviceMesh) -> None:
     """Shards every block of `module` on the data-parallel `mesh`, then the module itself (the root's group holds the
-    rest; with no DDP under ModelParallelStrategy, it also reduces those parameters' gradients)."""
+    rest; with no DDP under ModelParallelStrategy, it also reduces those parameters' gradients), all with the
+    module's mixed-precision policy."""
+    policy = module.fsdp_policy()
     for block in module.blocks():
-        shard_block(block, mesh)
-    fully_shard(module, mesh=mesh)
+        shard_block(block, mesh, policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
 
 
 def check_sharded_by_blocks(module: ShardableModule) -> None:
@@ -157,14 +208,15 @@ class GatheredBlocks:
         reshard_all(self.module)
 
     def reshard(self) -> None:
-        """The plain copies, sharded as the blocks they replace were, in their place for good."""
+        """The plain copies, sharded as the blocks they replace were (mesh and mixed-precision policy), in their place
+        for good."""
         if not self.layers:
             return
         if not self.sharded:  # fully_shard cannot shard a module twice
             raise RuntimeError("GatheredBlocks.reshard ran twice: the grown blocks are sharded already")
-        blocks = self.module.blocks()
+        blocks, policy = self.module.blocks(), self.module.fsdp_policy()
         for layer, block in self.plain.items():
-            shard_block(block, self.meshes[layer])
+            shard_block(block, self.meshes[layer], policy)
             blocks[layer] = block
         relazy(self.module)
         self.sharded = {}

@@ -10,6 +10,7 @@ import lightning as L
 import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import Tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lit_growattn.contract import check_shardable
 from lit_growattn.training import fsdp2
@@ -29,8 +30,10 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     `_former_value_layout`; this class the loading, the loss and the evaluation steps built on them."""
 
     def _init_training(self, optimizer: OptimizerCallable, scheduler: LRSchedulerCallable | None,
-                       max_nonfinite_steps: int) -> None:
+                       max_nonfinite_steps: int, fsdp_param_dtype: fsdp2.FsdpParamDtype | None) -> None:
         self.guard_divergence(max_nonfinite_steps)
+        fsdp2.check_param_dtype(fsdp_param_dtype)
+        self.fsdp_param_dtype = fsdp_param_dtype
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self._total_steps = 1  # set at train start; the schedule is only evaluated at step 0 before that
 
@@ -42,6 +45,17 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
     def loss(logits: Tensor, labels: Tensor) -> Tensor:
         """Labels come shifted (labels[:, t] is the target at t); -100 marks a position without one."""
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            fsdp2.check_mixed_precision_applies(self.fsdp_param_dtype, self.device_mesh, self.trainer.precision)
+        super().setup(stage)
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy:
+        # A setting of the module, not a reading of the Trainer's precision: under ModelParallelStrategy Lightning
+        # leaves sharding, policy included, to configure_model, and its precisions mean something else there
+        # (bf16-mixed: autocast over float32 all-gathers; bf16-true: bfloat16 master weights).
+        return fsdp2.mixed_precision_policy(self.fsdp_param_dtype)
 
     def configure_model(self) -> None:
         """Under ModelParallelStrategy, FSDP2 on its data-parallel mesh: one group per transformer block, the rest in

@@ -1,15 +1,17 @@
 """One growth run on 2 CPU processes (gloo), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
 Lightning's launcher starts this script again for rank 1, so it is a script, not a function of the test.
 
-    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama} OUT_DIR [CHECKPOINT]
+    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama|mixed} OUT_DIR [CHECKPOINT]
 
-The run hf_llama grows an HFCausalLM loaded from OUT_DIR/llama, a tiny Llama the test writes with save_pretrained.
-With CHECKPOINT (e.g. `step=3.ckpt`) the run resumes from that checkpoint of the same run written before.
+The run hf_llama grows an HFCausalLM loaded from OUT_DIR/llama, a tiny Llama the test writes with save_pretrained;
+the run mixed is at_epochs under FSDP2's mixed precision (fsdp_param_dtype: bfloat16). With CHECKPOINT (e.g.
+`step=3.ckpt`) the run resumes from that checkpoint of the same run written before.
 
 Each rank writes OUT_DIR/<strategy>_<run>[_from_<checkpoint>]_<rank>.pt: the event history; the full optimizer state by
 parameter name just before and just after the run's first growth; how that state and the parameters are held one
-step after it (DTensor, placements, FSDP roots); the validation loss after the run and the widths forward uses then;
-the final full parameters. A checkpoint after every step goes to OUT_DIR/<strategy>_<run>_checkpoints (named
+step after it (DTensor, placements, dtypes, FSDP roots) and that step's gradients (type, dtype); the dtypes FSDP2's
+collectives sent during the fit; the validation loss after the run and the widths and weight dtypes forward uses
+then; the final full parameters. A checkpoint after every step goes to OUT_DIR/<strategy>_<run>_checkpoints (named
 `step=N.ckpt`; under FSDP2 a distributed checkpoint, a folder, but for the run auto, which writes single files).
 """
 
@@ -20,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
@@ -47,7 +50,8 @@ def optimizer_state(trainer, pl_module) -> dict[str, dict[str, torch.Tensor]]:
 
 def layout(trainer, pl_module) -> dict:
     """How parameters and their Adam moments are held: per parameter name, (is a DTensor, placements, local numel,
-    global numel) of the parameter and whether every moment is a DTensor placed like it; and the FSDP roots."""
+    global numel, dtype) of the parameter, whether every moment is a DTensor placed like it, and the moments'
+    dtypes; and the FSDP roots."""
     (optimizer,) = trainer.optimizers
     params = {}
     for name, p in pl_module.named_parameters():
@@ -56,15 +60,16 @@ def layout(trainer, pl_module) -> dict:
                            for v in moments) if isinstance(p, DTensor) else None
         params[name] = {"dtensor": isinstance(p, DTensor), "placements": str(getattr(p, "placements", None)),
                         "local": p.to_local().numel() if isinstance(p, DTensor) else p.numel(), "numel": p.numel(),
-                        "moments_placed_alike": placed_alike, "moments": len(moments)}
+                        "moments_placed_alike": placed_alike, "moments": len(moments), "dtype": p.dtype,
+                        "moment_dtypes": {v.dtype for v in moments}}
     roots = [name for name, m in pl_module.named_modules()
              if isinstance(m, FSDPModule) and m._get_fsdp_state()._is_root]
     return {"params": params, "roots": roots}
 
 
 class Recorder(GrowAttentionCallback):
-    """The growth callback, recording the optimizer state around its first event and the layout after the next
-    step."""
+    """The growth callback, recording the optimizer state around its first event, and the layout and gradients of
+    the next step."""
 
     def _grow(self, trainer, pl_module, point, batch_idx):
         first = not self.history
@@ -74,27 +79,36 @@ class Recorder(GrowAttentionCallback):
             self.before, self.after = before, optimizer_state(trainer, pl_module)
             self.grown_at = trainer.global_step
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if getattr(self, "grown_at", None) == trainer.global_step:  # the first step after the growth
+            self.gradients = {(type(p.grad).__name__, p.grad.dtype)
+                              for p in pl_module.parameters() if p.grad is not None}
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if getattr(self, "grown_at", None) == trainer.global_step - 1 and not hasattr(self, "layout"):
             self.layout = layout(trainer, pl_module)  # one optimizer step after the growth
 
 
-def forward_widths(pl_module, inputs) -> dict[str, list[int]]:
-    """The query/key and value head sizes that a forward pass actually computes with, layer by layer."""
-    seen = {"d_head": [], "d_v": []}
+def forward_seen(pl_module, inputs) -> dict[str, list]:
+    """What a forward pass actually computes with, layer by layer: the query/key and value head sizes (d_head, d_v)
+    of the tensors it makes, and the dtypes of the W_Q and W_V it multiplies (w_q, w_v)."""
+    seen = {"d_head": [], "d_v": [], "w_q": [], "w_v": []}
     queries_keys, hf_queries_keys, values = QKForm.queries_keys, GrowableAttention.queries_keys, ValueMap.values
 
     def spy(method):
         def spy_qk(form, *args):
             q, k = method(form, *args)
             seen["d_head"].append(q.shape[-1])
+            seen["w_q"].append(form.w_q.dtype)
             return q, k
         return spy_qk
 
     def spy_v(value_map, x):
         v = values(value_map, x)
         seen["d_v"].append(v.shape[-1])
+        seen["w_v"].append(value_map.w_v.dtype)
         return v
 
     QKForm.queries_keys, GrowableAttention.queries_keys = spy(queries_keys), spy(hf_queries_keys)
@@ -105,6 +119,25 @@ def forward_widths(pl_module, inputs) -> dict[str, list[int]]:
     finally:
         QKForm.queries_keys, GrowableAttention.queries_keys, ValueMap.values = queries_keys, hf_queries_keys, values
     return seen
+
+
+def spy_collectives() -> dict[str, set[torch.dtype]]:
+    """The dtypes of the tensors FSDP2's all-gathers (the parameters) and reduce-scatters (the gradients) send from
+    now on, by collective; FSDP2 sends them through torch.distributed's all_gather_single and
+    reduce_scatter_single."""
+    sent = {"all_gather_single": set(), "reduce_scatter_single": set()}
+
+    def spy(name):
+        collective = getattr(dist, name)
+
+        def send(output, input, *args, **kwargs):
+            sent[name].add(input.dtype)
+            return collective(output, input, *args, **kwargs)
+        setattr(dist, name, send)
+
+    for name in sent:
+        spy(name)
+    return sent
 
 
 def hf_llama(data, out: str):
@@ -126,6 +159,8 @@ RUNS = {
     "at_epochs": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0)),
     # The same growths of a Hugging Face Llama with GQA (4 query heads, 2 key/value heads) and RoPE.
     "hf_llama": dict(AT_EPOCHS, module=hf_llama),
+    # The same growths computing in bfloat16 (the weights all-gathered in it), gradients reduced in float32.
+    "mixed": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0, fsdp_param_dtype="bfloat16")),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
     # tests/test_callback_ddp.py's run under DDP).
     # Its checkpoints are single files (`save_distributed_checkpoint=False`), which load another way.
@@ -155,16 +190,20 @@ def main(kind: str, run: str, out: str, checkpoint: str | None = None) -> None:
                                                          every_n_train_steps=1)],
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                         limit_val_batches=1, deterministic=True)
+    collectives = spy_collectives()
     trainer.fit(module, data, ckpt_path=resumed)
     # Lightning calls configure_model again: the module is already sharded.
     (validated,) = trainer.validate(module, datamodule=data, verbose=False)
     inputs, _ = next(iter(data.train_dataloader()))
+    seen = forward_seen(module, inputs)
     result = {
         "history": [{k: v for k, v in e.items() if k not in ("seconds", "timings")} for e in grow.history],
         "before": getattr(grow, "before", None), "after": getattr(grow, "after", None),
         "layout": getattr(grow, "layout", None), "val_loss": validated["val/loss"],
         "sizes": {"d_head": module.head_sizes(), "d_v": module.value_sizes()},
-        "forward_widths": forward_widths(module, inputs),
+        "forward_widths": {side: seen[side] for side in ("d_head", "d_v")},
+        "forward_dtypes": {weight: seen[weight] for weight in ("w_q", "w_v")},
+        "gradients": getattr(grow, "gradients", None), "collectives": collectives,
         "params": {name: full(p) for name, p in module.named_parameters()},
     }
     torch.save(result, os.path.join(out, f"{name}_{trainer.global_rank}.pt"))
