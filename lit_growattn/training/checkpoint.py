@@ -76,23 +76,6 @@ def _read_lightning_meta(folder: str | os.PathLike) -> dict[str, Any]:
     return _read_dictionary(meta)
 
 
-def _read_distributed_state_dict(folder: str | os.PathLike) -> dict[str, Tensor]:
-    """The module state of a distributed checkpoint, each tensor whole on the CPU, read in this process alone."""
-    reader = _CheckedMetadataReader(folder)
-    stored = reader.read_metadata().state_dict_metadata
-    state = {key.removeprefix(MODULE_PREFIX): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in stored.items()
-             if key.startswith(MODULE_PREFIX) and isinstance(meta, dcp.metadata.TensorStorageMetadata)}
-    try:
-        with warnings.catch_warnings():
-            # torch notes that it loads in one process: no_dist asks for that.
-            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
-    except dcp.api.CheckpointException as error:
-        raise damaged(folder) from error
-    return state
-
-
 # Lightning saves a distributed checkpoint's module state under "state_dict", which torch's writer flattens.
 MODULE_PREFIX = "state_dict."
 
@@ -101,6 +84,23 @@ MODULE_PREFIX = "state_dict."
 METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
                     ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+
+def _read_distributed_state_dict(folder: str | os.PathLike) -> dict[str, Tensor]:
+    """The module state of a distributed checkpoint, each tensor whole on the CPU, read in this process alone."""
+    reader = _CheckedMetadataReader(folder)
+    stored = reader.read_metadata().state_dict_metadata
+    state = {key.removeprefix(MODULE_PREFIX): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in stored.items()
+             if key.startswith(MODULE_PREFIX) and isinstance(meta, dcp.TensorStorageMetadata)}
+    try:
+        with warnings.catch_warnings():
+            # torch notes that it loads in one process: no_dist asks for that.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+    except dcp.CheckpointException as error:
+        raise damaged(folder) from error
+    return state
 
 
 class _UnsafeMetadata(Exception):
@@ -113,7 +113,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         defined = getattr(dcp.metadata, name, None) if module == dcp.metadata.__name__ else None
-        metadata_class = isinstance(defined, type) and defined.__module__ == module  # not what it imports
+        metadata_class = isinstance(defined, type) and defined.__module__ == module  # not a class it imports
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if not (metadata_class or dtype or (module, name) in METADATA_GLOBALS):
             raise _UnsafeMetadata(f"{module}.{name}")
@@ -124,7 +124,7 @@ class _CheckedMetadataReader(dcp.FileSystemReader):
     """torch's reader of a distributed checkpoint folder, but reading its `.metadata` with _MetadataUnpickler: torch
     unpickles it unrestricted, which would run any code a `.metadata` from elsewhere holds."""
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.metadata.Metadata:
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
         path = os.path.join(self.path, ".metadata")
         try:
             with open(path, "rb") as file:
@@ -135,7 +135,7 @@ class _CheckedMetadataReader(dcp.FileSystemReader):
                              "refused: use a checkpoint written by ModelParallelStrategy") from None
         except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
             raise damaged(os.path.dirname(path)) from error
-        if not isinstance(metadata, dcp.metadata.Metadata):
+        if not isinstance(metadata, dcp.Metadata):
             raise damaged(os.path.dirname(path))
         return metadata
 
