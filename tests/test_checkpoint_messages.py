@@ -85,18 +85,14 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     assert str(missing.value) == f"no checkpoint file at {str(tmp_path / 'gone.ckpt')!r}; give the path of a .ckpt file"
 
 
-def test_a_distributed_checkpoint_folder_is_named_with_the_setting_that_writes_one_file(tmp_path):
-    """ModelParallelStrategy's default checkpoint is a folder (named like a file): its readers (init_from, export,
-    convert) say what it is and how to get one file instead."""
+def test_a_folder_that_is_no_distributed_checkpoint_is_named(tmp_path):
+    """A folder without torch's `.metadata` (tests/test_distributed_checkpoint.py reads one with it)."""
     from lit_growattn.training.checkpoint import load_weights
 
     folder = tmp_path / "epoch=2-step=6.ckpt"
     folder.mkdir()
-    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"):
-        (folder / name).write_bytes(b"")
-    want = (f"{str(folder)!r} is a sharded (distributed) checkpoint, a folder of one shard per rank, which cannot be "
-            "read here yet: train with ModelParallelStrategy(..., save_distributed_checkpoint=False), which writes the "
-            "checkpoint as one file")
+    want = (f"{str(folder)!r} is a folder without a .metadata file, so neither a checkpoint file nor a distributed "
+            "checkpoint: give a .ckpt file, or a checkpoint folder written by ModelParallelStrategy")
     for read in (read_checkpoint, lambda path: load_weights(torch.nn.Linear(2, 2), str(path))):
         with pytest.raises(ValueError) as refused:
             read(folder)

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from jsonargparse import Namespace, _typehints, set_dumper
 
-from lit_growattn.training.checkpoint import read_checkpoint
+from lit_growattn.training.checkpoint import is_distributed_checkpoint, read_hyperparameters
 from lit_growattn.commands.legacy import refuse_old_config
 
 # Every run writes into a folder of its own, logs/lit_growattn/version_N: TensorBoard's, or with the logger off
@@ -117,16 +117,35 @@ class GrowAttentionCLI(LightningCLI):
         fill_data_tokenizer(config)
 
     def _parse_ckpt_path(self) -> None:
-        """LightningCLI builds a resumed model from the checkpoint's hyperparameters: read the file the project's way
-        (a damaged or unsafe file is named), and say which model settings of the command differ from it."""
+        """LightningCLI builds a resumed model from the checkpoint's hyperparameters: read them the project's way
+        (a damaged or unsafe file is named), and say which model settings of the command differ from them.
+        LightningCLI reads a checkpoint file only; the hyperparameters of a distributed checkpoint folder are
+        applied here the same way."""
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path and Path(ckpt_path).is_file():
-            stored = read_checkpoint(ckpt_path).get("hyper_parameters", {})
+        folder = bool(ckpt_path) and is_distributed_checkpoint(ckpt_path)
+        if ckpt_path and (Path(ckpt_path).is_file() or folder):
+            stored = read_hyperparameters(ckpt_path)
             given = (self.config[subcommand].get("model") or {}).get("init_args") or {}
             warn_changed_settings(ckpt_path, stored, given.as_dict() if hasattr(given, "as_dict") else dict(given),
                                   subcommand)
+            if folder:
+                self._apply_checkpoint_settings(subcommand, dict(stored))
         super()._parse_ckpt_path()
+
+    def _apply_checkpoint_settings(self, subcommand: str, hparams: dict) -> None:
+        """The model config takes the checkpoint's hyperparameters, as LightningCLI's `_parse_ckpt_path` does for a
+        checkpoint file."""
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
 
     def _instantiate_trainer(self, config: dict, callbacks: list[Callback]):
         # Without a logger Lightning writes the config and checkpoints/ into the working directory, and a second run

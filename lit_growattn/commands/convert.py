@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     or `… --pretrained path/to/llama --to mha --kv_budget 4 [--calibration train.txt] --out DIR`"""
     parser = argparse.ArgumentParser(prog="python -m lit_growattn convert", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", help="trained mha checkpoint of this project's GPT")
+    source.add_argument("--ckpt", help="trained mha checkpoint of this project's GPT (a file, or the distributed "
+                        "checkpoint folder ModelParallelStrategy writes)")
     source.add_argument("--pretrained", help="Hugging Face model folder (llama, mistral, qwen2, qwen3) to convert to "
                         "DINT, or (any supported type) to shrink with --to mha --kv_budget")
     parser.add_argument("--to", choices=TARGETS, default="lowrank_dint",

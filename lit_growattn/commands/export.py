@@ -89,7 +89,8 @@ def main(argv: list[str]) -> None:
     """`python -m lit_growattn export --ckpt CKPT --out DIR [--pretrained DIR] [--tokenizer DIR] [--overwrite]`: an HFCausalLM
     checkpoint (as `fit` writes it) as a save_pretrained folder, with the tokenizer the model was trained with."""
     parser = argparse.ArgumentParser(prog="python -m lit_growattn export", description=main.__doc__)
-    parser.add_argument("--ckpt", required=True, help="a checkpoint of lit_growattn.hf.HFCausalLM written by fit")
+    parser.add_argument("--ckpt", required=True, help="a checkpoint of lit_growattn.hf.HFCausalLM written by fit (a file, or the "
+                        "distributed checkpoint folder ModelParallelStrategy writes)")
     parser.add_argument("--out", required=True, help="the folder to write (save_pretrained); written beside, then "
                         "renamed into place")
     parser.add_argument("--pretrained", help="where the model's pretrained folder is now, if it moved since training "

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
 from lit_growattn.contract import Resizable
@@ -18,11 +20,38 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint's content, loaded with `weights_only=True`: tensors and plain containers only, so a file from
     elsewhere cannot run code. Checkpoints written by this project's CLI and by `convert` load this way.
 
+    A distributed checkpoint folder (`is_distributed_checkpoint`) gives the same dictionary: its module state as
+    whole tensors under "state_dict", beside its `meta.pt` (hyper_parameters, epoch, …). Its optimizer state is left
+    out: the readers (init_from, export, convert) need the weights only.
+
     torch's own messages for a file it will not load this way advise loading it with `weights_only=False`, which
     would run the file's code: none of them is passed on (no `from error`), whatever the refusal."""
-    refuse_distributed_checkpoint(path)
+    if is_distributed_checkpoint(path):
+        return {**_read_lightning_meta(path), "state_dict": _read_distributed_state_dict(path)}
+    if os.path.isdir(path):
+        raise ValueError(f"{str(path)!r} is a folder without a .metadata file, so neither a checkpoint file nor a "
+                         "distributed checkpoint: give a .ckpt file, or a checkpoint folder written by "
+                         "ModelParallelStrategy")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no checkpoint file at {str(path)!r}; give the path of a .ckpt file")
+    return _read_dictionary(path)
+
+
+def read_hyperparameters(path: str | os.PathLike) -> dict[str, Any]:
+    """The hyperparameters a checkpoint (a file or a distributed checkpoint folder) records; of a folder, only its
+    `meta.pt` is read, not its shards."""
+    content = _read_lightning_meta(path) if is_distributed_checkpoint(path) else read_checkpoint(path)
+    return content.get("hyper_parameters", {})
+
+
+def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder holding torch's distributed checkpoint (its `.metadata` beside one `.distcp` file
+    per rank), as ModelParallelStrategy writes by default, with Lightning's `meta.pt`."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _read_dictionary(path: str | os.PathLike) -> dict[str, Any]:
+    """The dictionary torch.save wrote at `path`, loaded with `weights_only=True`; a refusal or damage is named."""
     try:
         content = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
@@ -36,22 +65,85 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return content
 
 
-def refuse_distributed_checkpoint(path: str | os.PathLike) -> None:
-    """Refuses a folder holding torch's distributed checkpoint (its `.metadata` beside one `.distcp` file per rank),
-    which ModelParallelStrategy writes by default and which these readers cannot read yet. (torch's
-    `dcp_to_torch_save` makes one file of it, but without the hyperparameters, which Lightning keeps in `meta.pt`.)"""
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        raise ValueError(
-            f"{str(path)!r} is a sharded (distributed) checkpoint, a folder of one shard per rank, which cannot be "
-            "read here yet: train with ModelParallelStrategy(..., save_distributed_checkpoint=False), which writes "
-            "the checkpoint as one file"
-        )
+def _read_lightning_meta(folder: str | os.PathLike) -> dict[str, Any]:
+    """What Lightning saves of a distributed checkpoint beside the shards, in `meta.pt`: everything but the module
+    and optimizer state."""
+    meta = os.path.join(folder, "meta.pt")
+    if not os.path.isfile(meta):
+        raise FileNotFoundError(f"the distributed checkpoint {str(folder)!r} has no meta.pt, where Lightning keeps "
+                                "its hyperparameters, epoch and step: it is incomplete (copied in part?); use another "
+                                "checkpoint, e.g. an earlier one of the same run")
+    return _read_dictionary(meta)
+
+
+# Lightning saves a distributed checkpoint's module state under "state_dict", which torch's writer flattens.
+MODULE_PREFIX = "state_dict."
+
+# What a distributed checkpoint's `.metadata` pickle names: torch's classes describing the shards, tensor sizes,
+# dtypes and layouts, and the folder's path.
+METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                    ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+
+def _read_distributed_state_dict(folder: str | os.PathLike) -> dict[str, Tensor]:
+    """The module state of a distributed checkpoint, each tensor whole on the CPU, read in this process alone."""
+    reader = _CheckedMetadataReader(folder)
+    stored = reader.read_metadata().state_dict_metadata
+    state = {key.removeprefix(MODULE_PREFIX): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in stored.items()
+             if key.startswith(MODULE_PREFIX) and isinstance(meta, dcp.TensorStorageMetadata)}
+    try:
+        with warnings.catch_warnings():
+            # torch notes that it loads in one process: no_dist asks for that.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+    except dcp.CheckpointException as error:
+        raise damaged(folder) from error
+    return state
+
+
+class _UnsafeMetadata(Exception):
+    """A `.metadata` pickle names an object beyond those of METADATA_GLOBALS."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a distributed checkpoint's `.metadata` with only the objects such a file holds (METADATA_GLOBALS,
+    the classes of torch.distributed.checkpoint.metadata, dtypes), checked before their module is imported."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        defined = getattr(dcp.metadata, name, None) if module == dcp.metadata.__name__ else None
+        metadata_class = isinstance(defined, type) and defined.__module__ == module  # not a class it imports
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if not (metadata_class or dtype or (module, name) in METADATA_GLOBALS):
+            raise _UnsafeMetadata(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+class _CheckedMetadataReader(dcp.FileSystemReader):
+    """torch's reader of a distributed checkpoint folder, but reading its `.metadata` with _MetadataUnpickler: torch
+    unpickles it unrestricted, which would run any code a `.metadata` from elsewhere holds."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp.Metadata:
+        path = os.path.join(self.path, ".metadata")
+        try:
+            with open(path, "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+        except _UnsafeMetadata as unsafe:
+            raise ValueError(f"{path} holds Python objects such as {unsafe} beyond a distributed checkpoint's "
+                             "description of its shards; loading them could run code from the file, so it is "
+                             "refused: use a checkpoint written by ModelParallelStrategy") from None
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+            raise damaged(os.path.dirname(path)) from error
+        if not isinstance(metadata, dcp.Metadata):
+            raise damaged(os.path.dirname(path))
+        return metadata
 
 
 def load_weights(module: nn.Module, path: str) -> None:
-    """`init_from`: `module` takes the weights of the checkpoint at `path` (a new run: nothing else is taken)."""
-    refuse_distributed_checkpoint(path)
-    if not os.path.isfile(path):
+    """`init_from`: `module` takes the weights of the checkpoint at `path` (a file or a distributed checkpoint
+    folder; a new run: nothing else is taken)."""
+    if not os.path.exists(path):
         raise FileNotFoundError(f"init_from={path!r} does not exist; give the path of a checkpoint file")
     checkpoint = read_checkpoint(path)
     try:

@@ -9,8 +9,10 @@ Nor does Lightning expose what a growth must follow in its own callbacks (`callb
 copy of the model that its weight-averaging callbacks keep, SWA's scheduler, and which tensors ModelPruning
 prunes. `tests/test_weight_averaging.py` reads them through these functions.
 
-`cli.py` also overrides two private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
-callback only when none is configured) and `_run_subcommand` (no empty log folder after a failed start). They
+`cli.py` also overrides three private methods of `LightningCLI`: `_instantiate_trainer` (the default checkpoint
+callback only when none is configured), `_run_subcommand` (no empty log folder after a failed start) and
+`_parse_ckpt_path` (the checkpoint's hyperparameters read safely, differing settings named, and those of a
+distributed checkpoint folder applied as LightningCLI applies a file's). They
 are listed in `CLI_OVERRIDES`, and the same test checks that LightningCLI still has them. It wraps one private
 function of jsonargparse too, `_typehints.adapt_class_type` (a nested `null` on the command line reaches the
 class's parser as JSON instead of the text "None"); `tests/test_cli_overrides.py` checks that jsonargparse still
@@ -26,7 +28,7 @@ from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeight
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-CLI_OVERRIDES = ("_instantiate_trainer", "_run_subcommand")
+CLI_OVERRIDES = ("_instantiate_trainer", "_run_subcommand", "_parse_ckpt_path")
 
 
 def should_update_logs(trainer: L.Trainer) -> bool:
