@@ -50,10 +50,21 @@ def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _read_dictionary(path: str | os.PathLike) -> dict[str, Any]:
-    """The dictionary torch.save wrote at `path`, loaded with `weights_only=True`; a refusal or damage is named."""
+def module_shapes(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The module's tensors in a checkpoint (a file or a distributed checkpoint folder) as meta tensors of their
+    shapes and dtypes, by state-dict name, read without their values: from a folder's `.metadata`, or from a file
+    mapped into memory."""
+    if is_distributed_checkpoint(path):
+        return _module_tensors(_CheckedMetadataReader(path), torch.device("meta"))
+    state = _read_dictionary(path, mmap=True).get("state_dict", {})
+    return {name: torch.empty_like(value, device="meta") for name, value in state.items() if torch.is_tensor(value)}
+
+
+def _read_dictionary(path: str | os.PathLike, mmap: bool = False) -> dict[str, Any]:
+    """The dictionary torch.save wrote at `path`, loaded with `weights_only=True` (mapped into memory with `mmap`,
+    its tensors read only where used); a refusal or damage is named."""
     try:
-        content = torch.load(path, map_location="cpu", weights_only=True)
+        content = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, zipfile.BadZipFile) as error:
         if unsafe_load_refused(error):
             raise refusal(str(path), error) from None
@@ -89,10 +100,7 @@ METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
 def _read_distributed_state_dict(folder: str | os.PathLike) -> dict[str, Tensor]:
     """The module state of a distributed checkpoint, each tensor whole on the CPU, read in this process alone."""
     reader = _CheckedMetadataReader(folder)
-    stored = reader.read_metadata().state_dict_metadata
-    state = {key.removeprefix(MODULE_PREFIX): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in stored.items()
-             if key.startswith(MODULE_PREFIX) and isinstance(meta, dcp.TensorStorageMetadata)}
+    state = _module_tensors(reader, torch.device("cpu"))
     try:
         with warnings.catch_warnings():
             # torch notes that it loads in one process: no_dist asks for that.
@@ -101,6 +109,15 @@ def _read_distributed_state_dict(folder: str | os.PathLike) -> dict[str, Tensor]
     except dcp.CheckpointException as error:
         raise damaged(folder) from error
     return state
+
+
+def _module_tensors(reader: dcp.FileSystemReader, device: torch.device) -> dict[str, Tensor]:
+    """An empty tensor on `device` for each module tensor a distributed checkpoint's metadata lists, at its global
+    shape and dtype, by state-dict name."""
+    stored = reader.read_metadata().state_dict_metadata
+    return {key.removeprefix(MODULE_PREFIX): torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+            for key, meta in stored.items()
+            if key.startswith(MODULE_PREFIX) and isinstance(meta, dcp.TensorStorageMetadata)}
 
 
 class _UnsafeMetadata(Exception):

@@ -11,15 +11,12 @@ device, and which are then sharded in the old blocks' place.
 
 from __future__ import annotations
 
-import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Literal, Sequence
 
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -27,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from lit_growattn.contract import ShardableModule
 from lit_growattn.training.checkpoint import resize_to_checkpoint
 
-MODULE_KEY = "state_dict"  # where Lightning keeps the module's state in a checkpoint (a file or DCP's keys' prefix)
 DATA_PARALLEL = "data_parallel"  # the mesh dimension ModelParallelStrategy names for data parallelism
 TENSOR_PARALLEL = "tensor_parallel"
 
@@ -223,19 +219,6 @@ class GatheredBlocks:
 
     def __exit__(self, *exc) -> None:
         self.restore()
-
-
-def checkpoint_shapes(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The shapes of the module's tensors in the checkpoint at `path`, as meta tensors by state-dict name, read without
-    loading its values: from a distributed checkpoint's metadata (a folder, what ModelParallelStrategy saves by
-    default), or from a single file mapped into memory (`save_distributed_checkpoint=False`)."""
-    prefix = f"{MODULE_KEY}."
-    if os.path.isdir(path):
-        stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        return {key.removeprefix(prefix): torch.empty(item.size, dtype=item.properties.dtype, device="meta")
-                for key, item in stored.items() if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)[MODULE_KEY]
-    return {key: torch.empty_like(value, device="meta") for key, value in state.items() if torch.is_tensor(value)}
 
 
 def resize_to_shapes(module: ShardableModule, shapes: dict[str, torch.Tensor]) -> None:

@@ -14,7 +14,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lit_growattn.contract import check_shardable
 from lit_growattn.training import fsdp2
-from lit_growattn.training.checkpoint import load_weights, refuse_resuming_former_value_layout, resize_to_checkpoint
+from lit_growattn.training.checkpoint import (load_weights, module_shapes, refuse_resuming_former_value_layout,
+                                             resize_to_checkpoint)
 from lit_growattn.training.divergence import DivergenceGuard
 from lit_growattn.training.lightning_private import resume_checkpoint
 from lit_growattn.training.optimization import GrowthOptimization
@@ -75,7 +76,7 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
             fsdp2.check_no_weight_averaging(self.trainer.callbacks)
             fsdp2.shard_model(self, self.device_mesh[fsdp2.DATA_PARALLEL])
         if (path := resume_checkpoint(self.trainer)) is not None:
-            fsdp2.resize_to_shapes(self, fsdp2.checkpoint_shapes(path))  # load_state_dict records the sizes
+            fsdp2.resize_to_shapes(self, module_shapes(path))  # load_state_dict records the sizes
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown
