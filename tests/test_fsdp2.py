@@ -107,6 +107,14 @@ def test_a_hugging_face_llama_grows_under_fsdp2_as_under_ddp(hf_runs):
         assert record["forward_widths"] == {"d_head": [10, 10], "d_v": [10, 10]} == record["sizes"]
 
 
+def test_sketched_statistics_over_accumulated_micro_batches_grow_under_fsdp2_as_under_ddp(out):
+    """`statistics.sketch: on` with 2 micro-batches per optimizer step: the sketch's sums are captured per
+    micro-batch and reduced over ranks as the full ones are, so the same growths (same α) and weights as DDP."""
+    runs = {kind: run(out, kind, "sketch_accumulate") for kind in ("fsdp2", "ddp")}
+    assert [e["sketch"] for e in runs["fsdp2"][0]["history"]] == [{"k": 4, "l": 6, "k_c": 4}] * 2
+    assert_grows_as_ddp(runs, [([4, 2], [10, 8]), ([4, 4], [10, 10])])
+
+
 def assert_grows_as_ddp(runs: dict[str, list[dict]], sizes: list[tuple[list[int], list[int]]]) -> None:
     """The FSDP2 run grew alike on every rank, to `sizes` ((d_head, d_v) per event), with DDP's decisions and
     losses, and ended with DDP's weights."""

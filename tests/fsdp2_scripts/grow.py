@@ -1,7 +1,7 @@
 """One growth run on 2 CPU processes (gloo), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
 Lightning's launcher starts this script again for rank 1, so it is a script, not a function of the test.
 
-    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama|mixed} OUT_DIR [CHECKPOINT]
+    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama|mixed|sketch_accumulate} OUT_DIR [CHECKPOINT]
 
 The run hf_llama grows an HFCausalLM loaded from OUT_DIR/llama, a tiny Llama the test writes with save_pretrained;
 the run mixed is at_epochs under FSDP2's mixed precision (fsdp_param_dtype: bfloat16). With CHECKPOINT (e.g.
@@ -161,6 +161,11 @@ RUNS = {
     "hf_llama": dict(AT_EPOCHS, module=hf_llama),
     # The same growths computing in bfloat16 (the weights all-gathered in it), gradients reduced in float32.
     "mixed": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0, fsdp_param_dtype="bfloat16")),
+    # The growths of at_epochs from sketched statistics, gathered over 2 micro-batches per optimizer step (twice the
+    # examples: 2 steps an epoch, as at_epochs).
+    "sketch_accumulate": dict(AT_EPOCHS, examples=32, accumulate=2, module=lambda data, out: tiny_module(data, dropout=0.0),
+                              callback=lambda: dict(AT_EPOCHS["callback"](), statistics=StatisticsSettings(
+                                  batches=4, layers_per_event=1, sketch="on", sketch_size=4))),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
     # tests/test_callback_ddp.py's run under DDP).
     # Its checkpoints are single files (`save_distributed_checkpoint=False`), which load another way.
@@ -185,7 +190,8 @@ def main(kind: str, run: str, out: str, checkpoint: str | None = None) -> None:
     if resumed is not None:
         name, checkpoints = f"{name}_from_{checkpoint}", os.path.join(out, f"{name}_from_{checkpoint}_checkpoints")
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
-                        max_epochs=settings["max_epochs"], logger=False,
+                        max_epochs=settings["max_epochs"], accumulate_grad_batches=settings.get("accumulate", 1),
+                        logger=False,
                         callbacks=[grow, ModelCheckpoint(checkpoints, filename="{step}", save_top_k=-1,
                                                          every_n_train_steps=1)],
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
