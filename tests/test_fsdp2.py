@@ -60,15 +60,15 @@ def out(tmp_path_factory):
     return tmp_path_factory.mktemp("fsdp2")
 
 
-def run(out, kind: str, name: str, checkpoint: str | None = None) -> list[dict]:
-    """What grow.py records on each rank for the run `name` under `kind` (fsdp2 or ddp), resumed from its own
+def run(out, kind: str, name: str, checkpoint: str | None = None, ranks: int = 2) -> list[dict]:
+    """What grow.py records on each of `ranks` ranks for the run `name` under `kind` (fsdp2 or ddp), resumed from
     `checkpoint` (e.g. "step=3.ckpt") if given."""
     resumed = [] if checkpoint is None else [checkpoint]
     done = subprocess.run([sys.executable, str(SCRIPT), kind, name, str(out), *resumed], cwd=out, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     name = name if checkpoint is None else f"{name}_from_{checkpoint}"
-    return [torch.load(out / f"{kind}_{name}_{rank}.pt", weights_only=False) for rank in (0, 1)]
+    return [torch.load(out / f"{kind}_{name}_{rank}.pt", weights_only=False) for rank in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +228,21 @@ def test_a_hugging_face_llama_resumes_bit_equal_under_fsdp2(hf_runs, out):
     """The decoder layers take the checkpoint's head sizes as the project's GPT blocks do (rebuilt by `build_block`
     with the surgery and the rotary columns they keep)."""
     assert_resumed_bit_equal(run(out, "fsdp2", "hf_llama", "step=3.ckpt"), hf_runs["fsdp2"])
+
+
+def test_a_window_resumed_on_more_ranks_than_kept_batches_rates_in_lockstep_under_fsdp2(out):
+    """One rank closed the window keeping one batch; resumed on 2 ranks, rank 1 has none to rate on, but every
+    forward under FSDP2 is a collective: it runs as many (uncounted) as rank 0 instead of leaving rank 0 waiting for
+    ever, and both rate the candidates as the uninterrupted run did."""
+    (uninterrupted,) = run(out, "fsdp2", "kept_one", ranks=1)
+    resumed = run(out, "fsdp2", "kept_one_on_two", "step=16.ckpt")
+    want = uninterrupted["history"][0]
+    for record in resumed:
+        (got,) = record["history"]
+        assert got["event"] == want["event"] == "epoch 1" and got["alpha"] == want["alpha"]
+        assert got["loss_before"] == pytest.approx(want["loss_before"], abs=loss_rounding(want["loss_before"],
+                                                                                           torch.float32, 8 * 8))
+        assert got["d_head"] == want["d_head"] == [4, 4]
 
 
 @pytest.fixture(scope="module")

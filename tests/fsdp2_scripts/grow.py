@@ -1,11 +1,12 @@
-"""One growth run on 2 CPU processes (gloo), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
+"""One growth run on 2 CPU processes (gloo; 1 for some runs), under FSDP2 (ModelParallelStrategy) or DDP, for tests/test_fsdp2.py.
 Lightning's launcher starts this script again for rank 1, so it is a script, not a function of the test.
 
-    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} {at_epochs|auto|hf_llama|mixed|sketch_accumulate} OUT_DIR [CHECKPOINT]
+    python tests/fsdp2_scripts/grow.py {fsdp2|ddp} RUN OUT_DIR [CHECKPOINT]
 
-The run hf_llama grows an HFCausalLM loaded from OUT_DIR/llama, a tiny Llama the test writes with save_pretrained;
-the run mixed is at_epochs under FSDP2's mixed precision (fsdp_param_dtype: bfloat16). With CHECKPOINT (e.g.
-`step=3.ckpt`) the run resumes from that checkpoint of the same run written before.
+RUN is one of RUNS below. The run hf_llama grows an HFCausalLM loaded from OUT_DIR/llama, a tiny Llama the test
+writes with save_pretrained; the run mixed is at_epochs under FSDP2's mixed precision (fsdp_param_dtype: bfloat16). With CHECKPOINT (e.g.
+`step=3.ckpt`) the run resumes from that checkpoint of the same run (or of the run it names as `resumes`) written
+before.
 
 Each rank writes OUT_DIR/<strategy>_<run>[_from_<checkpoint>]_<rank>.pt: the event history; the full optimizer state by
 parameter name just before and just after the run's first growth; how that state and the parameters are held one
@@ -29,7 +30,8 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from callback_helpers import recall_data, tiny_module  # noqa: E402
-from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings  # noqa: E402
+from lit_growattn import (AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSettings, StatisticsSettings,  # noqa: E402
+                          StepSearch)
 from lit_growattn.attention.qk import QKForm  # noqa: E402
 from lit_growattn.attention.value import ValueMap  # noqa: E402
 from lit_growattn.hf.growable import GrowableAttention  # noqa: E402
@@ -153,6 +155,11 @@ AT_EPOCHS = dict(batch_size=4, examples=16, max_epochs=3, callback=lambda: dict(
     schedule=AtEpochs([1, 2]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
     statistics=StatisticsSettings(batches=2, layers_per_event=1)))
 
+KEPT_ONE = dict(batch_size=8, examples=128, max_epochs=2, module=lambda data, out: tiny_module(data, dropout=0.0),
+                callback=lambda: dict(schedule=AtEpochs([1]), growth=GrowthSettings(columns=2),
+                                      statistics=StatisticsSettings(batches=3),
+                                      step_search=StepSearch(batches=1, alphas=[0.0, 1.0])))
+
 # The runs, by name: the data (2 ranks, so a rank's epoch holds examples / batch_size / 2 batches), the module (of
 # the data and OUT_DIR), the epochs and the growth callback's arguments.
 RUNS = {
@@ -166,6 +173,10 @@ RUNS = {
     "sketch_accumulate": dict(AT_EPOCHS, examples=32, accumulate=2, module=lambda data, out: tiny_module(data, dropout=0.0),
                               callback=lambda: dict(AT_EPOCHS["callback"](), statistics=StatisticsSettings(
                                   batches=4, layers_per_event=1, sketch="on", sketch_size=4))),
+    # One rank closes its window before epoch 1's growth keeping one batch to rate on (16 batches an epoch, a
+    # checkpoint after each step); kept_one_on_two resumes its step=16.ckpt on 2 ranks, of which one keeps none.
+    "kept_one": dict(KEPT_ONE, devices=1),
+    "kept_one_on_two": dict(KEPT_ONE, resumes="kept_one"),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
     # tests/test_callback_ddp.py's run under DDP).
     # Its checkpoints are single files (`save_distributed_checkpoint=False`), which load another way.
@@ -183,13 +194,15 @@ def main(kind: str, run: str, out: str, checkpoint: str | None = None) -> None:
     data = recall_data(batch_size=settings["batch_size"], examples=settings["examples"])
     module = settings["module"](data, out)
     grow = Recorder(**settings["callback"]())
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not
+    devices = settings.get("devices", 2)
+    strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1, save_distributed_checkpoint=not
                                      settings.get("single_file_checkpoints", False)) if kind == "fsdp2" else "ddp"
     checkpoints = os.path.join(out, f"{name}_checkpoints")
-    resumed = None if checkpoint is None else os.path.join(checkpoints, checkpoint)
+    resumed = None if checkpoint is None else os.path.join(out, f"{kind}_{settings.get('resumes', run)}_checkpoints",
+                                                           checkpoint)
     if resumed is not None:
         name, checkpoints = f"{name}_from_{checkpoint}", os.path.join(out, f"{name}_from_{checkpoint}_checkpoints")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision="32-true",
                         max_epochs=settings["max_epochs"], accumulate_grad_batches=settings.get("accumulate", 1),
                         logger=False,
                         callbacks=[grow, ModelCheckpoint(checkpoints, filename="{step}", save_top_k=-1,
