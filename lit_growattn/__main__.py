@@ -78,6 +78,10 @@ def hide_library_noise() -> None:
     # that its default may change. Lightning chooses the writer, not the user.
     warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since "
                             r"self.overwrite=True", category=UserWarning)
+    # A resumed run logs to a new version_N (docs/checkpoints.md), so ModelCheckpoint always finds another folder
+    # than the checkpoint's and notes, on every rank, that the old folder's top-k bookkeeping is not carried over:
+    # the intent, and no setting of the user's changes it.
+    warnings.filterwarnings("ignore", message=r"The dirpath has changed from ", category=UserWarning)
     # Advertising for Lightning's cloud services ("💡 Tip: … install litlogger / litmodels") at INFO level;
     # Lightning has no switch for it, and raising the logger's level would hide its useful lines (devices, limits).
     rank_zero.log.addFilter(lambda record: not record.getMessage().startswith("💡 Tip:"))

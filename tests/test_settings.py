@@ -67,8 +67,9 @@ def test_every_shipped_config_uses_the_grouped_settings():
                 growing += 1
                 assert cb["class_path"] == "lit_growattn.GrowAttentionCallback"
                 assert set(cb["init_args"]) <= {"schedule", *GROUPS}, path
-                assert cb["init_args"]["schedule"]["class_path"] in ("lit_growattn.AtEpochs", "lit_growattn.AutoSchedule")
-    assert growing == 7  # six nanoGPT configs and configs/hf_llama_grow.yaml
+                assert cb["init_args"]["schedule"]["class_path"] in ("lit_growattn.AtEpochs", "lit_growattn.AtSteps",
+                                                                     "lit_growattn.AutoSchedule")
+    assert growing == 8  # six nanoGPT configs, configs/hf_llama_grow.yaml and configs/hf_llama_fsdp.yaml
 
 
 OLD = """
