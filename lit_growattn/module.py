@@ -192,7 +192,7 @@ class GrowAttentionLM(GrowableLM):
         return names[dataloader_idx] if names else ""
 
     def setup(self, stage: str) -> None:
-        super().setup(stage)  # DivergenceGuard: refuses 16-true
+        super().setup(stage)  # GrowableLM: fsdp_param_dtype's refusals; DivergenceGuard: refuses 16-true
         # Metrics must exist before the first `self.log` of a metric: Lightning looks up their attribute names once.
         names = getattr(self.trainer.datamodule, "val_names", None) or [""]
         for split in ("val", "test"):

@@ -27,7 +27,8 @@ STEP_KEYS = {
     "mfu": {"setup", "matmul_peak_tflops", "flops_per_token", "tokens_per_s", "mfu", "statistics_step", "checks"},
     "text_growth": {"corpus", "batch_size", "block_size", "steps", "growth_lines", "d_head", "step_s_per_epoch",
                     "step_s_before_after_growth", "val_loss", "checks"},
-    "fsdp2_growth": {"growth_lines", "d_head", "d_v", "parameters_sharded", "val_loss", "checks"},
+    "fsdp2_growth": {"growth_lines", "d_head", "d_v", "parameters_sharded", "val_loss", "resumed_from",
+                     "resumed_d_head", "resumed_d_v", "resumed_val_loss", "checks"},
     "seed001": {"model", "steps", "fit_seconds", "mean_abs_lambda_per_layer", "attention_entropy", "losses", "checks"},
 }
 
@@ -59,6 +60,7 @@ def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
         "sketch_1b: sketch_memory_ratio <= 1/16": None,
         "text_growth: text run grows at every event": True,
         "fsdp2_growth: FSDP2 run grows at every event, sharded": True,
+        "fsdp2_growth: FSDP2 run resumes from its folder at the grown sizes": True,
         "seed001: lambda moves": True,
         "seed001: entropy callback logs": True,
     }

@@ -134,8 +134,6 @@ def test_the_cli_evaluates_a_folder_with_the_settings_it_was_trained_with(tmp_pa
             "num_keys": 8, "num_values": 4, "num_kv_pairs": 4, "num_train_examples": 16, "num_val_examples": 8,
             "batch_size": 4}},
     }
-    evaluate = tmp_path / "evaluate.yaml"
-    evaluate.write_text(yaml.safe_dump(run))
     growth = {"class_path": "lit_growattn.GrowAttentionCallback", "init_args": {
         "schedule": {"class_path": "lit_growattn.AtEpochs", "init_args": {"epochs": [1]}},
         "growth": {"columns": 2}, "statistics": {"batches": 2}}}
@@ -146,14 +144,13 @@ def test_the_cli_evaluates_a_folder_with_the_settings_it_was_trained_with(tmp_pa
         assert trained.returncode == 0, trained.stderr[-3000:]
         folder = tmp_path / "checkpoints" / "last.ckpt"
         assert (folder / ".metadata").is_file() and read_hyperparameters(folder)["d_head"] == [4, 4]
-        # Without the growth callback, which Lightning notes: its on_load_checkpoint reads the "state_dict" a
-        # distributed checkpoint's meta.pt does not hold.
+        # With the config it was trained by, the growth callback included (which plays no part in validate).
         with pytest.warns(UserWarning) as warned:
-            done = cli("validate", "--config", evaluate, "--ckpt_path", folder, "--model.init_args.n_head=4")
+            done = cli("validate", "--config", train, "--ckpt_path", folder, "--model.init_args.n_head=4")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    assert [str(w.message) for w in warned if "GrowAttentionCallback" not in str(w.message)] == [
+    assert [str(w.message) for w in warned] == [
         f"validate evaluates {folder} with the model settings it was trained with, not the command's: n_head: 4 given, "
         "the checkpoint's 2 used. To evaluate other settings, give a checkpoint trained with them"]
     assert done.returncode == 0, done.stderr[-3000:]
@@ -195,3 +192,72 @@ def test_a_metadata_file_naming_code_is_refused_unrun(grown, tmp_path):
                                          r"checkpoint's description of its shards; .* so it is refused"):
         read_checkpoint(folder)
     assert not ran.exists()
+
+
+@pytest.mark.parametrize("pickled", [b"pathlib._local\nPosixPath", b"pathlib._local\nWindowsPath",
+                                     b"pathlib\nWindowsPath"])
+def test_a_metadata_file_written_by_another_python_or_system_reads(grown, tmp_path, pickled):
+    """The folder's path in `.metadata` is pickled as the writer's Python names it (`pathlib._local` from 3.13 on), a
+    WindowsPath when written on Windows: each reads, as the path that nothing here uses."""
+    import pickle
+
+    from lit_growattn.training.checkpoint import _CheckedMetadataReader, module_shapes
+
+    folder = shutil.copytree(grown["folder"], tmp_path / "last.ckpt")
+    written = pickle.dumps(_CheckedMetadataReader(folder).read_metadata(), protocol=2)  # names "module\nname"
+    assert written.count(b"pathlib\nPurePosixPath") == 1
+    (folder / ".metadata").write_bytes(written.replace(b"pathlib\nPurePosixPath", pickled))
+    shapes = module_shapes(folder)
+    assert shapes["model.blocks.0.attn.qk.w_q"].shape[-1] == GROWN["d_head"][0]
+    assert read_checkpoint(folder)["state_dict"].keys() == read_checkpoint(grown["file"])["state_dict"].keys()
+
+
+def test_a_folder_given_to_a_run_off_model_parallel_names_what_reads_it(grown, tmp_path):
+    """Lightning reads a folder under ModelParallelStrategy only (elsewhere: "Is a directory")."""
+    data = recall_data(batch_size=4, examples=16)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path, limit_val_batches=1,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match=r"is a distributed checkpoint \(a folder of shards\), which Lightning loads "
+                                         r"under ModelParallelStrategy only: run with strategy=ModelParallelStrategy"
+                                         r"\(data_parallel_size=N, .*init_from=<folder>"):
+        trainer.validate(tiny_module(data, dropout=0.0), data, ckpt_path=grown["folder"])
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_validate_after_fit_evaluates_a_checkpoint_of_other_sizes(tmp_path, distributed):
+    """On the trainer that fitted (and grew) the model, `validate(ckpt_path=...)` of a checkpoint from before the
+    growth: the sharded blocks take its sizes again, and the fit's optimizer, which knows the replaced parameters,
+    is not loaded into. It evaluates as a fresh trainer does."""
+    L.seed_everything(0, verbose=False)
+    data = recall_data(batch_size=4, examples=16)
+
+    def growth() -> GrowAttentionCallback:
+        return GrowAttentionCallback(schedule=AtEpochs([1]), growth=GrowthSettings(grow="both", columns=2,
+                                     value_columns=2), statistics=StatisticsSettings(batches=2))
+
+    def trainer(**kwargs):
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1,
+                                         save_distributed_checkpoint=distributed)
+        return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="32-true", max_epochs=2,
+                         logger=False, default_root_dir=tmp_path, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1, deterministic=True,
+                         **kwargs)
+
+    with mock.patch.dict(os.environ):
+        try:
+            fitted = trainer(callbacks=[growth(), ModelCheckpoint(tmp_path, save_top_k=-1)])
+            module = tiny_module(data, dropout=0.0)
+            fitted.fit(module, data)
+            assert module.head_sizes() == GROWN["d_head"]
+            (before,) = fitted.validate(module, data, ckpt_path=tmp_path / "epoch=0-step=4.ckpt", verbose=False)
+            assert (module.head_sizes(), module.value_sizes()) == ([2, 2], [8, 8])
+            (after,) = fitted.validate(module, data, ckpt_path=tmp_path / "epoch=1-step=8.ckpt", verbose=False)
+            assert (module.head_sizes(), module.value_sizes()) == (GROWN["d_head"], GROWN["d_v"])
+        finally:
+            dist.destroy_process_group()
+        try:
+            fresh = [trainer(callbacks=[growth()]).validate(tiny_module(data, dropout=0.0), data, ckpt_path=tmp_path / name,
+                                        verbose=False)[0] for name in ("epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt")]
+        finally:
+            dist.destroy_process_group()
+    assert [before, after] == fresh

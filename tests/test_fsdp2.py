@@ -24,6 +24,7 @@ from lit_growattn import AtEpochs, GrowAttentionCallback, GrowAttentionLM
 from lit_growattn.analysis import AttentionAnalysisCallback
 from lit_growattn.callback.checks import check_model_parallel, check_strategy
 from lit_growattn.growth import loss_rounding
+from lit_growattn.training.checkpoint import read_checkpoint
 from lit_growattn.training.fsdp2 import (GatheredBlocks, check_sharded_by_blocks, is_sharded, mixed_precision_policy,
                                          plain_copy, shard_model)
 from lit_growattn.training.optimization import default_optimizer
@@ -220,14 +221,30 @@ def test_a_distributed_checkpoint_resumes_bit_equal_after_a_growth_inside_a_wind
     """Step 3: layer 0 grew at step 2, and each rank holds its own partial sums of the window of the growth at step 4.
     The module is built and sharded at the sizes of its hparams, then its blocks take the checkpoint's before Lightning
     loads it (torch's "Size mismatch" otherwise); the window resumes per rank, and the run ends as the uninterrupted
-    one did, bit for bit."""
-    assert_resumed_bit_equal(run(out, "fsdp2", "at_epochs", "step=3.ckpt"), runs["fsdp2"])
+    one did, bit for bit. The hparams describe the checkpoint's sizes from the start."""
+    resumed = run(out, "fsdp2", "at_epochs", "step=3.ckpt")
+    assert_resumed_bit_equal(resumed, runs["fsdp2"])
+    for record in resumed:
+        assert {key: record["started_with"][key] for key in ("d_head", "d_v")} == {"d_head": [4, 2], "d_v": [10, 8]}
 
 
-def test_a_hugging_face_llama_resumes_bit_equal_under_fsdp2(hf_runs, out):
-    """The decoder layers take the checkpoint's head sizes as the project's GPT blocks do (rebuilt by `build_block`
-    with the surgery and the rotary columns they keep)."""
-    assert_resumed_bit_equal(run(out, "fsdp2", "hf_llama", "step=3.ckpt"), hf_runs["fsdp2"])
+def test_a_hugging_face_llama_resumes_bit_equal_from_a_single_file_under_fsdp2(hf_runs, out):
+    """`save_distributed_checkpoint=False`: one file, which Lightning loads parameter by parameter (its shapes read
+    from the file mapped into memory), never through the load_state_dict of an HFCausalLM, which holds no parameter
+    of its own: the hparams must still describe the checkpoint's sizes, not those the model was built with. The
+    decoder layers take those sizes as the project's GPT blocks do (rebuilt by `build_block` with the surgery and
+    the rotary columns they keep)."""
+    assert (out / "fsdp2_hf_llama_checkpoints" / "step=3.ckpt").is_file()
+    resumed = run(out, "fsdp2", "hf_llama", "step=3.ckpt")
+    assert_resumed_bit_equal(resumed, hf_runs["fsdp2"])
+    for record in resumed:
+        assert {key: record["started_with"][key] for key in ("head_sizes", "v_head_sizes")} == {
+            "head_sizes": [10, 8], "v_head_sizes": [10, 8]}
+
+
+def test_mixed_precision_resumes_bit_equal(mixed, out):
+    """The blocks rebuilt at the checkpoint's sizes are sharded with the policy, as a growth's are."""
+    assert_resumed_bit_equal(run(out, "fsdp2", "mixed", "step=3.ckpt"), mixed)
 
 
 def test_a_window_resumed_on_more_ranks_than_kept_batches_rates_in_lockstep_under_fsdp2(out):
@@ -263,15 +280,13 @@ def test_auto_schedule_decides_the_same_on_every_rank_under_fsdp2(auto_runs):
     assert all(torch.equal(first["params"][k], second["params"][k]) for k in first["params"])
 
 
-def test_a_single_file_checkpoint_resumes_auto_schedule_bit_equal_inside_a_window(auto_runs, out):
-    """`save_distributed_checkpoint=False`: one file, which Lightning loads parameter by parameter, its shapes read
-    from the file mapped into memory. Step 6: one check done, inside the window of the check at step 8; the hparams
-    then record the checkpoint's sizes, not those the module was built with."""
-    assert (out / "fsdp2_auto_checkpoints" / "step=6.ckpt").is_file()
+def test_auto_schedule_resumes_bit_equal_inside_a_window(auto_runs, out):
+    """Step 6: one check done, inside the window of the check at step 8; the hparams of the resumed run's checkpoints
+    record the checkpoint's sizes, not those the module was built with."""
     resumed = run(out, "fsdp2", "auto", "step=6.ckpt")
     assert_resumed_bit_equal(resumed, auto_runs)
     # The resumed run's first checkpoint, before its next check: the sizes the growth at step 4 left.
-    first = torch.load(out / "fsdp2_auto_from_step=6.ckpt_checkpoints" / "step=7.ckpt", weights_only=True)
+    first = read_checkpoint(out / "fsdp2_auto_from_step=6.ckpt_checkpoints" / "step=7.ckpt")
     grown = auto_runs[0]["history"][0]
     assert grown["step"] == 4 and grown["d_v"] != [2, 2]
     for key in ("d_head", "d_v"):  # one value stands for every layer

@@ -307,9 +307,9 @@ class GrowAttentionCallback(Callback):
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         # The averaged copies of weight-averaging callbacks were made from the model as built, before it took the
-        # checkpoint's head sizes; they load their averages after this (check_callbacks keeps that order). A
-        # distributed checkpoint has no "state_dict" here (its weights are loaded already), nor do averaged copies
-        # exist under the ModelParallelStrategy that writes one.
+        # checkpoint's head sizes; they load their averages after this (check_callbacks keeps that order). Under
+        # ModelParallelStrategy the checkpoint has no "state_dict" here (its strategy loaded the weights already,
+        # from a folder or a file), nor do averaged copies exist there.
         if "state_dict" in checkpoint:
             resize_averaged_to(trainer, checkpoint["state_dict"])
 

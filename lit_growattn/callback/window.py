@@ -1,7 +1,8 @@
 """The statistics window of one growth event: which forms capture on each statistics step (round-robin),
 folding the captured pairs into sums, the one all-reduce that closes it, and its checkpoint state.
 
-Lightning-free: a `strategy` here is anything with `reduce(t, reduce_op="sum")` and `all_gather(t)`.
+Lightning-free: a `strategy` here is anything with `reduce(t, reduce_op="sum")` and `all_gather(t)` (the callback
+passes `trainer_ops.WindowCollectives`).
 """
 
 from __future__ import annotations

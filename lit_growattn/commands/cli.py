@@ -135,7 +135,7 @@ class GrowAttentionCLI(LightningCLI):
 
     def _apply_checkpoint_settings(self, subcommand: str, hparams: dict) -> None:
         """The model config takes the checkpoint's hyperparameters, as LightningCLI's `_parse_ckpt_path` does for a
-        checkpoint file."""
+        checkpoint file: its body for a file, repeated (compare it after a Lightning upgrade)."""
         hparams.pop("_instantiator", None)
         if not hparams:
             return

@@ -278,7 +278,7 @@ class HFCausalLM(GrowableLM):
 
     # -- the data's tokenizer -------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        super().setup(stage)  # DivergenceGuard: refuses 16-true
+        super().setup(stage)  # GrowableLM: fsdp_param_dtype's refusals; DivergenceGuard: refuses 16-true
         datamodule = self.trainer.datamodule
         if getattr(datamodule, "tokenizer_source", None) is not None:
             self._check_tokenizer(datamodule.tokenizer, datamodule.tokenizer_source)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import pickle
 import re
 import warnings
@@ -91,10 +92,13 @@ def _read_lightning_meta(folder: str | os.PathLike) -> dict[str, Any]:
 MODULE_PREFIX = "state_dict."
 
 # What a distributed checkpoint's `.metadata` pickle names: torch's classes describing the shards, tensor sizes,
-# dtypes and layouts, and the folder's path.
+# dtypes and layouts (and the folder's path: PICKLED_PATHS).
 METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
-                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
-                    ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("collections", "OrderedDict")}
+# The path of the folder where it was written, as the Python that wrote it pickled it (module "pathlib._local" from
+# Python 3.13 on), read as a pure path: nothing here uses it, and a WindowsPath cannot be built on POSIX.
+PICKLED_PATHS = {"PosixPath": pathlib.PurePosixPath, "PurePosixPath": pathlib.PurePosixPath,
+                 "WindowsPath": pathlib.PureWindowsPath, "PureWindowsPath": pathlib.PureWindowsPath}
 
 
 def _read_distributed_state_dict(folder: str | os.PathLike) -> dict[str, Tensor]:
@@ -126,9 +130,12 @@ class _UnsafeMetadata(Exception):
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles a distributed checkpoint's `.metadata` with only the objects such a file holds (METADATA_GLOBALS,
-    the classes of torch.distributed.checkpoint.metadata, dtypes), checked before their module is imported."""
+    PICKLED_PATHS, the classes of torch.distributed.checkpoint.metadata, dtypes), checked before their module is
+    imported."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if module in ("pathlib", "pathlib._local") and name in PICKLED_PATHS:
+            return PICKLED_PATHS[name]
         defined = getattr(dcp.metadata, name, None) if module == dcp.metadata.__name__ else None
         metadata_class = isinstance(defined, type) and defined.__module__ == module  # not a class it imports
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)

@@ -221,13 +221,14 @@ class GatheredBlocks:
         self.restore()
 
 
-def resize_to_shapes(module: ShardableModule, shapes: dict[str, torch.Tensor]) -> None:
+def resize_to_shapes(module: ShardableModule, shapes: dict[str, torch.Tensor]) -> bool:
     """Gives every block of the sharded `module` the head sizes of `shapes` (a checkpoint's, by state-dict name),
     with placeholder values, so that the checkpoint then loads into it: Lightning loads a distributed checkpoint into
     the module's shapes as they are. A block that differs is gathered, resized as on one device
     (`resize_to_checkpoint`) and sharded again in its place, one block at a time (a collective: every rank calls
-    it)."""
+    it). Returns whether any block was rebuilt."""
     names = {id(block): name for name, block in module.named_modules()}
+    rebuilt = False
     for layer, block in enumerate(module.blocks()):
         prefix = f"{names[id(block)]}."
         wanted = {key.removeprefix(prefix): shape for key, shape in shapes.items() if key.startswith(prefix)}
@@ -236,3 +237,5 @@ def resize_to_shapes(module: ShardableModule, shapes: dict[str, torch.Tensor]) -
         with GatheredBlocks(module, [layer]) as gathered:
             resize_to_checkpoint(gathered.plain[layer], wanted)
             gathered.reshard()
+        rebuilt = True
+    return rebuilt

@@ -9,19 +9,21 @@ from typing import Any
 import lightning as L
 import torch.nn.functional as F
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lit_growattn.contract import check_shardable
 from lit_growattn.training import fsdp2
-from lit_growattn.training.checkpoint import (load_weights, module_shapes, refuse_resuming_former_value_layout,
-                                             resize_to_checkpoint)
+from lit_growattn.training.checkpoint import (is_distributed_checkpoint, load_weights, module_shapes,
+                                             refuse_resuming_former_value_layout, resize_to_checkpoint)
 from lit_growattn.training.divergence import DivergenceGuard
 from lit_growattn.training.lightning_private import resume_checkpoint
 from lit_growattn.training.optimization import GrowthOptimization
 
-# Arguments kept out of the hyperparameters: callables, and a checkpoint that only starts a run.
-NOT_HPARAMS = ["optimizer", "scheduler", "init_from"]
+# Arguments kept out of the hyperparameters: callables, a checkpoint that only starts a run, and how a run computes
+# under FSDP2, which each run sets anew (a checkpoint of a sharded run resumes, validates or exports anywhere).
+NOT_HPARAMS = ["optimizer", "scheduler", "init_from", "fsdp_param_dtype"]
 
 
 class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
@@ -66,7 +68,14 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         Then, when the run loads a checkpoint (`fit`, `validate`, `test` with `ckpt_path`), the blocks take its head
         sizes: under ModelParallelStrategy Lightning loads it after this hook and after the optimizer is made, into
         the shapes the module has, where other strategies load it before and `load_state_dict` resizes."""
+        path = resume_checkpoint(self.trainer)
         if self.device_mesh is None:
+            if path is not None and is_distributed_checkpoint(path):
+                raise ValueError(
+                    f"{path} is a distributed checkpoint (a folder of shards), which Lightning loads under "
+                    "ModelParallelStrategy only: run with strategy=ModelParallelStrategy(data_parallel_size=N, "
+                    "tensor_parallel_size=1) on N devices (one device: data_parallel_size=1), or start from its weights "
+                    "with --model.init_args.init_from=<folder>, which reads it under any strategy")
             return
         if not fsdp2.is_sharded(self):
             check_shardable(self)
@@ -75,8 +84,14 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
             # method from its own setup, then deep-copies the sharded module, which FSDP2 refuses with no hint.
             fsdp2.check_no_weight_averaging(self.trainer.callbacks)
             fsdp2.shard_model(self, self.device_mesh[fsdp2.DATA_PARALLEL])
-        if (path := resume_checkpoint(self.trainer)) is not None:
-            fsdp2.resize_to_shapes(self, module_shapes(path))  # load_state_dict records the sizes
+        if path is not None and fsdp2.resize_to_shapes(self, module_shapes(path)):
+            # A single file loads parameter by parameter, and only a root with parameters of its own through
+            # load_state_dict, which records the sizes.
+            self.record_head_sizes()
+            if self.trainer.state.fn != TrainerFn.FITTING:
+                # The optimizer a fit on this trainer left knows the parameters just replaced, and Lightning would
+                # load the checkpoint's Adam state into it; validate and test need none.
+                self.trainer.strategy.optimizers = []
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         # Every form of loading (`fit --ckpt_path`, `load_from_checkpoint`, `init_from`) comes here. A grown

@@ -253,33 +253,47 @@ def text_growth(dry_run: bool, work: Path) -> dict:
 
 # -- 6. one growth under FSDP2 (ModelParallelStrategy) on one device ---------------------------------------------
 def fsdp2_growth(dry_run: bool, work: Path) -> dict:
-    """configs/mqar_grow.yaml under ModelParallelStrategy(data_parallel_size=1): the blocks sharded on a mesh of one
-    device, two growths of both sides, the grown blocks re-sharded. A growth assigned to a sharded block is silently
-    undone (docs/design.md §13), so the widths are read from the parameters after the run, and the parameters must
-    still be sharded (DTensors)."""
+    """configs/mqar_grow.yaml under ModelParallelStrategy(data_parallel_size=1) with FSDP2's bf16 policy: the blocks
+    sharded on a mesh of one device, two growths of both sides, the grown blocks re-sharded; then the run resumed from
+    its last checkpoint (a folder of shards) for one more epoch, at the grown sizes. A growth assigned to a sharded
+    block is silently undone (docs/design.md §13), so the widths are read from the parameters after each run, and the
+    parameters must still be sharded (DTensors)."""
     from torch.distributed.tensor import DTensor
 
     strategy = ('{"class_path": "lightning.pytorch.strategies.ModelParallelStrategy", '
                 '"init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1}}')
-    cli = cli_main(["--config", str(CONFIGS / "mqar_grow.yaml"), f"--trainer.strategy={strategy}",
-                    f"--trainer.accelerator={'cpu' if dry_run else 'gpu'}", "--trainer.devices=1",
-                    "--trainer.max_epochs=3", "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2",
-                    "--trainer.callbacks.init_args.schedule.init_args.epochs=[1, 2]",
-                    "--trainer.callbacks.init_args.growth.grow=both",
-                    "--trainer.callbacks.init_args.growth.value_columns=2",
-                    "--trainer.callbacks.init_args.statistics.batches=4", "--trainer.enable_progress_bar=false",
-                    f"--trainer.logger.init_args.save_dir={work / 'logs'}",
-                    f"--trainer.default_root_dir={work}"], run=False)
-    cli.trainer.fit(cli.model, cli.datamodule)
-    (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)]
-    sharded = all(isinstance(p, DTensor) for p in cli.model.parameters())
+
+    def fit(epochs: int, ckpt_path: Path | None = None):
+        cli = cli_main(["--config", str(CONFIGS / "mqar_grow.yaml"), f"--trainer.strategy={strategy}",
+                        f"--trainer.accelerator={'cpu' if dry_run else 'gpu'}", "--trainer.devices=1",
+                        f"--trainer.max_epochs={epochs}", "--trainer.limit_train_batches=8",
+                        "--trainer.limit_val_batches=2", "--model.init_args.fsdp_param_dtype=bfloat16",
+                        "--trainer.callbacks.init_args.schedule.init_args.epochs=[1, 2]",
+                        "--trainer.callbacks.init_args.growth.grow=both",
+                        "--trainer.callbacks.init_args.growth.value_columns=2",
+                        "--trainer.callbacks.init_args.statistics.batches=4", "--trainer.enable_progress_bar=false",
+                        f"--trainer.logger.init_args.save_dir={work / 'logs'}",
+                        f"--trainer.default_root_dir={work}"], run=False)
+        cli.trainer.fit(cli.model, cli.datamodule, ckpt_path=ckpt_path)
+        (grow,) = [c for c in cli.trainer.callbacks if isinstance(c, GrowAttentionCallback)]
+        sizes = (cli.model.model.head_sizes(), cli.model.value_sizes())
+        return cli, grow, sizes, all(isinstance(p, DTensor) for p in cli.model.parameters())
+
+    cli, grow, sizes, sharded = fit(3)
+    (last,) = (work / "logs").rglob("last.ckpt")
+    resumed_cli, resumed, resumed_sizes, resumed_sharded = fit(4, ckpt_path=last)
     grown = [e for e in grow.history if report.grew(e)]
     return {
         "growth_lines": [report.event_line(e) for e in grow.history],
-        "d_head": cli.model.model.head_sizes(), "d_v": cli.model.value_sizes(),
+        "d_head": sizes[0], "d_v": sizes[1],
         "parameters_sharded": sharded,
         "val_loss": float(cli.trainer.callback_metrics["val/loss"]),
-        "checks": {"FSDP2 run grows at every event, sharded": len(grown) == len(grow.history) == 2 and sharded},
+        "resumed_from": str(last.relative_to(work)), "resumed_d_head": resumed_sizes[0],
+        "resumed_d_v": resumed_sizes[1], "resumed_val_loss": float(resumed_cli.trainer.callback_metrics["val/loss"]),
+        "checks": {"FSDP2 run grows at every event, sharded": len(grown) == len(grow.history) == 2 and sharded,
+                   "FSDP2 run resumes from its folder at the grown sizes": (
+                       last.is_dir() and resumed.history == grow.history and resumed_sizes == sizes
+                       and resumed_sharded and resumed_cli.trainer.current_epoch == 4)},
     }
 
 

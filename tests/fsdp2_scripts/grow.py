@@ -13,7 +13,8 @@ parameter name just before and just after the run's first growth; how that state
 step after it (DTensor, placements, dtypes, FSDP roots) and that step's gradients (type, dtype); the dtypes FSDP2's
 collectives sent during the fit; the validation loss after the run and the widths and weight dtypes forward uses
 then; the final full parameters. A checkpoint after every step goes to OUT_DIR/<strategy>_<run>_checkpoints (named
-`step=N.ckpt`; under FSDP2 a distributed checkpoint, a folder, but for the run auto, which writes single files).
+`step=N.ckpt`; under FSDP2 a distributed checkpoint, a folder, but for the run hf_llama, which writes single
+files). The hparams as training started are recorded too.
 """
 
 import os
@@ -70,8 +71,12 @@ def layout(trainer, pl_module) -> dict:
 
 
 class Recorder(GrowAttentionCallback):
-    """The growth callback, recording the optimizer state around its first event, and the layout and gradients of
-    the next step."""
+    """The growth callback, recording the hparams as training starts (after any checkpoint loaded), the optimizer
+    state around its first event, and the layout and gradients of the next step."""
+
+    def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
+        self.started_with = dict(pl_module.hparams)
 
     def _grow(self, trainer, pl_module, point, batch_idx):
         first = not self.history
@@ -165,7 +170,9 @@ KEPT_ONE = dict(batch_size=8, examples=128, max_epochs=2, module=lambda data, ou
 RUNS = {
     "at_epochs": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0)),
     # The same growths of a Hugging Face Llama with GQA (4 query heads, 2 key/value heads) and RoPE.
-    "hf_llama": dict(AT_EPOCHS, module=hf_llama),
+    # Its checkpoints are single files (`save_distributed_checkpoint=False`), which load another way: parameter by
+    # parameter, never through the load_state_dict of an HFCausalLM, which holds no parameter of its own.
+    "hf_llama": dict(AT_EPOCHS, module=hf_llama, single_file_checkpoints=True),
     # The same growths computing in bfloat16 (the weights all-gathered in it), gradients reduced in float32.
     "mixed": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0, fsdp_param_dtype="bfloat16")),
     # The growths of at_epochs from sketched statistics, gathered over 2 micro-batches per optimizer step (twice the
@@ -179,8 +186,7 @@ RUNS = {
     "kept_one_on_two": dict(KEPT_ONE, resumes="kept_one"),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
     # tests/test_callback_ddp.py's run under DDP).
-    # Its checkpoints are single files (`save_distributed_checkpoint=False`), which load another way.
-    "auto": dict(single_file_checkpoints=True, batch_size=32, examples=512, module=lambda data, out: tiny_module(data, dropout=0.0, d_v=2),
+    "auto": dict(batch_size=32, examples=512, module=lambda data, out: tiny_module(data, dropout=0.0, d_v=2),
                  max_epochs=2, callback=lambda: dict(
         schedule=AutoSchedule(budget=4, check_every=4, spend_until=1.0), growth=GrowthSettings(grow="both"),
         statistics=StatisticsSettings(batches=4))),
@@ -219,6 +225,7 @@ def main(kind: str, run: str, out: str, checkpoint: str | None = None) -> None:
         "history": [{k: v for k, v in e.items() if k not in ("seconds", "timings")} for e in grow.history],
         "before": getattr(grow, "before", None), "after": getattr(grow, "after", None),
         "layout": getattr(grow, "layout", None), "val_loss": validated["val/loss"],
+        "started_with": grow.started_with,
         "sizes": {"d_head": module.head_sizes(), "d_v": module.value_sizes()},
         "forward_widths": {side: seen[side] for side in ("d_head", "d_v")},
         "forward_dtypes": {weight: seen[weight] for weight in ("w_q", "w_v")},
