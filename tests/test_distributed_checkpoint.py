@@ -139,17 +139,20 @@ def test_the_cli_evaluates_a_folder_with_the_settings_it_was_trained_with(tmp_pa
         "growth": {"columns": 2}, "statistics": {"batches": 2}}}
     train = tmp_path / "train.yaml"
     train.write_text(yaml.safe_dump({**run, "trainer": {**run["trainer"], "callbacks": [growth]}}))
-    try:
-        trained = cli("fit", "--config", train)
-        assert trained.returncode == 0, trained.stderr[-3000:]
-        folder = tmp_path / "checkpoints" / "last.ckpt"
-        assert (folder / ".metadata").is_file() and read_hyperparameters(folder)["d_head"] == [4, 4]
-        # With the config it was trained by, the growth callback included (which plays no part in validate).
-        with pytest.warns(UserWarning) as warned:
-            done = cli("validate", "--config", train, "--ckpt_path", folder, "--model.init_args.n_head=4")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # The strategy sets MASTER_PORT and others for its process group, whose store this process may keep listening
+    # on: left set, they would send the processes that later tests launch to a port in use.
+    with mock.patch.dict(os.environ):
+        try:
+            trained = cli("fit", "--config", train)
+            assert trained.returncode == 0, trained.stderr[-3000:]
+            folder = tmp_path / "checkpoints" / "last.ckpt"
+            assert (folder / ".metadata").is_file() and read_hyperparameters(folder)["d_head"] == [4, 4]
+            # With the config it was trained by, the growth callback included (which plays no part in validate).
+            with pytest.warns(UserWarning) as warned:
+                done = cli("validate", "--config", train, "--ckpt_path", folder, "--model.init_args.n_head=4")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
     assert [str(w.message) for w in warned] == [
         f"validate evaluates {folder} with the model settings it was trained with, not the command's: n_head: 4 given, "
         "the checkpoint's 2 used. To evaluate other settings, give a checkpoint trained with them"]

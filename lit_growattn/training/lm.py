@@ -68,7 +68,8 @@ class GrowableLM(DivergenceGuard, GrowthOptimization, L.LightningModule):
         Then, when the run loads a checkpoint (`fit`, `validate`, `test` with `ckpt_path`), the blocks take its head
         sizes: under ModelParallelStrategy Lightning loads it after this hook and after the optimizer is made, into
         the shapes the module has, where other strategies load it before and `load_state_dict` resizes."""
-        path = resume_checkpoint(self.trainer)
+        # `load_from_checkpoint` calls this hook too, with no trainer: there is nothing to shard or load then.
+        path = None if self._trainer is None else resume_checkpoint(self._trainer)
         if self.device_mesh is None:
             if path is not None and is_distributed_checkpoint(path):
                 raise ValueError(
