@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.sdpa import SdpaPad, causal_attention
-from lit_growattn.attention.sketch import explicit_products, extend_queries_keys
+from lit_growattn.attention.capture import extended_queries_keys, score_gradient_products
 from lit_growattn.contract import CaptureMode
 from lit_growattn.growth.form import FormShape
 from lit_growattn.growth.sketch import TestMatrices
@@ -109,25 +109,14 @@ class QKForm(FormShape, nn.Module):
         raise ValueError(f"unknown capture mode {self.capture!r}; use 'extend' or 'explicit'")
 
     def _attend_extended(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.sketch is not None:
-            xa_kept = xa.detach()
-            q, k = extend_queries_keys(self.sketch, xa_kept, q, k, lambda gy, gw: self._record(xa_kept, gy, gw))
-            return causal_attention(q, k, v, self.sdpa_pad)
-        b, h, s, e_in = *q.shape[:3], xa.shape[-1]
-        ext = q.new_zeros(b, h, s, e_in, requires_grad=True)
-        xk = xa.detach().to(k.dtype).unsqueeze(1).expand(b, h, s, e_in)
         xa_kept = xa.detach()
-        ext.register_hook(lambda grad: self._record(xa_kept, grad))
-        return causal_attention(torch.cat([q, ext], dim=-1), torch.cat([k, xk], dim=-1), v, self.sdpa_pad)
+        q, k = extended_queries_keys(self.sketch, xa_kept, q, k, lambda *grads: self._record(xa_kept, *grads))
+        return causal_attention(q, k, v, self.sdpa_pad)
 
     def _attend_explicit(self, xa: Tensor, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         s = causal_scores(q, k)
-        xa_kept = xa.detach()
-        if self.sketch is not None:
-            sketch, kv = self.sketch, self.n_kv_head
-            s.register_hook(lambda grad: self._record(xa_kept, *explicit_products(sketch, xa_kept, grad, kv)))
-        else:
-            s.register_hook(lambda grad: self._record(xa_kept, grad.to(xa_kept.dtype) @ xa_kept.unsqueeze(1)))
+        xa_kept, sketch, kv = xa.detach(), self.sketch, self.n_kv_head
+        s.register_hook(lambda grad: self._record(xa_kept, *score_gradient_products(sketch, xa_kept, grad, kv)))
         return torch.softmax(s, dim=-1) @ v
 
     def _record(self, xa: Tensor, *grads: Tensor) -> None:

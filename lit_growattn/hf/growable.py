@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lit_growattn.attention.qk import augment, causal_scores
-from lit_growattn.attention.sketch import explicit_products, extend_queries_keys
+from lit_growattn.attention.capture import extended_queries_keys, score_gradient_products
 from lit_growattn.attention.value import ValueMap, from_linear
 from lit_growattn.growth.form import FormShape
 from lit_growattn.growth.sketch import TestMatrices
@@ -122,6 +122,9 @@ class GrowableAttention(FormShape, nn.Module):
     def bias_row_parameters(self) -> list[nn.Parameter]:
         return [self.w_q, self.w_k] if self.qk_bias else []
 
+    def _record(self, xa: Tensor, *grads: Tensor) -> None:
+        self.captured.append((xa, *(g.detach().to(xa.dtype) for g in grads)))
+
     def take_captured(self) -> list[tuple[Tensor, ...]]:
         """The (X′, G X′) pairs recorded since the last call, G X′ (b, H, s, e′); with `sketch` set, the
         (X′, G X′Ω (b, H, s, k), Σ_{j∈g} G_jᵀX′Ψ_j (b, KV, s, l)) triples of `growth.SketchFormStats.update`."""
@@ -159,17 +162,9 @@ class GrowableAttention(FormShape, nn.Module):
             raise RuntimeError("statistics capture needs a forward without a KV cache (use_cache=False)")
         if capturing and self.capture == "explicit":
             return self._attend_explicit(augment(x, self.qk_bias).detach(), q, k, v, attention_mask, dropout)
-        if capturing and self.sketch is not None:
+        if capturing:
             kept = augment(x, self.qk_bias).detach()
-            record = lambda gy, gw: self.captured.append((kept, gy.to(kept.dtype), gw.to(kept.dtype)))  # noqa: E731
-            q, k = extend_queries_keys(self.sketch, kept, q, k, record)
-        elif capturing:
-            kept = augment(x, self.qk_bias).detach()
-            b, s, e_in = kept.shape
-            ext = q.new_zeros(b, self.n_head, s, e_in, requires_grad=True)
-            ext.register_hook(lambda grad: self.captured.append((kept, grad.detach().to(kept.dtype))))
-            q = torch.cat([q, ext], -1)
-            k = torch.cat([k, kept.to(k.dtype).unsqueeze(1).expand(b, self.n_kv_head, s, e_in)], -1)
+            q, k = extended_queries_keys(self.sketch, kept, q, k, lambda *grads: self._record(kept, *grads))
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.eager_attention)
@@ -186,12 +181,8 @@ class GrowableAttention(FormShape, nn.Module):
             scores = (q @ k.transpose(-1, -2)).masked_fill(~attention_mask, float("-inf"))
         else:  # additive
             scores = q @ k.transpose(-1, -2) + attention_mask
-        if self.sketch is not None:
-            sketch = self.sketch
-            scores.register_hook(lambda grad: self.captured.append(
-                (xa, *explicit_products(sketch, xa, grad, self.n_kv_head))))
-        else:
-            scores.register_hook(lambda grad: self.captured.append((xa, grad.to(xa.dtype) @ xa.unsqueeze(1))))
+        sketch = self.sketch
+        scores.register_hook(lambda grad: self._record(xa, *score_gradient_products(sketch, xa, grad, self.n_kv_head)))
         weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
         weights = nn.functional.dropout(weights, p=dropout, training=self.training)
         return (weights @ v).transpose(1, 2), None
