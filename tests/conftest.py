@@ -1,8 +1,10 @@
 import importlib
 import inspect
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # Tests never need the hub. Set before anything imports huggingface_hub or datasets, which read it at
@@ -161,12 +163,49 @@ def token_cache(tmp_path_factory):
     text.DEFAULT_CACHE = folder
 
 
+# What a launched run must not inherit from this test process: the rendezvous that an in-process DDP or
+# ModelParallelStrategy test left in os.environ (Lightning sets it and leaves it), which would send every rank the
+# run launches to that earlier run's port, possibly still held by this process's store.
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+              "LOCAL_WORLD_SIZE")
+
+
+def launch(argv: list, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300,
+           settle: float = 30) -> subprocess.CompletedProcess:
+    """Runs `argv` (its output captured) in a session of its own, as a user starts a multi-process run, with `env`
+    (default: this process's) less RENDEZVOUS. The ranks it launches may outlive it by a moment (writing their
+    results); any still alive `settle` seconds after it ended (waiting for a rank that failed) are killed, so that a
+    failed run leaves nothing waiting behind it."""
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in RENDEZVOUS}
+    argv = [str(a) for a in argv]
+    with subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        finally:
+            _end_session(process.pid, settle)
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
+
+
+def _end_session(session: int, settle: float) -> None:
+    deadline = time.monotonic() + settle
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(session, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(session, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_command(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m lit_growattn ARGS` as a user runs it: the exit code and what it printed (stdout, stderr)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "LIT_GROWATTN_DEBUG": "", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lit_growattn", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or REPO, env=env, timeout=300)
+    return launch([sys.executable, "-m", "lit_growattn", *args], cwd=cwd or REPO, env=env)
 
 
 class Done:

@@ -12,7 +12,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from conftest import REPO
+from conftest import REPO, launch
 
 CHECK = REPO / "scripts" / "gpu" / "check.py"
 
@@ -36,8 +36,7 @@ STEP_KEYS = {
 def test_dry_run_runs_every_step_and_writes_every_key(tmp_path):
     # One test for the one dry run: spread over several, the test workers of `make test` would each run it.
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(CHECK), "--dry-run", "--out", str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = launch([sys.executable, CHECK, "--dry-run", "--out", tmp_path], cwd=REPO, env=env, timeout=900)
     log = (tmp_path / "gpu_check.log").read_text()
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:] + log[-4000:]
     result = json.loads((tmp_path / "bench_gpu.json").read_text())

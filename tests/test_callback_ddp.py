@@ -1,6 +1,5 @@
 """GrowAttentionCallback under 2-rank CPU DDP (gloo): statistics equal to one rank, replicas identical, resume."""
 
-import subprocess
 import sys
 
 import lightning as L
@@ -11,7 +10,7 @@ from lit_growattn import AtEpochs, AutoSchedule, GrowAttentionCallback, GrowthSe
 
 from callback_helpers import params, recall_data, tiny_module, trainer
 
-from conftest import REPO
+from conftest import REPO, launch
 
 
 class StatsRecorder(GrowAttentionCallback):
@@ -117,7 +116,7 @@ def test_cli_growth_under_ddp_from_the_command_line(tmp_path):
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--data.init_args.num_train_examples=512",
            "--data.init_args.num_val_examples=64",
            "--trainer.callbacks+=lightning.pytorch.callbacks.EMAWeightAveraging", "--trainer.callbacks.init_args.decay=0.5"]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = launch(cmd, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     ckpt = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)
     history = ckpt["callbacks"][next(k for k in ckpt["callbacks"] if k.startswith("GrowAttentionCallback"))]["history"]

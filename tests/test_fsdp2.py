@@ -7,7 +7,6 @@ the FSDP2 run under the mixed-precision policy (bfloat16 compute, float32 reduce
 all-gathers and reduce-scatters bfloat16 tensors on CPU, so the policy runs on 2 processes as it would on GPUs."""
 
 import math
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -31,7 +30,7 @@ from lit_growattn.training.optimization import default_optimizer
 
 from callback_helpers import recall_data, tiny_module
 from hf_helpers import saved_tiny_model, tiny_config
-from conftest import REPO, needs_transformers, run_command
+from conftest import REPO, launch, needs_transformers, run_command
 
 SCRIPT = REPO / "tests" / "fsdp2_scripts" / "grow.py"
 EPS = torch.finfo(torch.float32).eps  # the runs train in 32-true: ModelParallelStrategy refuses 64-true
@@ -65,8 +64,7 @@ def run(out, kind: str, name: str, checkpoint: str | None = None, ranks: int = 2
     """What grow.py records on each of `ranks` ranks for the run `name` under `kind` (fsdp2 or ddp), resumed from
     `checkpoint` (e.g. "step=3.ckpt") if given."""
     resumed = [] if checkpoint is None else [checkpoint]
-    done = subprocess.run([sys.executable, str(SCRIPT), kind, name, str(out), *resumed], cwd=out, capture_output=True,
-                          text=True, timeout=300)
+    done = launch([sys.executable, SCRIPT, kind, name, out, *resumed], cwd=out)
     assert done.returncode == 0, done.stderr[-4000:]
     name = name if checkpoint is None else f"{name}_from_{checkpoint}"
     return [torch.load(out / f"{kind}_{name}_{rank}.pt", weights_only=False) for rank in range(ranks)]

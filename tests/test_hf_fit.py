@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, needs_transformers
+from conftest import REPO, launch, needs_transformers
 
 needs_transformers()
 
@@ -33,7 +33,7 @@ def _fit(tmp_path, *args: str, config=CONFIG, expect_ok: bool = True) -> subproc
            "--data.init_args.batch_size=8", "--data.init_args.block_size=32", "--data.init_args.samples_per_epoch=64",
            "--trainer.max_epochs=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.warmup_steps=2", *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = launch(cmd, cwd=tmp_path, env=env)
     if expect_ok:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
