@@ -160,28 +160,27 @@ AT_EPOCHS = dict(batch_size=4, examples=16, max_epochs=3, callback=lambda: dict(
     schedule=AtEpochs([1, 2]), growth=GrowthSettings(grow="both", columns=2, value_columns=2),
     statistics=StatisticsSettings(batches=2, layers_per_event=1)))
 
-KEPT_ONE = dict(batch_size=8, examples=128, max_epochs=2, module=lambda data, out: tiny_module(data, dropout=0.0),
+KEPT_ONE = dict(batch_size=8, examples=48, max_epochs=2, module=lambda data, out: tiny_module(data, dropout=0.0),
                 callback=lambda: dict(schedule=AtEpochs([1]), growth=GrowthSettings(columns=2),
                                       statistics=StatisticsSettings(batches=3),
                                       step_search=StepSearch(batches=1, alphas=[0.0, 1.0])))
 
 # The runs, by name: the data (2 ranks, so a rank's epoch holds examples / batch_size / 2 batches), the module (of
-# the data and OUT_DIR), the epochs and the growth callback's arguments.
+# the data and OUT_DIR), the epochs, the micro-batches per optimizer step and the growth callback's arguments.
 RUNS = {
-    "at_epochs": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0)),
-    # The same growths of a Hugging Face Llama with GQA (4 query heads, 2 key/value heads) and RoPE.
+    # The growths of AT_EPOCHS from sketched statistics, gathered over 2 micro-batches per optimizer step (twice the
+    # examples: still 2 steps an epoch).
+    "at_epochs": dict(AT_EPOCHS, examples=32, accumulate=2, module=lambda data, out: tiny_module(data, dropout=0.0),
+                      callback=lambda: dict(AT_EPOCHS["callback"](), statistics=StatisticsSettings(
+                          batches=4, layers_per_event=1, sketch="on", sketch_size=4))),
+    # The growths of AT_EPOCHS of a Hugging Face Llama with GQA (4 query heads, 2 key/value heads) and RoPE.
     # Its checkpoints are single files (`save_distributed_checkpoint=False`), which load another way: parameter by
     # parameter, never through the load_state_dict of an HFCausalLM, which holds no parameter of its own.
     "hf_llama": dict(AT_EPOCHS, module=hf_llama, single_file_checkpoints=True),
-    # The same growths computing in bfloat16 (the weights all-gathered in it), gradients reduced in float32.
+    # The growths of AT_EPOCHS computing in bfloat16 (the weights all-gathered in it), gradients reduced in float32.
     "mixed": dict(AT_EPOCHS, module=lambda data, out: tiny_module(data, dropout=0.0, fsdp_param_dtype="bfloat16")),
-    # The growths of at_epochs from sketched statistics, gathered over 2 micro-batches per optimizer step (twice the
-    # examples: 2 steps an epoch, as at_epochs).
-    "sketch_accumulate": dict(AT_EPOCHS, examples=32, accumulate=2, module=lambda data, out: tiny_module(data, dropout=0.0),
-                              callback=lambda: dict(AT_EPOCHS["callback"](), statistics=StatisticsSettings(
-                                  batches=4, layers_per_event=1, sketch="on", sketch_size=4))),
-    # One rank closes its window before epoch 1's growth keeping one batch to rate on (16 batches an epoch, a
-    # checkpoint after each step); kept_one_on_two resumes its step=16.ckpt on 2 ranks, of which one keeps none.
+    # One rank closes its window before epoch 1's growth keeping one batch to rate on (6 batches an epoch, a
+    # checkpoint after each step); kept_one_on_two resumes its step=6.ckpt on 2 ranks, of which one keeps none.
     "kept_one": dict(KEPT_ONE, devices=1),
     "kept_one_on_two": dict(KEPT_ONE, resumes="kept_one"),
     # A check every 4 of 16 steps, both sides growing from 2 within a cache budget of mean head size 4 (as
